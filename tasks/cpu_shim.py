@@ -1,0 +1,70 @@
+"""Running stock SGLang on a machine without a GPU.
+
+SGLang's CPU engine only engages with `SGLANG_USE_CPU_ENGINE=1`, and the PyPI
+sgl_kernel it imports links `libcuda.so.1`, so the server also needs a stub
+driver on its library path (csrc/libcuda_stub.c). On a machine with a GPU
+neither is applied: the stub must never shadow a real driver.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from tasks.paths import REPO_ROOT, cache_root
+
+STUB_SOURCE = REPO_ROOT / "csrc" / "libcuda_stub.c"
+
+
+def gpu_present() -> bool:
+    """True when an NVIDIA or AMD GPU device node exists.
+
+    Checked from device nodes, not by importing torch, so the launcher decides
+    before any CUDA library is loaded into this process.
+    """
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+
+
+def build_libcuda_stub() -> Path:
+    """Compile the stub once per source version; returns the folder holding
+    `libcuda.so.1` (the folder goes on LD_LIBRARY_PATH)."""
+    source = STUB_SOURCE.read_bytes()
+    out_dir = cache_root() / "libcuda-stub" / hashlib.sha256(source).hexdigest()[:12]
+    lib = out_dir / "libcuda.so.1"
+    if lib.exists():
+        return out_dir
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError(
+            "No C compiler found to build the libcuda stub that SGLang needs on a "
+            "machine without a GPU: install gcc (apt-get install gcc)."
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".libcuda.so.1.{os.getpid()}"
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1",
+         "-o", str(tmp), str(STUB_SOURCE)],
+        check=True, capture_output=True, text=True,
+    )
+    os.replace(tmp, lib)
+    return out_dir
+
+
+def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None = None) -> dict[str, str]:
+    """The environment for an SGLang server process.
+
+    `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
+    switch and the stub driver; on a GPU machine: `base` unchanged.
+    """
+    env = dict(os.environ if base is None else base)
+    if cpu is None:
+        cpu = not gpu_present()
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        stub_dir = str(build_libcuda_stub())
+        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([stub_dir, *paths])
+    return env

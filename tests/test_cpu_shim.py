@@ -1,0 +1,35 @@
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+
+from tasks.cpu_shim import build_libcuda_stub, server_environment
+
+
+def defined_symbols(lib: Path) -> set[str]:
+    out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1] for line in out.splitlines()}
+
+
+def test_stub_defines_every_driver_symbol_sgl_kernel_needs():
+    pkg = Path(importlib.util.find_spec("sgl_kernel").origin).parent
+    needed = set()
+    for so in pkg.rglob("*.so"):
+        out = subprocess.run(["nm", "-D", "--undefined-only", str(so)], capture_output=True, text=True).stdout
+        needed |= {m.group(1) for m in re.finditer(r"\b(cu[A-Z]\w*?)(?:@\S*)?$", out, re.M)}
+    assert needed, "found no libcuda symbols in sgl_kernel: has its layout changed?"
+    stub = build_libcuda_stub() / "libcuda.so.1"
+    missing = needed - defined_symbols(stub)
+    assert not missing, f"add these to csrc/libcuda_stub.c: {sorted(missing)}"
+
+
+def test_cpu_environment_puts_stub_first_and_enables_cpu_engine():
+    env = server_environment({"LD_LIBRARY_PATH": "/opt/x", "PATH": "/bin"}, cpu=True)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    first, rest = env["LD_LIBRARY_PATH"].split(":", 1)
+    assert (Path(first) / "libcuda.so.1").is_file() and rest == "/opt/x"
+
+
+def test_gpu_environment_is_left_alone():
+    base = {"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64", "PATH": "/bin"}
+    assert server_environment(base, cpu=False) == base

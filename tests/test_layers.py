@@ -1,0 +1,31 @@
+import pytest
+
+from tasks.layers import AuxLayers, default_aux_layer_ids
+
+
+@pytest.mark.parametrize("n, ids", [(8, (1, 3, 4)), (30, (1, 14, 26)), (32, (1, 15, 28)), (7, (1, 2, 3))])
+def test_default_ids_follow_sglang(n, ids):
+    assert default_aux_layer_ids(n) == ids
+
+
+def test_hf_indices_are_one_past_layer_outputs():
+    layers = AuxLayers.for_model(30)
+    assert layers.hf_hidden_state_indices == (2, 15, 27)
+    record = layers.as_record()
+    assert record["sglang_layer_output_ids"] == [1, 14, 26]
+    assert record["hf_hidden_states_indices"] == [2, 15, 27]
+    assert record["final_state"] == "post-norm"
+    assert "HF hidden_states[2, 15, 27]" in layers.describe()
+
+
+@pytest.mark.parametrize("bad", [(1, 1, 4), (4, 3, 1), (1, 2), (-1, 2, 3)])
+def test_rejects_ids_that_are_not_three_distinct_ascending(bad):
+    with pytest.raises(ValueError):
+        AuxLayers(bad)
+
+
+def test_too_shallow_or_out_of_range():
+    with pytest.raises(ValueError, match="6-layer"):
+        default_aux_layer_ids(6)
+    with pytest.raises(ValueError, match="out of range"):
+        AuxLayers.for_model(8, (1, 3, 8))
