@@ -56,6 +56,17 @@ def ensure_model(name: str) -> Path:
     return out
 
 
+def resolve_model(name_or_path: str) -> Path:
+    """A known model name (built on first use) or a checkpoint folder."""
+    if name_or_path in (TINY, SMOLLM2):
+        return ensure_model(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is neither a known name ({TINY}, {SMOLLM2}) nor a folder with a config.json")
+    return path.resolve()
+
+
 def _local_text() -> list[str]:
     """Text to train the tiny tokenizer on: the bundled prompts (fixed, so
     the tiny model is the same on every machine)."""

@@ -13,10 +13,12 @@ from tasks.dump import Capture
 from tasks.layers import AuxLayers
 
 
-def load_reference_model(model_path: str, dtype: torch.dtype = torch.bfloat16):
+def load_reference_model(model_path: str, dtype: torch.dtype):
+    """Load in the dtype the server computed in, so the comparison measures
+    the capture and not rounding."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.eval()
 
 

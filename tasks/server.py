@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import threading
 import signal
 import socket
 import subprocess
@@ -22,10 +24,12 @@ from typing import Sequence
 
 import httpx
 
-from tasks.cpu_shim import gpu_present, server_environment
+from tasks.cpu_shim import gpu_present, resolve_dtype, server_environment
 from tasks.capture_client import capture_one
 from tasks.dump import RID_PREFIX, CaptureError, remove_capture
 from tasks.paths import REPO_ROOT
+
+logger = logging.getLogger("eagle3.server")
 
 HOOK_FACTORY = "tasks.capture_hook:make_capture_hook"
 # The LlamaModel decoder stack: it returns (final, aux) in capture mode.
@@ -45,9 +49,10 @@ class ServerConfig:
     max_total_tokens: int = 32768  # KV pool size; without it the CPU pool takes most of RAM
     chunked_prefill_size: int | None = None
     mem_fraction_static: float | None = None
-    dtype: str = "auto"
+    dtype: str = "auto"  # compute dtype; "auto" = the checkpoint's, or float32 on a CPU without fast bf16
     host: str = "127.0.0.1"
     port: int | None = None  # None: a free port
+    capture: bool = True  # False: a plain server (baselines, generation)
     rid_prefix: str = RID_PREFIX
     capture_all: bool = False
     cpu: bool | None = None  # None: decide from the hardware
@@ -78,15 +83,18 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(cfg.model_path),
         "--host", cfg.host, "--port", str(port),
-        "--dtype", cfg.dtype,
+        "--dtype", resolve_dtype(cfg.dtype, cpu=cpu),
         "--tp-size", str(cfg.tp_size),
         "--max-total-tokens", str(cfg.max_total_tokens),
-        "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-        "--forward-hooks", json.dumps(hook_spec(cfg)),
         "--disable-radix-cache",
     ]
-    if cfg.aux_layer_ids is not None:
-        cmd += ["--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layer_ids)]
+    if cfg.capture:
+        cmd += [
+            "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+            "--forward-hooks", json.dumps(hook_spec(cfg)),
+        ]
+        if cfg.aux_layer_ids is not None:
+            cmd += ["--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layer_ids)]
     if cfg.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.mem_fraction_static is not None:
@@ -131,7 +139,8 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0) -> ServerHandle:
+def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0,
+                  follower: LogFollower | None = None) -> ServerHandle:
     """Start the server in its own process group and wait until it serves.
 
     Raises ServerError quoting the server log's tail if it exits or is not
@@ -157,17 +166,45 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
         )
     handle = ServerHandle(cfg, process, f"http://{cfg.host}:{port}", log_path)
     try:
-        wait_healthy(handle, timeout_s)
+        wait_healthy(handle, timeout_s, follower)
     except BaseException:
         stop_server(handle)
         raise
     return handle
 
 
-def wait_healthy(handle: ServerHandle, timeout_s: float) -> None:
+class LogFollower:
+    """Reads the lines a server log gained since the last call, so a person
+    watching the run sees the server's own words (warnings, errors, start-up)."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos = Path(path), 0
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # only whole lines
+        self.pos += end
+        return data[:end].decode("utf-8", "replace").splitlines()
+
+    def forward(self, log: logging.Logger, *, everything: bool = False) -> None:
+        for line in self.new_lines():
+            if any(w in line for w in ("ERROR", "Error", "Traceback", "WARNING", "Warning")):
+                log.warning("sglang: %s", line)
+            elif everything:
+                log.info("sglang: %s", line)
+
+
+def wait_healthy(handle: ServerHandle, timeout_s: float, follower: LogFollower | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=10.0) as client:
         while True:
+            if follower is not None:
+                follower.forward(logger, everything=True)
             if not handle.alive():
                 raise ServerError(
                     f"SGLang server exited with code {handle.process.returncode} before it "
@@ -225,6 +262,84 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
                 return
             time.sleep(0.2)
     raise ServerError(f"processes {_group_members(pgid)} of the SGLang server survived SIGKILL")
+
+
+class ServerSupervisor:
+    """The capture server of one run: launched by the run, or attached by URL.
+
+    A server the run launched is relaunched (same port, same dump dir) after a
+    crash, at most `max_restarts` times; an attached server is only checked,
+    since its owner must restart it. Batch tasks find the supervisor of their
+    server by URL (`supervisor_for`) and call `recover()` after a failure.
+    """
+
+    def __init__(self, cfg: ServerConfig | None = None, log_path: Path | None = None, *,
+                 attach_url: str | None = None, max_restarts: int = 2, timeout_s: float = 600.0):
+        if (cfg is None) == (attach_url is None):
+            raise ValueError("give either a server config to launch or a URL to attach to")
+        self.cfg, self.log_path, self.attach_url = cfg, log_path, attach_url
+        self.max_restarts, self.timeout_s = max_restarts, timeout_s
+        self.restarts = 0
+        self.handle: ServerHandle | None = None
+        self.follower = LogFollower(log_path) if log_path else None
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.attach_url or self.handle.url
+
+    def start(self) -> str:
+        if self.attach_url is None:
+            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
+            # A relaunch reuses the port, so the URL the batches hold stays valid.
+            self.cfg.port = int(self.handle.url.rsplit(":", 1)[1])
+        elif not self.healthy():
+            raise ServerError(f"no healthy SGLang server at {self.attach_url}")
+        _SUPERVISORS[self.url] = self
+        return self.url
+
+    def healthy(self) -> bool:
+        if self.handle is not None and not self.handle.alive():
+            return False
+        try:
+            return httpx.get(f"{self.url}/health", timeout=30.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def recover(self) -> None:
+        """Make the server serve again, or raise ServerError saying why not."""
+        with self._lock:
+            if self.healthy():
+                return
+            if self.attach_url is not None:
+                raise ServerError(f"the attached SGLang server at {self.attach_url} is not answering; "
+                                  "restart it, then retry the run (stored batches are kept)")
+            if self.restarts >= self.max_restarts:
+                raise ServerError(f"SGLang server died again after {self.restarts} relaunches; last log lines:\n"
+                                  + self.handle.log_tail())
+            self.restarts += 1
+            logger.warning("SGLang server at %s is down (exit code %s); relaunching (%d of at most %d). "
+                           "Last log lines:\n%s", self.url, self.handle.process.poll(), self.restarts,
+                           self.max_restarts, self.handle.log_tail(15))
+            stop_server(self.handle)
+            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
+            logger.warning("SGLang server relaunched at %s", self.url)
+
+    def forward_log(self, log: logging.Logger) -> None:
+        if self.follower is not None:
+            self.follower.forward(log)
+
+    def stop(self) -> None:
+        _SUPERVISORS.pop(self.url, None)
+        if self.handle is not None:
+            stop_server(self.handle)
+
+
+_SUPERVISORS: dict[str, ServerSupervisor] = {}
+
+
+def supervisor_for(url: str) -> ServerSupervisor | None:
+    return _SUPERVISORS.get(url)
 
 
 def probe_capture(url: str, dump_dir: Path, *, num_tokens: int = 16, aux_layer_ids=None) -> dict:

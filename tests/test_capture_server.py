@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tasks.capture_client import capture_many, capture_one
+from tasks.cpu_shim import gpu_present, resolve_dtype
 from tasks.dump import new_rid
 from tasks.reference import compare_with_reference, load_reference_model, reference_states
 from tasks.server import probe_capture
@@ -23,14 +24,21 @@ def prompts(lengths, seed=0, vocab=2000):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+def server_dtype() -> str:
+    # The tiny checkpoint is bf16; on a CPU without fast bf16 the server computes in fp32.
+    dtype = resolve_dtype("auto", cpu=not gpu_present())
+    return "bfloat16" if dtype == "auto" else dtype
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    return load_reference_model(str(tiny_model))
+    """HF transformers in the dtype the server computes in."""
+    return load_reference_model(str(tiny_model), getattr(torch, server_dtype()))
 
 
 def test_probe_round_trips(capture_server, tiny_layers):
     summary = probe_capture(capture_server.url, capture_server.config.dump_dir, aux_layer_ids=tiny_layers.sglang_ids)
-    assert summary == {"tokens": 16, "aux_layer_ids": [1, 3, 4], "hidden_size": 128, "dtype": "bfloat16"}
+    assert summary == {"tokens": 16, "aux_layer_ids": [1, 3, 4], "hidden_size": 128, "dtype": server_dtype()}
 
 
 def test_captures_equal_an_independent_hf_forward(capture_server, tiny_layers, reference):

@@ -1,0 +1,52 @@
+"""A command line for a flow, made from the flow's own signature, so the CLI,
+the Prefect UI's run form and the Python API share one set of parameters,
+names, defaults and descriptions (`Annotated[..., Field(description=...)]`)."""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import typing
+
+
+def _describe(annotation) -> tuple[type, str]:
+    base, help_text = annotation, ""
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *meta = typing.get_args(annotation)
+        help_text = next((m.description for m in meta if getattr(m, "description", None)), "")
+    return base, help_text
+
+
+def build_parser(flow) -> argparse.ArgumentParser:
+    fn = flow.fn
+    parser = argparse.ArgumentParser(prog=f"python -m {fn.__module__}", description=inspect.getdoc(fn),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    hints = typing.get_type_hints(fn, include_extras=True)
+    for name, param in inspect.signature(fn).parameters.items():
+        base, help_text = _describe(hints[name])
+        args = typing.get_args(base)
+        if typing.get_origin(base) is typing.Union:  # Optional[X]
+            base = next(a for a in args if a is not type(None))
+            args = typing.get_args(base)
+        kw: dict = {"default": param.default, "help": f"{help_text} (default: {param.default!r})"}
+        origin = typing.get_origin(base)
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif origin is typing.Literal:
+            kw["choices"] = list(args)
+        elif origin is list:
+            kw["nargs"] = "*"
+            kw["type"] = args[0] if args else str
+        elif base in (int, float, str):
+            kw["type"] = base
+        else:
+            kw["type"] = json.loads
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, **kw)
+    return parser
+
+
+def run_cli(flow, argv=None):
+    args = build_parser(flow).parse_args(argv)
+    result = flow(**vars(args))
+    print(json.dumps(result, indent=2, default=str))
+    return result

@@ -1,0 +1,205 @@
+"""Flow `extract_hidden_states`: plan -> launch (or attach) -> warm up ->
+reset dump dir -> extract batches (mapped, retried) -> verify -> stop server.
+
+    python -m flows.extract --help
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+from prefect import flow, get_run_logger, task, unmapped
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.tasks import exponential_backoff
+from pydantic import Field
+
+from flows.verify import verify_task
+from tasks import extraction
+from tasks.dataset import DEMO_DATASET
+from tasks.layers import AuxLayers
+from tasks.models import resolve_model
+from tasks.paths import REPO_ROOT, default_dump_root
+from tasks.server import ServerConfig, ServerSupervisor, supervisor_for
+from tasks.store import build_manifest, open_store
+
+
+@task(name="plan", cache_policy=NO_CACHE)
+def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str, aux_layer_ids):
+    from transformers import AutoTokenizer
+
+    log = get_run_logger()
+    model_path = resolve_model(model)
+    config = json.loads((model_path / "config.json").read_text())
+    layers = AuxLayers.for_model(config["num_hidden_layers"], aux_layer_ids)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    manifest = build_manifest(model_path, tokenizer, layers, max_length=max_length, policy=policy,
+                              sources=[str(Path(dataset).resolve())])
+    ledger = open_store(Path(store), manifest)
+    plan = extraction.plan_extraction(Path(dataset), tokenizer, ledger, max_length=max_length, policy=policy)
+    log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; aux layers: %s",
+             plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
+             len(plan.rejected), layers.describe())
+    for r in plan.rejected[:20]:
+        log.warning("rejected row %d: %s", r.source_row, r.reason)
+    return plan, model_path, layers, config["hidden_size"]
+
+
+@task(name="storage-preflight", cache_policy=NO_CACHE)
+def preflight_task(plan, store: str, dump_dir: str, hidden_size: int, in_flight_tokens: int) -> dict:
+    estimate = extraction.storage_preflight(plan, Path(store), Path(dump_dir), hidden_size=hidden_size,
+                                            in_flight_tokens=in_flight_tokens)
+    text = (f"### Storage plan\n\n| | |\n|---|---|\n| tokens to capture | {estimate['tokens']:,} |\n"
+            f"| bytes per token | {estimate['bytes_per_token']:,} |\n"
+            f"| store needs | {estimate['store_bytes'] / 2**30:.3f} GiB of {estimate['store_free'] / 2**30:.1f} GiB free "
+            f"(`{store}`) |\n| dump dir needs | {estimate['dump_bytes'] / 2**30:.3f} GiB of "
+            f"{estimate['dump_dir_free'] / 2**30:.1f} GiB free (`{dump_dir}`) |\n")
+    create_markdown_artifact(markdown=text, description="storage plan")
+    get_run_logger().info("storage: store needs %.3f GiB (%.1f free), dump dir %.3f GiB (%.1f free)",
+                          estimate["store_bytes"] / 2**30, estimate["store_free"] / 2**30,
+                          estimate["dump_bytes"] / 2**30, estimate["dump_dir_free"] / 2**30)
+    return estimate
+
+
+@task(name="launch-server", cache_policy=NO_CACHE)
+def launch_task(model_path: Path, dump_dir: str, layers: AuxLayers, server_url: Optional[str], tp_size: int,
+                max_total_tokens: int, chunked_prefill_size: Optional[int], extra_server_args: list[str],
+                max_server_restarts: int, log_path: str) -> str:
+    log = get_run_logger()
+    if server_url:
+        supervisor = ServerSupervisor(attach_url=server_url, max_restarts=0)
+        log.info("attaching to the SGLang server at %s", server_url)
+    else:
+        cfg = ServerConfig(model_path=str(model_path), dump_dir=Path(dump_dir), aux_layer_ids=layers.sglang_ids,
+                           tp_size=tp_size, max_total_tokens=max_total_tokens,
+                           chunked_prefill_size=chunked_prefill_size, extra_args=tuple(extra_server_args))
+        supervisor = ServerSupervisor(cfg, Path(log_path), max_restarts=max_server_restarts)
+        log.info("launching SGLang on %s (tp=%d), log: %s", model_path, tp_size, log_path)
+    url = supervisor.start()
+    log.info("SGLang server ready at %s", url)
+    return url
+
+
+@task(name="warm-up", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
+def warm_up_task(url: str, dump_dir: str, layers: AuxLayers) -> dict:
+    summary = extraction.warm_up(url, Path(dump_dir), aux_layer_ids=layers.sglang_ids)
+    get_run_logger().info("warm-up probes round-trip: %s", summary)
+    return summary
+
+
+@task(name="reset-dump-dir", cache_policy=NO_CACHE)
+def reset_dump_dir_task(dump_dir: str) -> int:
+    removed = extraction.reset_dump_dir(Path(dump_dir))
+    get_run_logger().info("dump dir %s ready (%d stale dumps of this pipeline removed)", dump_dir, removed)
+    return removed
+
+
+@task(name="extract-batch", cache_policy=NO_CACHE, retries=3,
+      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5)
+def extract_batch_task(batch: list, url: str, dump_dir: str, store: str, source: str, layers: AuxLayers,
+                       concurrency: int, sample_attempts: int) -> dict:
+    log = get_run_logger()
+    result = extraction.extract_batch(url, Path(dump_dir), Path(store), source, batch,
+                                      aux_layer_ids=layers.sglang_ids, concurrency=concurrency,
+                                      sample_attempts=sample_attempts)
+    supervisor = supervisor_for(url)
+    if supervisor is not None:
+        supervisor.forward_log(log)
+    log.info("batch of %d: stored %d samples, %d tokens in %.1f s (%.0f tok/s) -> %s; retried %d, quarantined %d",
+             len(batch), result.samples, result.tokens, result.seconds, result.tokens_per_s, result.shard,
+             result.retried, len(result.quarantined))
+    return {"shard": result.shard, "samples": result.samples, "tokens": result.tokens,
+            "quarantined": result.quarantined}
+
+
+@task(name="stop-server", cache_policy=NO_CACHE)
+def stop_task(url: str) -> None:
+    supervisor = supervisor_for(url)
+    if supervisor is not None:
+        supervisor.stop()
+        get_run_logger().info("SGLang server at %s stopped (%d relaunches during the run)", url, supervisor.restarts)
+
+
+@flow(name="extract_hidden_states", task_runner=ThreadPoolTaskRunner(max_workers=2))
+def extract_hidden_states(
+    dataset: Annotated[str, Field(description="JSONL/JSON/Parquet: messages, conversations, text or input_ids rows")] = str(DEMO_DATASET),
+    model: Annotated[str, Field(description="target model: a checkpoint folder, or 'smollm2-135m-instruct' / 'tiny-llama'")] = "smollm2-135m-instruct",
+    store: Annotated[str, Field(description="store directory (created, or resumed if it exists)")] = "runs/demo/store",
+    server_url: Annotated[Optional[str], Field(description="attach to this running capture server instead of launching one")] = None,
+    dump_dir: Annotated[Optional[str], Field(description="where the server writes captures (default: under /dev/shm)")] = None,
+    batch_size: Annotated[int, Field(description="samples per batch task and per shard", ge=1)] = 32,
+    concurrency: Annotated[int, Field(description="requests in flight per batch", ge=1)] = 8,
+    max_length: Annotated[int, Field(description="longest sample in tokens", ge=1)] = 2048,
+    max_length_policy: Annotated[Literal["truncate", "skip"], Field(description="what to do with a longer sample")] = "truncate",
+    aux_layer_ids: Annotated[Optional[list[int]], Field(description="SGLang 'output of layer i' ids (default: [1, n//2-1, n-4])")] = None,
+    tp_size: Annotated[int, Field(description="tensor-parallel size of a launched server", ge=1)] = 1,
+    max_total_tokens: Annotated[int, Field(description="KV pool size of a launched server, in tokens")] = 65536,
+    chunked_prefill_size: Annotated[Optional[int], Field(description="SGLang chunked prefill size (default: SGLang's)")] = None,
+    extra_server_args: Annotated[list[str], Field(description="extra arguments for sglang.launch_server")] = [],
+    sample_attempts: Annotated[int, Field(description="tries per sample before it is quarantined", ge=1)] = 3,
+    max_server_restarts: Annotated[int, Field(description="relaunches of a crashed launched server", ge=0)] = 2,
+    verify: Annotated[bool, Field(description="verify the store at the end")] = True,
+) -> dict:
+    """Capture EAGLE-3 hidden states (3 aux layers + final) for every token of a
+    dataset into a verified, sharded store."""
+    log = get_run_logger()
+    store = str(Path(store).resolve())
+    dump_dir = str(dump_dir or default_dump_root() / f"run-{os.getpid()}")
+    log_path = str(Path(store).parent / "logs" / "sglang-server.log")
+
+    plan, model_path, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy, aux_layer_ids)
+    preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length)
+    url = None
+    try:
+        if plan.todo:
+            url = launch_task(model_path, dump_dir, layers, server_url, tp_size, max_total_tokens,
+                              chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
+            warm_up_task(url, dump_dir, layers)
+            reset_dump_dir_task(dump_dir)
+            failures = _extract_all(plan, url, dump_dir, store, layers, batch_size, concurrency, sample_attempts)
+            if failures:
+                raise RuntimeError(f"{len(failures)} batches failed after their retries: "
+                                   + "; ".join(failures[:5]) + " (rerun the flow: stored batches are kept)")
+        else:
+            log.info("nothing to capture: every sample of %s is already stored", dataset)
+    finally:
+        if url is not None and not server_url:
+            stop_task(url)
+    summary = extraction.Ledger(Path(store)).summary()
+    result = {"store": store, **summary}
+    if verify:
+        report = verify_task(store)
+        result["verification"] = report
+    return result
+
+
+def _extract_all(plan, url, dump_dir, store, layers, batch_size, concurrency, sample_attempts) -> list[str]:
+    log = get_run_logger()
+    batches = plan.batches(batch_size)
+    meter = extraction.ProgressMeter(extraction.Ledger(Path(store)), plan.todo_tokens, len(plan.todo))
+    artifact = create_progress_artifact(progress=0.0, description=f"extraction into {store}")
+    log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), batch_size)
+    futures = extract_batch_task.map(batches, unmapped(url), unmapped(dump_dir), unmapped(store),
+                                     unmapped(plan.source), unmapped(layers), unmapped(concurrency),
+                                     unmapped(sample_attempts))
+    failures = []
+    for future in as_completed(futures):
+        try:
+            future.result()
+        except Exception as e:
+            failures.append(f"{future.task_run_id}: {e}")
+        progress = meter.read()
+        update_progress_artifact(artifact, progress=min(progress["percent"], 100.0))
+        log.info("progress: %s", meter.describe(progress))
+    return failures
+
+
+if __name__ == "__main__":
+    from flows.cli import run_cli
+
+    os.chdir(REPO_ROOT)
+    run_cli(extract_hidden_states)

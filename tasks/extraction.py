@@ -1,0 +1,262 @@
+"""Extraction, as plain functions: plan, preflight, dump-dir reset, warm-up,
+one batch, progress. The Prefect flow in flows/extract.py wires them up.
+
+Progress, resume and verification all come from the ledger: a sample is done
+when its shard is committed there, and at no other moment.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+from tasks.capture_client import capture_many
+from tasks.dataset import Rejected, Sample, prepare_samples
+from tasks.dump import RID_PREFIX, TMP_PREFIX, CaptureError
+from tasks.server import ServerError, probe_capture, supervisor_for
+from tasks.store import Ledger, bytes_per_token, write_shard
+
+logger = logging.getLogger("eagle3.extract")
+
+
+class InsufficientSpace(RuntimeError):
+    pass
+
+
+class ServerUnavailable(RuntimeError):
+    """The server stopped answering mid-batch; the batch must be retried."""
+
+
+@dataclass
+class Plan:
+    source: str
+    todo: list[Sample]
+    already_stored: int
+    rejected: list[Rejected]
+    total_samples: int
+
+    @property
+    def todo_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.todo)
+
+    def batches(self, batch_size: int) -> list[list[Sample]]:
+        return [self.todo[i: i + batch_size] for i in range(0, len(self.todo), batch_size)]
+
+
+def plan_extraction(dataset: Path, tokenizer, ledger: Ledger, *, max_length: int, policy: str) -> Plan:
+    """Tokenise the dataset and keep only what the ledger does not hold yet.
+    Rows that cannot be used go to the quarantine table with their reason."""
+    source = str(Path(dataset).resolve())
+    samples, rejected = prepare_samples(dataset, tokenizer, max_length=max_length, policy=policy)
+    stored = ledger.stored_ids()
+    todo, seen = [], set()
+    for s in samples:
+        if s.sample_id not in stored and s.sample_id not in seen:  # duplicates are stored once
+            seen.add(s.sample_id)
+            todo.append(s)
+    if rejected:
+        ledger.quarantine([{"source": source, "source_row": r.source_row, "reason": r.reason} for r in rejected])
+    return Plan(source, todo, len(samples) - len(todo), rejected, len(samples) + len(rejected))
+
+
+def storage_preflight(plan: Plan, store: Path, dump_dir: Path, *, hidden_size: int, in_flight_tokens: int) -> dict:
+    """Bytes the plan will need where the store and the dump dir live; raise
+    InsufficientSpace (needed, free, where) before any work if they cannot fit."""
+    per_token = bytes_per_token(hidden_size)
+    need_store = plan.todo_tokens * per_token
+    # A dump holds the model dtype (at most fp32) plus int64 ids, only while in flight.
+    need_dump = in_flight_tokens * ((3 + 1) * hidden_size * 4 + 8)
+    out = {"tokens": plan.todo_tokens, "bytes_per_token": per_token, "store_bytes": need_store, "dump_bytes": need_dump}
+    for what, path, need in (("store", store, need_store), ("dump dir", dump_dir, need_dump)):
+        path = _existing_parent(Path(path))
+        free = shutil.disk_usage(path).free
+        out[f"{what.replace(' ', '_')}_free"] = free
+        if need > free:
+            raise InsufficientSpace(
+                f"the {what} needs {_gib(need)} for {plan.todo_tokens:,} tokens but {path} has "
+                f"{_gib(free)} free; free space there or choose another location")
+    return out
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
+    """Remove dumps this pipeline wrote earlier (only its own files: its rid
+    prefix, or its temp files), check the directory is writable. Returns the
+    number removed."""
+    dump_dir = Path(dump_dir)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    removed = 0
+    for path in dump_dir.iterdir():
+        name = path.name
+        if path.is_file() and name.endswith(".safetensors") and (
+                name.startswith(rid_prefix) or name.startswith(TMP_PREFIX + rid_prefix)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    probe = dump_dir / f"{TMP_PREFIX}write-check"
+    try:
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"dump dir {dump_dir} is not writable: {e}") from e
+    return removed
+
+
+def warm_up(url: str, dump_dir: Path, *, aux_layer_ids: Sequence[int], requests: int = 3) -> dict:
+    """A few probe captures of growing length: the first forwards on a fresh
+    server are slow, and a capture that does not round-trip stops the run
+    before any batch is sent."""
+    summary = {}
+    for k in range(requests):
+        summary = probe_capture(url, dump_dir, num_tokens=16 * (k + 1), aux_layer_ids=aux_layer_ids)
+    return summary
+
+
+@dataclass
+class BatchResult:
+    shard: str | None
+    samples: int
+    tokens: int
+    seconds: float
+    quarantined: list[str] = field(default_factory=list)
+    retried: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _server_down(error: Exception) -> bool:
+    return isinstance(error, httpx.TransportError)
+
+
+def extract_batch(
+    url: str,
+    dump_dir: Path,
+    store: Path,
+    source: str,
+    samples: list[Sample],
+    *,
+    aux_layer_ids: Sequence[int],
+    concurrency: int = 8,
+    sample_attempts: int = 3,
+) -> BatchResult:
+    """Capture one batch, write it as one shard, commit it to the ledger.
+
+    Each sample gets up to `sample_attempts` tries, each under a fresh rid; a
+    sample whose dump is missing, foreign, short or non-finite every time is
+    quarantined with the reason, and the rest of the batch is stored. If the
+    server itself stops answering, ServerUnavailable is raised (after asking
+    the run's supervisor to relaunch it) so the task is retried as a whole.
+    """
+    t0 = time.perf_counter()
+    ledger = Ledger(store)
+    stored = ledger.stored_ids()
+    pending = [s for s in samples if s.sample_id not in stored]
+    if len(pending) < len(samples):
+        logger.info("%d of %d samples of this batch are already stored", len(samples) - len(pending), len(samples))
+    captured: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    retried = 0
+    for attempt in range(1, sample_attempts + 1):
+        if not pending:
+            break
+        if attempt > 1:
+            retried += len(pending)
+            logger.warning("retrying %d samples (attempt %d of %d)", len(pending), attempt, sample_attempts)
+
+        def keep(i, capture, batch=pending):
+            s = batch[i]
+            return {"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
+                    "loss_mask": s.loss_mask, "aux_hidden_states": capture.aux_hidden_states,
+                    "final_hidden_state": capture.final_hidden_state}
+
+        outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in pending], keep,
+                            concurrency=concurrency, aux_layer_ids=aux_layer_ids)
+        down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
+        if down and not _healthy(url):
+            supervisor = supervisor_for(url)
+            if supervisor is not None:
+                supervisor.recover()
+            raise ServerUnavailable(f"SGLang server at {url} stopped answering mid-batch ({down[0]!r}); "
+                                    "the batch will be retried") from down[0]
+        failed = []
+        for s, out in zip(pending, outs):
+            if isinstance(out, Exception):
+                errors[s.sample_id] = f"{type(out).__name__}: {out}"
+                failed.append(s)
+                if not isinstance(out, (CaptureError, httpx.HTTPError)):
+                    logger.error("sample %s (row %d): %r", s.sample_id, s.source_row, out)
+            else:
+                captured[s.sample_id] = out
+        pending = failed
+
+    quarantined = []
+    if pending:
+        ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
+                            "reason": errors[s.sample_id], "attempts": sample_attempts} for s in pending])
+        for s in pending:
+            logger.error("quarantined sample %s (row %d) after %d attempts: %s",
+                         s.sample_id, s.source_row, sample_attempts, errors[s.sample_id])
+        quarantined = [s.sample_id for s in pending]
+
+    items = [captured[s.sample_id] for s in samples if s.sample_id in captured]
+    shard = None
+    if items:
+        shard_info, rows = write_shard(store, items, source=source)
+        ledger.commit_shard(shard_info, rows)
+        shard = shard_info.name
+    tokens = sum(len(it["input_ids"]) for it in items)
+    return BatchResult(shard, len(items), tokens, time.perf_counter() - t0, quarantined, retried)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=30.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class ProgressMeter:
+    """Progress computed from the ledger, never from logs or listings."""
+
+    ledger: Ledger
+    planned_tokens: int
+    planned_samples: int
+    start: dict = field(init=False)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        self.start = self.ledger.summary()
+
+    def read(self) -> dict:
+        now = self.ledger.summary()
+        tokens = now["tokens"] - self.start["tokens"]
+        samples = now["samples"] - self.start["samples"]
+        elapsed = time.perf_counter() - self.t0
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        left = max(self.planned_tokens - tokens, 0)
+        return {"samples": samples, "planned_samples": self.planned_samples, "tokens": tokens,
+                "planned_tokens": self.planned_tokens, "tokens_per_s": rate,
+                "eta_s": left / rate if rate > 0 else None, "quarantined": now["quarantined"],
+                "percent": 100.0 * tokens / self.planned_tokens if self.planned_tokens else 100.0}
+
+    @staticmethod
+    def describe(p: dict) -> str:
+        eta = "?" if p["eta_s"] is None else f"{p['eta_s'] / 60:.1f} min"
+        return (f"{p['samples']}/{p['planned_samples']} samples, {p['tokens']:,}/{p['planned_tokens']:,} tokens "
+                f"({p['percent']:.1f}%), {p['tokens_per_s']:.0f} tok/s, ETA {eta}, quarantined {p['quarantined']}")
