@@ -17,9 +17,9 @@ def _describe(annotation) -> tuple[type, str]:
     return base, help_text
 
 
-def build_parser(flow) -> argparse.ArgumentParser:
+def build_parser(flow, prog: str) -> argparse.ArgumentParser:
     fn = flow.fn
-    parser = argparse.ArgumentParser(prog=f"python -m {fn.__module__}", description=inspect.getdoc(fn),
+    parser = argparse.ArgumentParser(prog=prog, description=inspect.getdoc(fn),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(fn, include_extras=True)
     for name, param in inspect.signature(fn).parameters.items():
@@ -45,8 +45,8 @@ def build_parser(flow) -> argparse.ArgumentParser:
     return parser
 
 
-def run_cli(flow, argv=None):
-    args = build_parser(flow).parse_args(argv)
+def run_cli(flow, prog: str, argv=None):
+    args = build_parser(flow, prog).parse_args(argv)
     result = flow(**vars(args))
     print(json.dumps(result, indent=2, default=str))
     return result

@@ -119,8 +119,12 @@ def extract_batch_task(batch: list, url: str, dump_dir: str, store: str, source:
 @task(name="stop-server", cache_policy=NO_CACHE)
 def stop_task(url: str) -> None:
     supervisor = supervisor_for(url)
-    if supervisor is not None:
-        supervisor.stop()
+    if supervisor is None:
+        return
+    supervisor.stop()
+    if supervisor.attach_url:
+        get_run_logger().info("detached from the SGLang server at %s (left running)", url)
+    else:
         get_run_logger().info("SGLang server at %s stopped (%d relaunches during the run)", url, supervisor.restarts)
 
 
@@ -167,7 +171,7 @@ def extract_hidden_states(
         else:
             log.info("nothing to capture: every sample of %s is already stored", dataset)
     finally:
-        if url is not None and not server_url:
+        if url is not None:
             stop_task(url)
     summary = extraction.Ledger(Path(store)).summary()
     result = {"store": store, **summary}
@@ -202,4 +206,4 @@ if __name__ == "__main__":
     from flows.cli import run_cli
 
     os.chdir(REPO_ROOT)
-    run_cli(extract_hidden_states)
+    run_cli(extract_hidden_states, "python -m flows.extract")

@@ -34,10 +34,10 @@ def verify_task(store: str, recheck_source: bool = True) -> dict:
         log.error("sample %s (row %d) in %s: %s", row.sample_id, row.source_row, row.shard, row.problems)
     log.info("verification %s: %d files, %d samples, %d tokens; report: %s",
              "passed" if report.ok else "FAILED", len(files), len(report.samples),
-             int(report.samples.tokens.sum()) if len(report.samples) else 0, report.paths.get("summary"))
+             int(report.samples.tokens.sum()) if len(report.samples) else 0, report.paths.get("summary_report"))
     if not report.ok:
         raise VerificationFailed(f"store {store} failed verification:\n{report.failures()}\n"
-                                 f"(report: {report.paths.get('files')})")
+                                 f"(report: {report.paths.get('files_report')})")
     return {"ok": True, "files": len(files), "samples": len(report.samples), **report.paths}
 
 
@@ -53,4 +53,4 @@ def verify_store(
 if __name__ == "__main__":
     from flows.cli import run_cli
 
-    run_cli(verify_store)
+    run_cli(verify_store, "python -m flows.verify")

@@ -166,9 +166,13 @@ def read_capture(
         start = end
     if start != total:
         raise CaptureError(f"rid {rid}: capture has {start} tokens, {total} were sent")
-    capture = Capture(rid, torch.cat(ids), torch.cat(aux), torch.cat(final), layers, files)
-    if not torch.equal(capture.input_ids, torch.as_tensor(list(sent_ids), dtype=torch.int64)):
-        first = int((capture.input_ids != torch.as_tensor(list(sent_ids))).nonzero()[0])
+    def joined(parts):
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    capture = Capture(rid, joined(ids), joined(aux), joined(final), layers, files)
+    sent = torch.as_tensor(sent_ids, dtype=torch.int64)
+    if not torch.equal(capture.input_ids, sent):
+        first = int((capture.input_ids != sent).nonzero()[0])
         raise CaptureError(f"rid {rid}: captured token ids differ from those sent (first at position {first})")
     if aux_layer_ids is not None and tuple(aux_layer_ids) != layers:
         raise CaptureError(f"rid {rid}: captured aux layers {layers}, expected {tuple(aux_layer_ids)}")
@@ -176,12 +180,20 @@ def read_capture(
         raise CaptureError(f"rid {rid}: aux shape {tuple(capture.aux_hidden_states.shape)} does not fit "
                            f"{len(layers)} layers of width {capture.final_hidden_state.shape[1]}")
     for name in ("aux_hidden_states", "final_hidden_state"):
-        bad = (~torch.isfinite(getattr(capture, name))).sum().item()
-        if bad:
-            raise CaptureError(f"rid {rid}: {bad} non-finite values in {name}")
+        finite = torch.isfinite(getattr(capture, name))
+        if not finite.all():
+            raise CaptureError(f"rid {rid}: {int((~finite).sum())} non-finite values in {name}")
     return capture
 
 
 def remove_capture(capture: Capture) -> None:
     for path in capture.files:
+        path.unlink(missing_ok=True)
+
+
+def discard_rid(dump_dir: Path, rid: str) -> None:
+    """Delete whatever a failed request left (its chain may be broken, so
+    its chunks are found by name). Cleanup only: never a source of progress."""
+    chunk_path(dump_dir, rid, 0)  # refuses an unsafe rid before globbing with it
+    for path in Path(dump_dir).glob(f"{rid}@*{SUFFIX}"):
         path.unlink(missing_ok=True)

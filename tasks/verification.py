@@ -172,14 +172,14 @@ def _write_report(store: Path, report: VerifyReport) -> dict:
     out = store / "reports"
     out.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    paths = {"files": str(out / f"verify-{stamp}-files.parquet"),
-             "samples": str(out / f"verify-{stamp}-samples.parquet")}
-    report.files.to_parquet(paths["files"], index=False)
-    report.samples.to_parquet(paths["samples"], index=False)
+    paths = {"files_report": str(out / f"verify-{stamp}-files.parquet"),
+             "samples_report": str(out / f"verify-{stamp}-samples.parquet")}
+    report.files.to_parquet(paths["files_report"], index=False)
+    report.samples.to_parquet(paths["samples_report"], index=False)
     summary = {"ok": report.ok, "time": time.time(), "files": len(report.files),
                "failed_files": int((report.files.status == "FAIL").sum()),
                "samples": len(report.samples), "failed_samples": int((report.samples.status == "FAIL").sum()),
                "tokens": int(report.samples.tokens.sum()) if len(report.samples) else 0, **paths}
     (out / "latest.json").write_text(json.dumps(summary, indent=2) + "\n")
-    paths["summary"] = str(out / "latest.json")
+    paths["summary_report"] = str(out / "latest.json")
     return paths

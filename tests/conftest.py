@@ -41,3 +41,27 @@ def capture_server(tiny_model, tmp_path_factory):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with launch_server(cfg, ARTIFACTS / "capture-server.log", timeout_s=600) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One temporary Prefect server (SQLite) for the session's flow runs."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield os.environ.get("PREFECT_API_URL") or __import__("prefect.settings").settings.PREFECT_API_URL.value()
+
+
+def demo_rows(n: int) -> list[dict]:
+    import json
+
+    from tasks.dataset import DEMO_DATASET
+
+    return [json.loads(line) for line in DEMO_DATASET.read_text().splitlines()[:n]]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    import json
+
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path

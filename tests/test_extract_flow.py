@@ -1,0 +1,246 @@
+"""The extraction DAG on the real server and the tiny model."""
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from flows.extract import extract_hidden_states
+from tasks import capture_client
+from tasks.dataset import prepare_samples
+from tasks.dump import read_capture as real_read_capture
+from tasks.dump import write_chunk
+from tasks.extraction import extract_batch
+from tasks.layers import AuxLayers
+from tasks.reference import load_reference_model, per_token_cosine, reference_states
+from tasks.server import _SUPERVISORS
+from tasks.store import Ledger, StoreReader, read_manifest
+from tasks.verification import verify_store
+from tests.conftest import demo_rows, write_jsonl
+
+pytestmark = pytest.mark.server
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def attach(server, **kw):
+    """Flow parameters that attach to the session's server."""
+    return {"model": server.config.model_path, "server_url": server.url,
+            "dump_dir": str(server.config.dump_dir), **kw}
+
+
+def ledger_rows(store, sql):
+    with sqlite3.connect(os.path.join(store, "ledger.sqlite")) as db:
+        return db.execute(sql).fetchall()
+
+
+@pytest.fixture(scope="module")
+def small_store(capture_server, prefect_api, tmp_path_factory):
+    """24 demo conversations plus four bad rows, extracted by the flow."""
+    d = tmp_path_factory.mktemp("small")
+    long_chat = {"messages": [{"role": "user", "content": "word " * 2000}, {"role": "assistant", "content": "ok"}]}
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(24) + [
+        "{broken json", {"messages": []}, {"messages": [{"role": "wizard", "content": "hi"}]}, long_chat])
+    result = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(d / "store"),
+                                            batch_size=8, max_length=1024, max_length_policy="skip"))
+    return d, dataset, result
+
+
+def test_flow_stores_every_sample_and_quarantines_bad_rows(small_store):
+    d, dataset, result = small_store
+    assert result["samples"] == 24 and result["quarantined"] == 4
+    assert result["verification"]["ok"] is True
+    reasons = dict(ledger_rows(d / "store", "SELECT source_row, reason FROM quarantine"))
+    assert "bad JSON" in reasons[24] and reasons[25] == "empty conversation"
+    assert "unknown role 'wizard'" in reasons[26] and "max_length 1024" in reasons[27]
+    assert sorted(r[0] for r in ledger_rows(d / "store", "SELECT source_row FROM samples")) == list(range(24))
+    manifest = read_manifest(d / "store")
+    assert manifest["aux_layers"] == {"sglang_layer_output_ids": [1, 3, 4], "hf_hidden_states_indices": [2, 4, 5],
+                                      "final_state": "post-norm"}
+
+
+def test_stored_states_equal_an_hf_forward(small_store, tiny_model):
+    d, _, _ = small_store
+    manifest = read_manifest(d / "store")
+    layers = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
+    model = load_reference_model(str(tiny_model), torch.float32)
+    reader = StoreReader(d / "store")
+    for i in range(0, len(reader), 5):
+        s = reader[i]
+        aux, final = reference_states(model, s["input_ids"].tolist(), layers)
+        assert per_token_cosine(s["aux_hidden_states"], aux).min() >= 0.999
+        assert per_token_cosine(s["final_hidden_state"], final).min() >= 0.999
+
+
+def corrupted(small_store, tmp_path):
+    d, dataset, _ = small_store
+    store = tmp_path / "store"
+    shutil.copytree(d / "store", store)
+    shard = ledger_rows(store, "SELECT name FROM shards ORDER BY name")[0][0]
+    return store, store / "shards" / f"{shard}.safetensors", shard
+
+
+def test_verification_names_a_flipped_byte(small_store, tmp_path):
+    store, path, shard = corrupted(small_store, tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    report = verify_store(store)
+    assert not report.ok
+    assert f"{shard}: " in report.failures() and "sha256 differs" in report.failures()
+    assert "checksum differs" in report.failures()  # and which sample holds the byte
+
+
+def test_verification_names_a_truncated_shard(small_store, tmp_path):
+    store, path, shard = corrupted(small_store, tmp_path)
+    path.write_bytes(path.read_bytes()[:-1000])
+    report = verify_store(store)
+    assert not report.ok and f"{shard}: size" in report.failures() and "unreadable" in report.failures()
+
+
+def test_verification_names_an_index_row_that_disagrees(small_store, tmp_path):
+    store, _, shard = corrupted(small_store, tmp_path)
+    (sid,) = ledger_rows(store, f"SELECT sample_id FROM samples WHERE shard='{shard}' AND position=1")[0]
+    with sqlite3.connect(store / "ledger.sqlite") as db:
+        db.execute("UPDATE samples SET num_tokens = num_tokens + 1 WHERE sample_id=?", (sid,))
+    report = verify_store(store)
+    assert not report.ok and f"sample {sid}" in report.failures() and "recounted" in report.failures()
+
+
+def test_verification_names_a_sample_whose_source_changed(small_store, tmp_path):
+    store, _, _ = corrupted(small_store, tmp_path)
+    _, dataset, _ = small_store
+    rows = dataset.read_text().splitlines()
+    row = json.loads(rows[3])
+    row["messages"][-1]["content"] += " (edited)"
+    rows[3] = json.dumps(row)
+    edited = write_jsonl(tmp_path / "edited.jsonl", rows)
+    with sqlite3.connect(store / "ledger.sqlite") as db:
+        db.execute("UPDATE samples SET source=?", (str(edited),))
+    report = verify_store(store)
+    failing = report.samples[report.samples.status == "FAIL"]
+    assert list(failing.source_row) == [3] and "source changed" in failing.problems.iloc[0]
+
+
+def test_killed_run_resumes_and_another_batch_size_redoes_nothing(capture_server, prefect_api, tmp_path):
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(200))
+    store = tmp_path / "store"
+    args = attach(capture_server, dataset=str(dataset), store=str(store), batch_size=2, concurrency=1)
+    cli = [sys.executable, "-m", "flows.extract", "--no-verify"] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
+    proc = subprocess.Popen(cli, cwd=REPO, env={**os.environ, "PREFECT_API_URL": prefect_api},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if (store / "ledger.sqlite").exists() and ledger_rows(store, "SELECT COUNT(*) FROM shards")[0][0] >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stored_at_kill = ledger_rows(store, "SELECT COUNT(*) FROM samples")[0][0]
+    assert 0 < stored_at_kill < 200, "the run was not killed midway"
+
+    result = extract_hidden_states(**args)
+    assert result["samples"] == 200 and result["verification"]["ok"]
+    counts = ledger_rows(store, "SELECT COUNT(*), COUNT(DISTINCT sample_id), (SELECT SUM(num_samples) FROM shards) FROM samples")
+    assert counts == [(200, 200, 200)]
+    shards = ledger_rows(store, "SELECT name, sha256 FROM shards ORDER BY name")
+
+    again = extract_hidden_states(**{**args, "batch_size": 7})
+    assert again["samples"] == 200
+    assert ledger_rows(store, "SELECT name, sha256 FROM shards ORDER BY name") == shards
+
+
+def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from tasks.store import build_manifest, open_store
+
+    server = capture_server
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(6))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    samples, _ = prepare_samples(dataset, tok, max_length=512)
+    layers = AuxLayers.for_model(8)
+    open_store(tmp_path / "store", build_manifest(tiny_model, tok, layers, max_length=512, policy="truncate",
+                                                  sources=[str(dataset)]))
+    foreign_once, short_always = samples[1].input_ids.tolist(), samples[4].input_ids.tolist()
+    calls = {"foreign": 0}
+
+    def tampering_read(dump_dir, rid, sent_ids, **kw):
+        ids = list(sent_ids)
+        if ids in (foreign_once, short_always):
+            cap = real_read_capture(dump_dir, rid, ids, **kw)  # the real dump, then rewrite it
+            n = cap.num_tokens
+            if ids == foreign_once and calls["foreign"] == 0:
+                calls["foreign"] += 1
+                other = "e3-someone-else"
+                write_chunk(dump_dir, other, 0, cap.input_ids, cap.aux_hidden_states, cap.final_hidden_state,
+                            cap.aux_layer_ids, "post-norm")
+                os.replace(dump_dir / f"{other}@0.safetensors", dump_dir / f"{rid}@0.safetensors")
+            elif ids == short_always:
+                write_chunk(dump_dir, rid, 0, cap.input_ids[:-1], cap.aux_hidden_states[:-1],
+                            cap.final_hidden_state[:-1], cap.aux_layer_ids, "post-norm")
+        return real_read_capture(dump_dir, rid, ids, **kw)
+
+    monkeypatch.setattr(capture_client, "read_capture", tampering_read)
+    result = extract_batch(server.url, server.config.dump_dir, tmp_path / "store", str(dataset), samples,
+                           aux_layer_ids=layers.sglang_ids, sample_attempts=3)
+    assert calls["foreign"] == 1
+    assert result.samples == 5 and result.quarantined == [samples[4].sample_id]
+    assert result.retried == 2 + 1  # attempt 2: both; attempt 3: the short one
+    ((row, reason, attempts),) = ledger_rows(tmp_path / "store", "SELECT source_row, reason, attempts FROM quarantine")
+    assert row == 4 and attempts == 3 and "stops at token" in reason
+    stored = {r[0] for r in ledger_rows(tmp_path / "store", "SELECT sample_id FROM samples")}
+    assert stored == {s.sample_id for s in samples} - {samples[4].sample_id}
+    assert list(server.config.dump_dir.iterdir()) == []
+
+
+def test_a_transient_request_failure_is_retried(capture_server, prefect_api, tmp_path, monkeypatch):
+    real_post = httpx.AsyncClient.post
+    failed = []
+
+    async def flaky_post(self, url, *a, **kw):
+        if url.endswith("/generate") and not failed and not kw.get("json", {}).get("rid", "").startswith("e3-probe"):
+            failed.append(url)
+            raise httpx.ReadError("connection reset by peer (injected)")
+        return await real_post(self, url, *a, **kw)
+
+    monkeypatch.setattr(httpx.AsyncClient, "post", flaky_post)
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(10))
+    result = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(tmp_path / "store"),
+                                            batch_size=5))
+    assert failed and result["samples"] == 10 and result["quarantined"] == 0 and result["verification"]["ok"]
+
+
+def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_api, tmp_path):
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(120))
+    store = tmp_path / "store"
+    killed = []
+
+    def kill_server_midway():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed:
+            launched = [s for s in _SUPERVISORS.values() if s.handle is not None]
+            if launched and (store / "ledger.sqlite").exists() and Ledger(store).summary()["shards"] >= 2:
+                os.killpg(launched[0].handle.process.pid, signal.SIGKILL)
+                killed.append(Ledger(store).summary()["samples"])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_server_midway, daemon=True)
+    watcher.start()
+    result = extract_hidden_states(model=str(tiny_model), dataset=str(dataset), store=str(store),
+                                   dump_dir=str(tmp_path / "dumps"), batch_size=4, concurrency=2,
+                                   max_total_tokens=16384)
+    watcher.join(timeout=5)
+    assert killed and killed[0] < 120, "the server was not killed midway"
+    assert result["samples"] == 120 and result["quarantined"] == 0 and result["verification"]["ok"]
+    log = (store.parent / "logs" / "sglang-server.log").read_text()
+    assert log.count("$ ") == 2  # launched once, relaunched once
+    assert not _SUPERVISORS
