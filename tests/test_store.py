@@ -90,6 +90,8 @@ def test_no_temp_files_and_shards_named_by_content(store, tmp_path):
     path, items = store
     assert not [p for p in (path / "shards").iterdir() if p.name.startswith(".")]
     (tmp_path / "again" / "shards").mkdir(parents=True)
-    shard, _ = write_shard(tmp_path / "again", items[:2], source="x")
-    again, _ = write_shard(tmp_path / "again", items[:2], source="x")
-    assert shard.name == again.name and shard.sha256 == again.sha256
+    shard, rows = write_shard(tmp_path / "again", items[:2], source="x")
+    again, rows_again = write_shard(tmp_path / "again", items[:2], source="x")
+    # The name and every sample checksum follow from the content. (The file's
+    # own sha256 may not: safetensors orders header metadata by a hash map.)
+    assert shard.name == again.name and rows == rows_again
