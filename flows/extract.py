@@ -5,8 +5,8 @@ reset dump dir -> extract batches (mapped, retried) -> verify -> stop server.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -23,7 +23,7 @@ from tasks import extraction
 from tasks.dataset import DEMO_DATASET
 from tasks.layers import AuxLayers
 from tasks.models import resolve_model
-from tasks.paths import REPO_ROOT, default_dump_root
+from tasks.paths import default_dump_root
 from tasks.server import ServerConfig, ServerSupervisor, supervisor_for
 from tasks.store import build_manifest, open_store
 
@@ -134,7 +134,7 @@ def extract_hidden_states(
     model: Annotated[str, Field(description="target model: a checkpoint folder, or 'smollm2-135m-instruct' / 'tiny-llama'")] = "smollm2-135m-instruct",
     store: Annotated[str, Field(description="store directory (created, or resumed if it exists)")] = "runs/demo/store",
     server_url: Annotated[Optional[str], Field(description="attach to this running capture server instead of launching one")] = None,
-    dump_dir: Annotated[Optional[str], Field(description="where the server writes captures (default: under /dev/shm)")] = None,
+    dump_dir: Annotated[Optional[str], Field(description="where the server writes captures (default: one dir per store under /dev/shm)")] = None,
     batch_size: Annotated[int, Field(description="samples per batch task and per shard", ge=1)] = 32,
     concurrency: Annotated[int, Field(description="requests in flight per batch", ge=1)] = 8,
     max_length: Annotated[int, Field(description="longest sample in tokens", ge=1)] = 2048,
@@ -152,7 +152,9 @@ def extract_hidden_states(
     dataset into a verified, sharded store."""
     log = get_run_logger()
     store = str(Path(store).resolve())
-    dump_dir = str(dump_dir or default_dump_root() / f"run-{os.getpid()}")
+    # One dump dir per store: a rerun after a killed run resets the same dir,
+    # so orphaned dumps never pile up in RAM-backed /dev/shm.
+    dump_dir = str(dump_dir or default_dump_root() / f"store-{hashlib.sha256(store.encode()).hexdigest()[:12]}")
     log_path = str(Path(store).parent / "logs" / "sglang-server.log")
 
     plan, model_path, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy, aux_layer_ids)
@@ -205,5 +207,4 @@ def _extract_all(plan, url, dump_dir, store, layers, batch_size, concurrency, sa
 if __name__ == "__main__":
     from flows.cli import run_cli
 
-    os.chdir(REPO_ROOT)
     run_cli(extract_hidden_states, "python -m flows.extract")

@@ -25,7 +25,7 @@ from typing import Sequence
 import httpx
 
 from tasks.cpu_shim import gpu_present, resolve_dtype, server_environment
-from tasks.capture_client import capture_one
+from tasks.capture_client import capture_one, ssl_context
 from tasks.dump import RID_PREFIX, CaptureError, remove_capture
 from tasks.paths import REPO_ROOT
 
@@ -349,7 +349,7 @@ def probe_capture(url: str, dump_dir: Path, *, num_tokens: int = 16, aux_layer_i
     ids = list(range(1, num_tokens + 1))
 
     async def probe():
-        async with httpx.AsyncClient(timeout=120.0) as client:
+        async with httpx.AsyncClient(timeout=120.0, verify=ssl_context()) as client:
             return await capture_one(client, url, dump_dir, ids, tag="probe", aux_layer_ids=aux_layer_ids)
 
     try:

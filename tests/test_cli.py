@@ -1,0 +1,26 @@
+import inspect
+
+import pytest
+
+from flows.cli import build_parser
+from flows.extract import extract_hidden_states
+from flows.verify import verify_store
+
+
+def test_cli_mirrors_the_flow_signature_with_descriptions():
+    parser = build_parser(extract_hidden_states, "python -m flows.extract")
+    text = parser.format_help()
+    for name in inspect.signature(extract_hidden_states.fn).parameters:
+        assert f"--{name.replace('_', '-')}" in text
+    assert "samples per batch task and per shard" in text and "{truncate,skip}" in text
+    args = parser.parse_args(["--batch-size", "7", "--aux-layer-ids", "1", "3", "4", "--no-verify",
+                              "--max-length-policy", "skip"])
+    assert args.batch_size == 7 and args.aux_layer_ids == [1, 3, 4] and args.verify is False
+    assert args.max_length_policy == "skip" and args.server_url is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-length-policy", "drop"])
+
+
+def test_verify_cli():
+    args = build_parser(verify_store, "python -m flows.verify").parse_args(["--store", "s", "--no-recheck-source"])
+    assert args.store == "s" and args.recheck_source is False
