@@ -12,7 +12,8 @@ holding the tokens [start, end) of the prompt:
     final_hidden_state  model dtype [n, H]      (after the final norm)
 
 with metadata `rid`, `start`, `end`, `aux_layer_ids` (SGLang's "output of
-layer i" ids, JSON) and `final_state`. A prompt served in one forward is one
+layer i" ids, JSON), `hf_hidden_states_indices` (the same layers as HF
+`hidden_states` indices) and `final_state`. A prompt served in one forward is one
 file; chunked prefill gives one file per chunk, and each chunk's `end` names
 the next file, so a reader follows the chain from `@0` without listing the
 directory. Files appear atomically (temp name, then rename), so a file that
@@ -90,6 +91,8 @@ def write_chunk(
         "start": str(int(start)),
         "end": str(int(start) + int(input_ids.shape[0])),
         "aux_layer_ids": json.dumps([int(i) for i in aux_layer_ids]),
+        # The same layers in HF's convention (hidden_states index = i + 1).
+        "hf_hidden_states_indices": json.dumps([int(i) + 1 for i in aux_layer_ids]),
         "final_state": final_state,
     }
     try:

@@ -18,7 +18,7 @@ import httpx
 from tasks.capture_client import capture_many
 from tasks.dataset import Rejected, Sample, prepare_samples
 from tasks.dump import RID_PREFIX, TMP_PREFIX, CaptureError
-from tasks.server import ServerError, probe_capture, supervisor_for
+from tasks.server import probe_capture, server_healthy, supervisor_for
 from tasks.store import Ledger, bytes_per_token, write_shard
 
 logger = logging.getLogger("eagle3.extract")
@@ -187,7 +187,7 @@ def extract_batch(
         outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in pending], keep,
                             concurrency=concurrency, aux_layer_ids=aux_layer_ids)
         down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
-        if down and not _healthy(url):
+        if down and not server_healthy(url):
             supervisor = supervisor_for(url)
             if supervisor is not None:
                 supervisor.recover()
@@ -221,13 +221,6 @@ def extract_batch(
         shard = shard_info.name
     tokens = sum(len(it["input_ids"]) for it in items)
     return BatchResult(shard, len(items), tokens, time.perf_counter() - t0, quarantined, retried)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=30.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @dataclass

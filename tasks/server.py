@@ -301,10 +301,7 @@ class ServerSupervisor:
     def healthy(self) -> bool:
         if self.handle is not None and not self.handle.alive():
             return False
-        try:
-            return httpx.get(f"{self.url}/health", timeout=30.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return server_healthy(self.url)
 
     def recover(self) -> None:
         """Make the server serve again, or raise ServerError saying why not."""
@@ -336,6 +333,13 @@ class ServerSupervisor:
 
 
 _SUPERVISORS: dict[str, ServerSupervisor] = {}
+
+
+def server_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=30.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def supervisor_for(url: str) -> ServerSupervisor | None:

@@ -36,6 +36,7 @@ def test_round_trip_over_chunks(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     with safe_open(str(cap.files[0]), "pt") as f:
         assert json.loads(f.metadata()["aux_layer_ids"]) == list(LAYERS)
+        assert json.loads(f.metadata()["hf_hidden_states_indices"]) == [i + 1 for i in LAYERS]
     remove_capture(cap)
     assert list(tmp_path.iterdir()) == []
 
