@@ -98,6 +98,8 @@ def reset_dump_dir_task(dump_dir: str) -> int:
     return removed
 
 
+# Retries and their delays are flow parameters (see _extract_all): these are
+# the defaults for a direct call.
 @task(name="extract-batch", cache_policy=NO_CACHE, retries=3,
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5)
 def extract_batch_task(batch: list, url: str, dump_dir: str, store: str, source: str, layers: AuxLayers,
@@ -145,6 +147,8 @@ def extract_hidden_states(
     chunked_prefill_size: Annotated[Optional[int], Field(description="SGLang chunked prefill size (default: SGLang's)")] = None,
     extra_server_args: Annotated[list[str], Field(description="extra arguments for sglang.launch_server")] = [],
     sample_attempts: Annotated[int, Field(description="tries per sample before it is quarantined", ge=1)] = 3,
+    batch_retries: Annotated[int, Field(description="retries of a failed batch task (server or network faults)", ge=0)] = 3,
+    batch_retry_delay_s: Annotated[float, Field(description="first retry delay in seconds; doubles each retry, with jitter", ge=0)] = 5.0,
     max_server_restarts: Annotated[int, Field(description="relaunches of a crashed launched server", ge=0)] = 2,
     verify: Annotated[bool, Field(description="verify the store at the end")] = True,
 ) -> dict:
@@ -166,7 +170,11 @@ def extract_hidden_states(
                               chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
             warm_up_task(url, dump_dir, layers)
             reset_dump_dir_task(dump_dir)
-            failures = _extract_all(plan, url, dump_dir, store, layers, batch_size, concurrency, sample_attempts)
+            batch_task = extract_batch_task.with_options(
+                retries=batch_retries, retry_jitter_factor=0.5,
+                retry_delay_seconds=exponential_backoff(backoff_factor=batch_retry_delay_s) if batch_retry_delay_s else 0)
+            failures = _extract_all(batch_task, plan, url, dump_dir, store, layers, batch_size, concurrency,
+                                    sample_attempts)
             if failures:
                 raise RuntimeError(f"{len(failures)} batches failed after their retries: "
                                    + "; ".join(failures[:5]) + " (rerun the flow: stored batches are kept)")
@@ -183,13 +191,13 @@ def extract_hidden_states(
     return result
 
 
-def _extract_all(plan, url, dump_dir, store, layers, batch_size, concurrency, sample_attempts) -> list[str]:
+def _extract_all(batch_task, plan, url, dump_dir, store, layers, batch_size, concurrency, sample_attempts) -> list[str]:
     log = get_run_logger()
     batches = plan.batches(batch_size)
     meter = extraction.ProgressMeter(extraction.Ledger(Path(store)), plan.todo_tokens, len(plan.todo))
     artifact = create_progress_artifact(progress=0.0, description=f"extraction into {store}")
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), batch_size)
-    futures = extract_batch_task.map(batches, unmapped(url), unmapped(dump_dir), unmapped(store),
+    futures = batch_task.map(batches, unmapped(url), unmapped(dump_dir), unmapped(store),
                                      unmapped(plan.source), unmapped(layers), unmapped(concurrency),
                                      unmapped(sample_attempts))
     failures = []

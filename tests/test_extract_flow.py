@@ -244,3 +244,39 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
     log = (store.parent / "logs" / "sglang-server.log").read_text()
     assert log.count("$ ") == 2  # launched once, relaunched once
     assert not _SUPERVISORS
+
+
+def test_a_batch_task_that_fails_once_shows_its_retry_and_completes(capture_server, prefect_api, tmp_path,
+                                                                    monkeypatch):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    from tasks import extraction
+
+    real = extraction.extract_batch
+    calls = []
+
+    def fails_once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise extraction.ServerUnavailable("injected: server stopped answering")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(extraction, "extract_batch", fails_once)
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(8))
+    state = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(tmp_path / "store"),
+                                           batch_size=4, batch_retries=2, batch_retry_delay_s=0), return_state=True)
+    assert state.is_completed() and state.result()["samples"] == 8
+
+    async def batch_histories():
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [state.state_details.flow_run_id]}))
+            return {r.id: ([s.name for s in await client.read_task_run_states(r.id)], r.run_count)
+                    for r in runs if r.name.startswith("extract-batch")}
+
+    histories = asyncio.run(batch_histories())
+    retried = [(h, count) for h, count in histories.values() if "Retrying" in h]
+    assert len(histories) == 2 and len(retried) == 1, histories
+    assert retried[0] == (["Pending", "Running", "Retrying", "Completed"], 2)
