@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
 from transformers import AutoTokenizer

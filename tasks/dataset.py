@@ -57,14 +57,6 @@ def sample_id(input_ids, loss_mask) -> str:
     return h.hexdigest()[:32]
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_rows(path: Path) -> Iterator[tuple[int, dict | Rejected]]:
     """(row index, row) pairs; a line that is not a JSON object is yielded as
     Rejected and reading goes on."""
@@ -198,11 +190,3 @@ def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "tr
         samples.append(Sample(sample_id(ids, mask), i, np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
     return samples, rejected
 
-
-def load_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for i, row in read_rows(path):
-        if isinstance(row, Rejected):
-            raise ValueError(f"{path}: {row.reason}")
-        rows.append(row)
-    return rows

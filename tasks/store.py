@@ -80,9 +80,16 @@ def bytes_per_token(hidden_size: int, num_aux: int = 3) -> int:
 
 # --------------------------------------------------------------------- manifest
 
-def _sha256_file(path: Path) -> str | None:
+def file_sha256(path: Path) -> str | None:
+    """Streamed, so a multi-GB shard is never held in memory; None if absent."""
     path = Path(path)
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+    if not path.exists():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def build_manifest(model_path: Path, tokenizer, aux_layers, *, max_length: int, policy: str,
@@ -95,11 +102,11 @@ def build_manifest(model_path: Path, tokenizer, aux_layers, *, max_length: int, 
     config = json.loads((model_path / "config.json").read_text())
     return {
         "format": FORMAT,
-        "target": {"name": model_path.name, "config_sha256": _sha256_file(model_path / "config.json"),
+        "target": {"name": model_path.name, "config_sha256": file_sha256(model_path / "config.json"),
                    "architectures": config.get("architectures"), "num_hidden_layers": config["num_hidden_layers"],
                    "vocab_size": config.get("vocab_size")},
         "target_path": str(model_path.resolve()),
-        "tokenizer": {"sha256": _sha256_file(model_path / "tokenizer.json"),
+        "tokenizer": {"sha256": file_sha256(model_path / "tokenizer.json"),
                       "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()},
         "aux_layers": aux_layers.as_record(),
         "hidden_size": config["hidden_size"],

@@ -10,7 +10,6 @@ reported as orphans (a killed run's leftovers) and never trusted.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tasks.dataset import prepare_samples
-from tasks.store import FORMAT, HIDDEN_DTYPE, Ledger, read_manifest, sample_checksum, shard_path
+from tasks.store import FORMAT, HIDDEN_DTYPE, Ledger, file_sha256, read_manifest, sample_checksum, shard_path
 
 EXPECTED_DTYPES = {"input_ids": torch.int32, "loss_mask": torch.uint8, "aux_hidden_states": HIDDEN_DTYPE,
                    "final_hidden_state": HIDDEN_DTYPE, "offsets": torch.int64}
@@ -104,10 +103,10 @@ def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, fresh: dic
     if not path.exists():
         return [f"file missing: {path}"], per_sample
     problems = []
-    data = path.read_bytes()
-    if len(data) != shard.bytes:
-        problems.append(f"size {len(data)} bytes, ledger says {shard.bytes}")
-    if hashlib.sha256(data).hexdigest() != shard.sha256:
+    size = path.stat().st_size
+    if size != shard.bytes:
+        problems.append(f"size {size} bytes, ledger says {shard.bytes}")
+    if file_sha256(path) != shard.sha256:
         problems.append("sha256 differs from the ledger (file changed or corrupted)")
     try:
         with safe_open(str(path), framework="pt") as f:

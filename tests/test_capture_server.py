@@ -8,7 +8,6 @@ import torch
 
 from tasks.capture_client import capture_many, capture_one
 from tasks.cpu_shim import gpu_present, resolve_dtype
-from tasks.dump import new_rid
 from tasks.reference import compare_with_reference, load_reference_model, reference_states
 from tasks.server import probe_capture
 from tests.conftest import CHUNKED_PREFILL

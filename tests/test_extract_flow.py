@@ -177,7 +177,6 @@ def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_
         ids = list(sent_ids)
         if ids in (foreign_once, short_always):
             cap = real_read_capture(dump_dir, rid, ids, **kw)  # the real dump, then rewrite it
-            n = cap.num_tokens
             if ids == foreign_once and calls["foreign"] == 0:
                 calls["foreign"] += 1
                 other = "e3-someone-else"
