@@ -35,7 +35,7 @@ from tasks.layers import AuxLayers
 from tasks.models import resolve_model
 from tasks.paths import default_dump_root
 from tasks.server import ServerConfig, launch_server
-from tasks.store import Ledger, build_manifest, open_store
+from tasks.store import Ledger, build_manifest, bytes_per_token, open_store
 
 
 async def _prefill_all(url: str, id_lists, in_flight: int) -> None:
@@ -118,7 +118,7 @@ def main() -> None:
 
         summary = Ledger(store).summary()
         assert summary["tokens"] == tokens, summary
-        raw = tokens * ((3 + 1) * config["hidden_size"] * 2 + 4 + 1)  # bf16 states, int32 ids, uint8 mask
+        raw = tokens * bytes_per_token(config["hidden_size"])  # the tensors alone, no header
         a, b, c = tokens / t_plain, tokens / t_pipe, tokens / t_serial
         print(f"model {model.name}: {len(samples)} samples, {tokens} tokens, hidden {config['hidden_size']}")
         print(f"(a) plain prefill, capture off   {a:9.0f} tok/s")

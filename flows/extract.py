@@ -25,7 +25,7 @@ from tasks.layers import AuxLayers
 from tasks.models import resolve_model
 from tasks.paths import default_dump_root
 from tasks.server import ServerConfig, ServerSupervisor, supervisor_for
-from tasks.store import build_manifest, open_store
+from tasks.store import Ledger, build_manifest, open_store
 
 
 @task(name="plan", cache_policy=NO_CACHE)
@@ -183,7 +183,7 @@ def extract_hidden_states(
     finally:
         if url is not None:
             stop_task(url)
-    summary = extraction.Ledger(Path(store)).summary()
+    summary = Ledger(Path(store)).summary()
     result = {"store": store, **summary}
     if verify:
         report = verify_task(store)
@@ -194,7 +194,7 @@ def extract_hidden_states(
 def _extract_all(batch_task, plan, url, dump_dir, store, layers, batch_size, concurrency, sample_attempts) -> list[str]:
     log = get_run_logger()
     batches = plan.batches(batch_size)
-    meter = extraction.ProgressMeter(extraction.Ledger(Path(store)), plan.todo_tokens, len(plan.todo))
+    meter = extraction.ProgressMeter(Ledger(Path(store)), plan.todo_tokens, len(plan.todo))
     artifact = create_progress_artifact(progress=0.0, description=f"extraction into {store}")
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), batch_size)
     futures = batch_task.map(batches, unmapped(url), unmapped(dump_dir), unmapped(store),

@@ -50,6 +50,9 @@ from safetensors.torch import save as safetensors_bytes
 
 FORMAT = "eagle3-capture-store/1"
 HIDDEN_DTYPE = torch.bfloat16
+# The tensors of a shard and their dtypes: the writer and the verifier both use this.
+SHARD_DTYPES = {"input_ids": torch.int32, "loss_mask": torch.uint8, "aux_hidden_states": HIDDEN_DTYPE,
+                "final_hidden_state": HIDDEN_DTYPE, "offsets": torch.int64}
 # What must be equal for two runs to write into the same store.
 IDENTITY_KEYS = ("format", "target", "tokenizer", "aux_layers", "hidden_size", "dtype", "max_length", "max_length_policy")
 
@@ -243,10 +246,10 @@ def write_shard(store: Path, items: list[dict], *, source: str) -> tuple[ShardIn
     Returns the shard and the ledger rows to commit for it."""
     if not items:
         raise ValueError("no samples to write")
-    ids = [torch.as_tensor(np.asarray(it["input_ids"]), dtype=torch.int32) for it in items]
-    masks = [torch.as_tensor(np.asarray(it["loss_mask"]), dtype=torch.uint8) for it in items]
-    aux = [it["aux_hidden_states"].to(HIDDEN_DTYPE) for it in items]
-    final = [it["final_hidden_state"].to(HIDDEN_DTYPE) for it in items]
+    ids = [torch.as_tensor(np.asarray(it["input_ids"]), dtype=SHARD_DTYPES["input_ids"]) for it in items]
+    masks = [torch.as_tensor(np.asarray(it["loss_mask"]), dtype=SHARD_DTYPES["loss_mask"]) for it in items]
+    aux = [it["aux_hidden_states"].to(SHARD_DTYPES["aux_hidden_states"]) for it in items]
+    final = [it["final_hidden_state"].to(SHARD_DTYPES["final_hidden_state"]) for it in items]
     lengths = [len(t) for t in ids]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     sample_ids = [it["sample_id"] for it in items]

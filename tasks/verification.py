@@ -20,10 +20,8 @@ import torch
 from safetensors import safe_open
 
 from tasks.dataset import prepare_samples
-from tasks.store import FORMAT, HIDDEN_DTYPE, Ledger, file_sha256, read_manifest, sample_checksum, shard_path
+from tasks.store import FORMAT, SHARD_DTYPES, Ledger, file_sha256, read_manifest, sample_checksum, shard_path
 
-EXPECTED_DTYPES = {"input_ids": torch.int32, "loss_mask": torch.uint8, "aux_hidden_states": HIDDEN_DTYPE,
-                   "final_hidden_state": HIDDEN_DTYPE, "offsets": torch.int64}
 
 
 @dataclass
@@ -111,12 +109,12 @@ def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, fresh: dic
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            t = {k: f.get_tensor(k) for k in EXPECTED_DTYPES}
+            t = {k: f.get_tensor(k) for k in SHARD_DTYPES}
     except Exception as e:
         return problems + [f"unreadable as safetensors: {e}"], per_sample
     if meta.get("format") != FORMAT:
         problems.append(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-    for k, dtype in EXPECTED_DTYPES.items():
+    for k, dtype in SHARD_DTYPES.items():
         if t[k].dtype != dtype:
             problems.append(f"{k} is {t[k].dtype}, expected {dtype}")
     n_tok, off = t["input_ids"].shape[0], t["offsets"]
