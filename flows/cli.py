@@ -1,6 +1,10 @@
 """A command line for a flow, made from the flow's own signature, so the CLI,
 the Prefect UI's run form and the Python API share one set of parameters,
-names, defaults and descriptions (`Annotated[..., Field(description=...)]`)."""
+names, defaults and descriptions (`Annotated[..., Field(description=...)]`).
+
+Prefect 3.9 takes the UI form's descriptions from a Google-style `Args:`
+docstring section only, so `described` writes that section from the same
+annotations (apply it under `@flow`)."""
 from __future__ import annotations
 
 import argparse
@@ -17,9 +21,20 @@ def _describe(annotation) -> tuple[type, str]:
     return base, help_text
 
 
+def described(fn):
+    """Append an `Args:` section, made from the parameters' Field
+    descriptions, to the flow function's docstring."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    lines = [f"    {name}: {text}" for name in inspect.signature(fn).parameters
+             if (text := _describe(hints[name])[1])]
+    if lines:
+        fn.__doc__ = (inspect.getdoc(fn) or "") + "\n\nArgs:\n" + "\n".join(lines) + "\n"
+    return fn
+
+
 def build_parser(flow, prog: str) -> argparse.ArgumentParser:
     fn = flow.fn
-    parser = argparse.ArgumentParser(prog=prog, description=inspect.getdoc(fn),
+    parser = argparse.ArgumentParser(prog=prog, description=(inspect.getdoc(fn) or "").split("\n\nArgs:")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(fn, include_extras=True)
     for name, param in inspect.signature(fn).parameters.items():

@@ -18,6 +18,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from pydantic import Field
 
+from flows.cli import described
 from flows.verify import verify_task
 from tasks import extraction
 from tasks.dataset import DEMO_DATASET
@@ -131,6 +132,7 @@ def stop_task(url: str) -> None:
 
 
 @flow(name="extract_hidden_states", task_runner=ThreadPoolTaskRunner(max_workers=2))
+@described
 def extract_hidden_states(
     dataset: Annotated[str, Field(description="JSONL/JSON/Parquet: messages, conversations, text or input_ids rows")] = str(DEMO_DATASET),
     model: Annotated[str, Field(description="target model: a checkpoint folder, or 'smollm2-135m-instruct' / 'tiny-llama'")] = "smollm2-135m-instruct",

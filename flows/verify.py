@@ -12,6 +12,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
+from flows.cli import described
 from tasks.verification import verify_store as verify_plain
 
 
@@ -42,6 +43,7 @@ def verify_task(store: str, recheck_source: bool = True) -> dict:
 
 
 @flow(name="verify_store")
+@described
 def verify_store(
     store: Annotated[str, Field(description="store directory to verify")] = "runs/demo/store",
     recheck_source: Annotated[bool, Field(description="also re-tokenise each sample's source row and compare")] = True,

@@ -39,10 +39,23 @@ def model_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
+# Bumped when a builder changes, so a cached model built by an older one is
+# rebuilt (a folder without a stamp counts as version 1).
+BUILD_VERSIONS = {TINY: 3, SMOLLM2: 1}
+BUILD_STAMP = ".eagle3-build"
+
+
+def _built_version(out: Path) -> int:
+    try:
+        return int((out / BUILD_STAMP).read_text())
+    except (OSError, ValueError):
+        return 1
+
+
 def ensure_model(name: str) -> Path:
     """The checkpoint folder for `name`, built on first use."""
     out = model_dir(name)
-    if (out / "config.json").exists():
+    if (out / "config.json").exists() and _built_version(out) == BUILD_VERSIONS.get(name, 1):
         return out
     builders = {TINY: build_tiny_llama, SMOLLM2: convert_smollm2}
     if name not in builders:
@@ -51,6 +64,7 @@ def ensure_model(name: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     builders[name](tmp)
+    (tmp / BUILD_STAMP).write_text(str(BUILD_VERSIONS[name]))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
@@ -104,8 +118,20 @@ def build_tiny_llama(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
+    model = LlamaForCausalLM(config)
+    # With every weight at std 0.02, a random Llama is a poor target for a
+    # drafter: its logits are all near zero (a near-uniform distribution,
+    # greedy ties decided by rounding), and its residual stream is mostly
+    # context average, so the greedy token repeats from one position to the
+    # next about half the time, and a drafter trained off by one position
+    # would look right. A larger head makes the distribution peaked (logit
+    # std ~3) and larger embeddings make the next token depend on the
+    # current one (P(greedy[t] == greedy[t+1]) ~0.01) and on context, like a
+    # trained model's.
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.3)
+        model.model.embed_tokens.weight.normal_(std=0.1)
+    model.to(torch.bfloat16).save_pretrained(out)
 
 
 def _smollm2_gguf() -> Path:

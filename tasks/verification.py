@@ -180,3 +180,27 @@ def _write_report(store: Path, report: VerifyReport) -> dict:
     (out / "latest.json").write_text(json.dumps(summary, indent=2) + "\n")
     paths["summary_report"] = str(out / "latest.json")
     return paths
+
+
+class StoreNotVerified(RuntimeError):
+    """Training refuses data that no passing verification covers."""
+
+
+def require_verified(store: Path) -> dict:
+    """The latest verification summary, if it passed and covers every sample
+    and shard the ledger holds now; otherwise StoreNotVerified saying why."""
+    store = Path(store)
+    latest = store / "reports" / "latest.json"
+    if not latest.exists():
+        raise StoreNotVerified(f"store {store} has no verification report ({latest}): "
+                               f"run `python -m flows.verify --store {store}` first")
+    summary = json.loads(latest.read_text())
+    if not summary.get("ok"):
+        raise StoreNotVerified(f"store {store} failed its last verification "
+                               f"({summary.get('failed_files')} files, {summary.get('failed_samples')} samples; "
+                               f"see {summary.get('files_report')}): re-extract or repair it, then verify again")
+    samples, newest = Ledger(store).query("SELECT COUNT(*), (SELECT MAX(created) FROM shards) FROM samples")[0]
+    if samples != summary.get("samples") or (newest or 0) > summary.get("time", 0):
+        raise StoreNotVerified(f"store {store} changed since its last verification ({summary.get('samples')} "
+                               f"samples verified, {samples} stored now): verify it again")
+    return summary

@@ -52,6 +52,26 @@ def prefect_api():
         yield os.environ.get("PREFECT_API_URL") or __import__("prefect.settings").settings.PREFECT_API_URL.value()
 
 
+def attach(server, **kw):
+    """extract_hidden_states parameters that attach to the session's server."""
+    return {"model": server.config.model_path, "server_url": server.url,
+            "dump_dir": str(server.config.dump_dir), **kw}
+
+
+@pytest.fixture(scope="session")
+def tiny_store(capture_server, prefect_api, tmp_path_factory) -> Path:
+    """A verified store of 160 demo conversations on the tiny model, for
+    training and the pipeline."""
+    from flows.extract import extract_hidden_states
+
+    d = tmp_path_factory.mktemp("tiny-store")
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(160))
+    result = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(d / "store"),
+                                            batch_size=32, max_length=512))
+    assert result["verification"]["ok"]
+    return Path(result["store"])
+
+
 def demo_rows(n: int) -> list[dict]:
     import json
 

@@ -24,3 +24,18 @@ def test_cli_mirrors_the_flow_signature_with_descriptions():
 def test_verify_cli():
     args = build_parser(verify_store, "python -m flows.verify").parse_args(["--store", "s", "--no-recheck-source"])
     assert args.store == "s" and args.recheck_source is False
+
+
+@pytest.mark.parametrize("entry", ["flows.extract:extract_hidden_states", "flows.verify:verify_store",
+                                   "flows.train:train_drafter", "flows.serve:serve_check",
+                                   "flows.pipeline:eagle3_pipeline"])
+def test_the_ui_form_describes_every_parameter(entry):
+    """Prefect builds the run form from this schema; it reads descriptions
+    from the docstring's Args section only, which `described` writes."""
+    import importlib
+
+    module, name = entry.split(":")
+    flow = getattr(importlib.import_module(module), name)
+    properties = flow.parameters.model_dump()["properties"]
+    missing = [p for p, spec in properties.items() if not spec.get("description")]
+    assert properties and not missing, missing

@@ -24,16 +24,10 @@ from tasks.reference import load_reference_model, per_token_cosine, reference_st
 from tasks.server import _SUPERVISORS
 from tasks.store import Ledger, StoreReader, read_manifest
 from tasks.verification import verify_store
-from tests.conftest import demo_rows, write_jsonl
+from tests.conftest import attach, demo_rows, write_jsonl
 
 pytestmark = pytest.mark.server
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def attach(server, **kw):
-    """Flow parameters that attach to the session's server."""
-    return {"model": server.config.model_path, "server_url": server.url,
-            "dump_dir": str(server.config.dump_dir), **kw}
 
 
 def ledger_rows(store, sql):

@@ -1,0 +1,134 @@
+"""The drafter's parts on plain inputs: draft vocabulary, export layout, TTT
+attention, batching, the schedule."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from tasks.drafter import DraftVocab, build_drafter, count_target_tokens, export_drafter, export_weights, \
+    load_exported, load_target_embeddings
+from tasks.layers import AuxLayers
+from tasks.training import TrainConfig, acceptance_length, lr_at, plan_batches, ttt_attention
+
+
+def test_draft_vocab_keeps_the_most_frequent_ids_and_maps_them_like_sglang():
+    counts = np.array([0, 5, 1, 9, 5, 0, 7])
+    vocab = DraftVocab.from_counts(counts, 4)
+    assert vocab.target_ids.tolist() == [1, 3, 4, 6]  # 9, 7, 5, 5 (tie by id)
+    assert (vocab.d2t + torch.arange(4)).tolist() == [1, 3, 4, 6]  # SGLang: hot_token_id = d2t + arange
+    assert vocab.t2d.nonzero().flatten().tolist() == [1, 3, 4, 6]
+    assert DraftVocab.from_d2t(vocab.d2t, 7).target_ids.tolist() == [1, 3, 4, 6]
+    assert DraftVocab.from_counts(counts, 100).size == 7
+
+
+def test_the_targets_greedy_tokens_are_counted_where_the_next_token_is_masked():
+    head = torch.eye(5)  # the greedy token of a one-hot state is its index
+    final = torch.eye(5)[[4, 1, 3, 0]]  # greedy tokens 4, 1, 3, 0 predict positions 1..4
+    samples = [{"loss_mask": [1, 0, 1, 1], "final_hidden_state": final}]
+    # Tokens 2 and 3 are masked: predicted at positions 1 and 2, greedy 1 and 3.
+    assert count_target_tokens(samples, head).tolist() == [0, 1, 0, 1, 0]
+    assert count_target_tokens(samples * 3, head, max_tokens=2).sum() == 2
+
+
+def test_export_has_sglangs_layout_and_reads_back(tiny_model, tmp_path):
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256)
+    model = build_drafter(tiny_model, vocab, seed=1)
+    layers = AuxLayers.for_model(8)
+    out = export_drafter(model, layers, tmp_path / "drafter", extra={"note": "test"})
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 256
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["tie_word_embeddings"] is False
+    tensors = load_file(str(out / "model.safetensors"))
+    h = config["hidden_size"]
+    assert tensors["fc.weight"].shape == (h, 3 * h)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert tensors["lm_head.weight"].shape == (256, h)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert "embed_tokens.weight" not in tensors
+    # lm_head starts as the target's rows of the draft vocabulary.
+    _, head = load_target_embeddings(tiny_model)
+    assert torch.allclose(tensors["lm_head.weight"].float(), head[torch.from_numpy(vocab.target_ids)], atol=1e-2)
+    back = export_weights(load_exported(out, tiny_model))
+    for name, t in export_weights(model).items():
+        assert torch.allclose(back[name].float(), t.float(), rtol=1e-2, atol=1e-3), name
+
+
+def test_a_tied_target_gives_its_embedding_as_head_and_an_untied_drafter(tiny_model, tmp_path):
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_model, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(str(tied / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tied / "model.safetensors"))
+    embed, head = load_target_embeddings(tied)
+    assert torch.equal(embed, head)
+    out = export_drafter(build_drafter(tied, DraftVocab.from_counts(np.ones(2048), 64)), AuxLayers.for_model(8),
+                         tmp_path / "drafter")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def _naive_step_attention(q, keys, values, valid):
+    """Loops: query t attends to step-0 keys s <= t (valid), then to steps 1..k at t."""
+    b, h, n, d = q.shape
+    out = torch.zeros_like(q)
+    rep = h // keys[0].shape[1]
+    for bi in range(b):
+        for hi in range(h):
+            for t in range(n):
+                ks = [keys[0][bi, hi // rep, s] for s in range(t + 1) if valid[bi, s]]
+                vs = [values[0][bi, hi // rep, s] for s in range(t + 1) if valid[bi, s]]
+                ks += [k[bi, hi // rep, t] for k in keys[1:]]
+                vs += [v[bi, hi // rep, t] for v in values[1:]]
+                w = torch.softmax(torch.stack([q[bi, hi, t] @ k for k in ks]) / d ** 0.5, 0)
+                out[bi, hi, t] = sum(wi * vi for wi, vi in zip(w, vs))
+    return out
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_ttt_attention_equals_a_loop_reference(depth):
+    torch.manual_seed(0)
+    b, h, kv, n, d = 2, 4, 2, 6, 8
+    q = torch.randn(b, h, n, d)
+    keys = [torch.randn(b, kv, n, d) for _ in range(depth)]
+    values = [torch.randn(b, kv, n, d) for _ in range(depth)]
+    valid = torch.tensor([[True] * n, [True] * 4 + [False] * 2])
+    got = ttt_attention(q, keys, values, valid)
+    want = _naive_step_attention(q, keys, values, valid)
+    assert torch.allclose(got, want, atol=1e-5)
+    if depth == 1:  # step 0 is plain causal attention
+        sdpa = F.scaled_dot_product_attention(q[:1], keys[0][:1].repeat_interleave(2, 1),
+                                              values[0][:1].repeat_interleave(2, 1), is_causal=True)
+        assert torch.allclose(got[:1], sdpa, atol=1e-5)
+
+
+def test_acceptance_length_is_the_sum_of_running_products():
+    assert acceptance_length([1.0, 1.0, 1.0]) == 3.0
+    assert acceptance_length([0.5, 0.5]) == 0.75
+    assert acceptance_length([0.0, 1.0]) == 0.0
+
+
+def test_batches_cover_every_sample_once_within_budget_and_replay_by_epoch():
+    lengths = np.random.default_rng(0).integers(5, 300, size=200)
+    idx = np.arange(0, 200, 2)
+    a = plan_batches(lengths, idx, 1024, seed=3, epoch=1)
+    assert sorted(i for b in a for i in b) == idx.tolist()
+    assert all(max(lengths[b]) * len(b) <= 1024 or len(b) == 1 for b in a)
+    assert a == plan_batches(lengths, idx, 1024, seed=3, epoch=1)
+    assert a != plan_batches(lengths, idx, 1024, seed=3, epoch=2)
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    cfg = TrainConfig(store="s", out_dir="o", lr=1.0, warmup_fraction=0.1)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert lrs[0] < lrs[9] == pytest.approx(1.0)
+    assert all(x >= y for x, y in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=0.01)
