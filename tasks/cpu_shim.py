@@ -17,6 +17,9 @@ from pathlib import Path
 from tasks.paths import REPO_ROOT, cache_root
 
 STUB_SOURCE = REPO_ROOT / "csrc" / "libcuda_stub.c"
+# Holds the sitecustomize.py that server processes import at start-up.
+SGLANG_SITE_DIR = REPO_ROOT / "tasks" / "sglang_site"
+CPU_SPECULATIVE_SWITCH = "EAGLE3_CPU_SPECULATIVE"
 
 
 def gpu_present() -> bool:
@@ -73,11 +76,16 @@ def build_libcuda_stub() -> Path:
     return out_dir
 
 
-def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None = None) -> dict[str, str]:
+def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None = None,
+                       speculative: bool = False) -> dict[str, str]:
     """The environment for an SGLang server process.
 
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
-    switch and the stub driver; on a GPU machine: `base` unchanged.
+    switch and the stub driver, and with `speculative=True` also the
+    sitecustomize that supplies the CPU speculative-decoding operators
+    (tasks/sglang_site, tasks.cpu_spec_ops; it needs the repository root on
+    PYTHONPATH too, which the launcher adds). On a GPU machine: `base`
+    unchanged, since SGLang's own kernels serve speculative decoding there.
     """
     env = dict(os.environ if base is None else base)
     if cpu is None:
@@ -87,4 +95,8 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
         stub_dir = str(build_libcuda_stub())
         paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([stub_dir, *paths])
+        if speculative:
+            env[CPU_SPECULATIVE_SWITCH] = "1"
+            paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SITE_DIR), *paths])
     return env

@@ -1,4 +1,5 @@
-"""Launch, health-check, probe and stop an SGLang capture server.
+"""Launch, health-check, probe and stop an SGLang capture server (or a plain
+or EAGLE-3 speculative one, for generation and serving checks).
 
 The server is stock SGLang: capture is switched on with its own flags
 (`--enable-return-aux-hidden-states --speculative-algorithm EAGLE3`) and the
@@ -53,6 +54,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int | None = None  # None: a free port
     capture: bool = True  # False: a plain server (baselines, generation)
+    # With capture=False: serve EAGLE-3 speculative decoding with this drafter
+    # (an SGLang LlamaForCausalLMEagle3 directory).
+    draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
     rid_prefix: str = RID_PREFIX
     capture_all: bool = False
     cpu: bool | None = None  # None: decide from the hardware
@@ -88,6 +95,9 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         "--max-total-tokens", str(cfg.max_total_tokens),
         "--disable-radix-cache",
     ]
+    if cfg.capture and cfg.draft_model_path is not None:
+        raise ValueError("a capture server cannot also serve a drafter: its EAGLE3 mode is capture-only "
+                         "(set capture=False to serve speculative decoding)")
     if cfg.capture:
         cmd += [
             "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
@@ -95,6 +105,18 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         ]
         if cfg.aux_layer_ids is not None:
             cmd += ["--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layer_ids)]
+    if cfg.draft_model_path is not None:
+        cmd += [
+            "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", str(cfg.draft_model_path),
+            "--speculative-num-steps", str(cfg.speculative_num_steps),
+            "--speculative-eagle-topk", str(cfg.speculative_eagle_topk),
+            "--speculative-num-draft-tokens", str(cfg.speculative_num_draft_tokens),
+        ]
+        if cpu:
+            # SGLang's only CPU backend that supports EAGLE; the operators it
+            # needs come from tasks.cpu_spec_ops (see server_environment).
+            cmd += ["--attention-backend", "intel_amx"]
     if cfg.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.mem_fraction_static is not None:
@@ -153,8 +175,9 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
     Path(cfg.dump_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = server_environment(cpu=cpu)
-    # The hook is imported inside the server's processes.
+    env = server_environment(cpu=cpu, speculative=cfg.draft_model_path is not None)
+    # The hook (and, for speculative serving on a CPU, tasks.cpu_spec_ops) is
+    # imported inside the server's processes.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     cmd = build_command(cfg, port, cpu=cpu)
     with open(log_path, "ab") as log:
