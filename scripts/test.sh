@@ -4,5 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The Prefect UI test drives Debian's Chromium through Playwright (never
+# `playwright install`: the machines are offline but for PyPI and apt).
+if [ ! -x /usr/bin/chromium ]; then
+  echo "test: installing Debian's chromium for the Prefect UI test"
+  apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+# Plain functions log through `eagle3.*` outside flow runs too: not an error.
+export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,379 @@
+"""The extraction deployment operated the way a user does: a real Prefect
+server, the `eagle3` process pool, `prefect.yaml` deployed with the CLI, a
+worker, and the Prefect UI driven by a real browser (Playwright on Debian's
+Chromium). Also: a flow run that ended Failed, retried from the API exactly
+as the UI's Retry button does, redoes only the samples the ledger lacks.
+
+Runs attach to the session's capture server (`server_url`, `dump_dir`), so
+no second SGLang server is launched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tasks.server import free_port
+from tests.conftest import ARTIFACTS, demo_rows, write_jsonl
+
+pytestmark = pytest.mark.server
+REPO = Path(__file__).resolve().parent.parent
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+SHOTS = ARTIFACTS / "prefect-ui"
+
+
+# ------------------------------------------------------------------ processes
+
+def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """Start a process in its own process group (so teardown reaches its
+    children too: the worker's flow-run processes, the server's services)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log, "ab")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGINT to the group (the worker and the server shut down cleanly on
+    it), then SIGKILL to whatever is left of the group."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def cli(args: list[str], env: dict, timeout_s: float = 180.0) -> str:
+    done = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"prefect {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def log_tail(path: Path, n: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
+
+
+# ------------------------------------------------------------------ REST API
+
+class Api:
+    """The few Prefect REST calls the tests need, against one server (never
+    the session's harness, whose settings may be active in this process)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=30.0)
+
+    def call(self, method: str, path: str, body=None):
+        r = self.http.request(method, path, json=body)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else None
+
+    def deployment(self, name: str) -> dict:
+        return self.call("GET", f"/deployments/name/{name}")
+
+    def flow_run(self, run_id: str) -> dict:
+        return self.call("GET", f"/flow_runs/{run_id}")
+
+    def flow_run_states(self, run_id: str) -> list[str]:
+        return [s["name"] for s in self.call("GET", f"/flow_run_states/?flow_run_id={run_id}")]
+
+    def task_runs(self, run_id: str) -> list[dict]:
+        return self.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC"})
+
+    def logs(self, run_id: str) -> list[str]:
+        out, offset = [], 0
+        while True:
+            page = self.call("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}},
+                                                      "sort": "TIMESTAMP_ASC", "offset": offset, "limit": 200})
+            out += [entry["message"] for entry in page]
+            if len(page) < 200:
+                return out
+            offset += 200
+
+    def logs_once(self, run_id: str, ready, timeout_s: float = 60.0) -> list[str]:
+        """The run's logs once `ready(logs)` holds. A flow-run process ships
+        its logs in batches and may still send some after the run's state
+        turned terminal; a last read 3 s later takes in any stragglers."""
+        deadline = time.monotonic() + timeout_s
+        while not ready(self.logs(run_id)) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        time.sleep(3.0)
+        return self.logs(run_id)
+
+    def artifacts(self, run_id: str) -> list[dict]:
+        return self.call("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+
+    def runs_of(self, deployment_id: str) -> list[dict]:
+        return self.call("POST", "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}})
+
+    def retry_like_the_ui(self, run_id: str) -> dict:
+        """What the Retry button of Prefect 3.9's UI sends (ui-v2 bundle,
+        flow-run page: setFlowRunState({type: SCHEDULED, name: AwaitingRetry,
+        message: "Retry from the UI"}, force: true)). The worker then picks
+        the scheduled run up again."""
+        return self.call("POST", f"/flow_runs/{run_id}/set_state", {
+            "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": True})
+
+    def wait_terminal(self, run_id: str, timeout_s: float, after: str | None = None, logs: list[Path] = ()) -> dict:
+        """Poll until the run is terminal (and, with `after`, has left the
+        state with that id: a retried run is terminal until the worker takes it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            run = self.flow_run(run_id)
+            if run["state_type"] in TERMINAL and (after is None or run["state_id"] != after):
+                return run
+            time.sleep(1.0)
+        tails = "\n".join(f"--- {p}:\n{log_tail(p)}" for p in logs)
+        raise AssertionError(f"flow run {run_id} still {run['state_name']} after {timeout_s:.0f} s\n{tails}")
+
+
+# ------------------------------------------------------------------ the stack
+
+@pytest.fixture(scope="module")
+def prefect_stack(tmp_path_factory):
+    """A Prefect server (temporary home, SQLite, free port, telemetry off),
+    the `eagle3` process pool and a worker; stopped worker first."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({
+        "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+        "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+        "EAGLE3_REPO": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+    })
+    logs = ARTIFACTS / "prefect-ui-logs"
+    server = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
+                   logs / "prefect-server.log")
+    worker = None
+    try:
+        api = Api(api_url)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Prefect server did not start:\n{log_tail(logs / 'prefect-server.log')}")
+            time.sleep(0.5)
+        cli(["work-pool", "create", "eagle3", "--type", "process"], env)
+        worker = start([PREFECT, "worker", "start", "--pool", "eagle3"], env, logs / "prefect-worker.log")
+        yield {"api": api, "env": env, "url": api_url.removesuffix("/api"), "logs": logs,
+               "worker": worker, "log_files": [logs / "prefect-worker.log", logs / "prefect-server.log"]}
+    finally:
+        if worker is not None:
+            stop(worker)  # first: it still needs the API to report its runs
+        stop(server)
+
+
+def deploy_extract(stack, params: dict) -> dict:
+    """`prefect deploy` of prefect.yaml's `extract` deployment, as
+    scripts/prefect-ui.sh does, with the tests' parameters as its defaults."""
+    cli(["--no-prompt", "deploy", "--name", "extract", "--params", json.dumps(params)], stack["env"])
+    return stack["api"].deployment("extract_hidden_states/extract")
+
+
+@pytest.fixture(scope="module")
+def deployment(prefect_stack, capture_server, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ui-run")
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(8))
+    params = {"model": capture_server.config.model_path, "dataset": str(dataset), "store": str(d / "store"),
+              "server_url": capture_server.url, "dump_dir": str(capture_server.config.dump_dir), "batch_size": 4}
+    # All of prefect.yaml first, as scripts/prefect-ui.sh deploys it, then
+    # `extract` again with the tests' parameters.
+    cli(["--no-prompt", "deploy", "--all"], prefect_stack["env"])
+    return deploy_extract(prefect_stack, params)
+
+
+def test_prefect_yaml_deploys_every_flow(prefect_stack, deployment):
+    import yaml
+
+    wanted = {(d["entrypoint"].rsplit(":", 1)[1], d["name"])
+              for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+    deployed = prefect_stack["api"].call("POST", "/deployments/filter", {})
+    flows = {f["id"]: f["name"] for f in prefect_stack["api"].call("POST", "/flows/filter", {})}
+    # (each flow is named after its function)
+    assert {(flows[d["flow_id"]], d["name"]) for d in deployed} == wanted
+    assert {"extract", "verify", "train", "pipeline"} <= {name for _, name in wanted}
+
+
+def ledger(store: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(store / "ledger.sqlite") as db:
+        return db.execute(sql).fetchall()
+
+
+# ------------------------------------------------------------------ the UI
+
+@pytest.fixture
+def browser_page():
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        raise RuntimeError(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test.sh does)")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(30_000)
+            yield page
+        finally:
+            browser.close()
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_a_run_started_from_the_ui_shows_its_tasks_logs_and_verification(prefect_stack, deployment, browser_page):
+    import re
+
+    from playwright.sync_api import expect
+
+    page, api, base = browser_page, prefect_stack["api"], prefect_stack["url"]
+    store = Path(deployment["parameters"]["store"])
+
+    # The address the README gives opens the (default, v2) UI.
+    page.goto(base + "/")
+    page.get_by_role("link", name="Deployments", exact=True).click()
+    page.get_by_role("link", name="extract", exact=True).first.click()
+    expect(page.get_by_text("flows/extract.py:extract_hidden_states")).to_be_visible()
+    shot(page, "1-deployment")
+
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Quick run").click()
+    expect(page.get_by_text("Flow run created")).to_be_visible()
+    shot(page, "2-quick-run")
+    page.get_by_role("link", name="View run").click()
+    page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))
+    run_id = re.search(r"/runs/flow-run/([0-9a-f-]{36})", page.url).group(1)
+
+    run = api.wait_terminal(run_id, 300, logs=prefect_stack["log_files"])
+    assert run["state_type"] == "COMPLETED", (run["state"], log_tail(prefect_stack["log_files"][0]))
+    assert run["deployment_id"] == deployment["id"]
+    # The page polls the API: it shows the end state without a reload.
+    expect(page.get_by_text("Completed", exact=True).first).to_be_visible(timeout=60_000)
+    expect(page.get_by_text(re.compile(r"plan: 8 rows -> 8 to capture"))).to_be_visible()
+    shot(page, "3-flow-run-logs")
+
+    page.get_by_role("tab", name="Task Runs").click()
+    for name in ("plan", "storage-preflight", "launch-server", "warm-up", "reset-dump-dir", "stop-server", "verify"):
+        expect(page.get_by_role("link", name=re.compile(rf"^{name}-[0-9a-f]+$"))).to_have_count(1)
+    batches = page.get_by_role("link", name=re.compile(r"^extract-batch-[0-9a-f]+$"))
+    expect(batches).to_have_count(2)
+    shot(page, "4-task-runs")
+
+    batches.first.click()
+    page.wait_for_url(re.compile(r"/runs/task-run/"))
+    expect(page.get_by_text(re.compile(r"batch of 4: stored 4 samples, \d+ tokens"))).to_be_visible()
+    shot(page, "5-batch-task-logs")
+
+    page.go_back()
+    page.get_by_role("tab", name="Artifacts").click()
+    artifact = page.get_by_text(f"verification of {store}")
+    expect(artifact).to_be_visible()
+    shot(page, "6-artifacts")
+    artifact.click()
+    page.wait_for_url(re.compile(r"/artifacts/artifact/"))
+    shards = [name for (name,) in ledger(store, "SELECT name FROM shards ORDER BY name")]
+    assert len(shards) == 2
+    for name in shards:  # one row per shard of the store, each OK
+        expect(page.get_by_role("row").filter(has_text=name).filter(has_text="OK")).to_have_count(1)
+    shot(page, "7-verification-artifact")
+
+
+# ------------------------------------------------------------------ retry
+
+def file_stats(store: Path) -> dict:
+    """Identity and content stamp of every shard file (not the fault's directory)."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size)
+            for p in sorted((store / "shards").glob("shard-*.safetensors")) if p.is_file()}
+
+
+def test_a_failed_run_retried_like_the_ui_redoes_only_what_is_missing(prefect_stack, deployment, capture_server,
+                                                                      tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tasks.dataset import prepare_samples
+    from tasks.store import shard_name
+
+    api = prefect_stack["api"]
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(12))
+    store = tmp_path / "store"
+    samples, _ = prepare_samples(dataset, AutoTokenizer.from_pretrained(tiny_model), max_length=2048)
+    blocked = [s.sample_id for s in samples[4:8]]  # the second of three batches of 4
+    # The fault: a directory where that batch's shard file must go, so its
+    # write fails every time (as a full or read-only store would) and its
+    # retries cannot help. Nothing else of the run is affected.
+    fault = store / "shards" / f"{shard_name(blocked)}.safetensors"
+    fault.mkdir(parents=True)
+
+    params = {**deployment["parameters"], "dataset": str(dataset), "store": str(store),
+              "batch_retries": 1, "batch_retry_delay_s": 0}
+    # prefect.yaml gives the deployment one flow-level retry (after 60 s):
+    # keep the retry, drop the wait, the way a user would for one run.
+    run = api.call("POST", f"/deployments/{deployment['id']}/create_flow_run", {
+        "parameters": params, "job_variables": {"env": {"PREFECT_FLOWS_DEFAULT_RETRY_DELAY_SECONDS": "0"}}})
+    run = api.wait_terminal(run["id"], 300, logs=prefect_stack["log_files"])
+    states = api.flow_run_states(run["id"])
+    logs = api.logs_once(run["id"], lambda logs: any(
+        m.startswith("Finished in state Failed") and "Flow run encountered" in m for m in logs))
+    assert run["state_type"] == "FAILED", (run["state"], states)
+    assert "1 batches failed after their retries" in run["state"]["message"]
+    # The flow-level retry happened, in the same process, and resumed from
+    # the ledger: it planned only the blocked batch.
+    assert "AwaitingRetry" in states, states
+    assert [m.split(" (")[0] for m in logs if m.startswith("plan: ")] == [
+        "plan: 12 rows -> 12 to capture", "plan: 12 rows -> 4 to capture"], logs
+    assert sum(m.startswith("batch of 4: stored 4 samples") for m in logs) == 2
+    stored = {sid for (sid,) in ledger(store, "SELECT sample_id FROM samples")}
+    assert stored == {s.sample_id for s in samples} - set(blocked)
+    assert ledger(store, "SELECT COUNT(*) FROM quarantine") == [(0,)]
+    shards_before = ledger(store, "SELECT * FROM shards ORDER BY name")
+    samples_before = ledger(store, "SELECT * FROM samples ORDER BY sample_id")
+    files_before = file_stats(store)
+    assert len(shards_before) == 2 and len(files_before) == 2
+
+    fault.rmdir()
+    failed_state = run["state_id"]
+    api.retry_like_the_ui(run["id"])
+    run = api.wait_terminal(run["id"], 300, after=failed_state, logs=prefect_stack["log_files"])
+    logs = api.logs_once(run["id"], lambda logs: any(m.startswith("verification ") for m in logs))
+    assert run["state_type"] == "COMPLETED", (run["state"], api.flow_run_states(run["id"]))
+    assert [m.split(" (")[0] for m in logs if m.startswith("plan: ")][2:] == ["plan: 12 rows -> 4 to capture"]
+    assert sum(m.startswith("batch of 4: stored 4 samples") for m in logs) == 3  # one more, the blocked one
+    assert any(m.startswith("verification passed: 3 files, 12 samples") for m in logs), logs[-10:]
+    # What was stored before the retry is untouched: same ledger rows (with
+    # their created times), same files (inode, mtime, size).
+    shards_after = ledger(store, "SELECT * FROM shards ORDER BY name")
+    assert [r for r in shards_after if r[0] != shard_name(blocked)] == shards_before
+    assert ledger(store, f"SELECT * FROM samples WHERE shard != '{shard_name(blocked)}' ORDER BY sample_id") == samples_before
+    files_after = file_stats(store)
+    assert {k: v for k, v in files_after.items() if k in files_before} == files_before
+    # ...and the one new shard holds exactly the samples that were missing.
+    assert set(files_after) - set(files_before) == {f"{shard_name(blocked)}.safetensors"}
+    assert sorted(sid for (sid,) in ledger(store, f"SELECT sample_id FROM samples WHERE shard = '{shard_name(blocked)}'")) == sorted(blocked)
