@@ -61,14 +61,20 @@ def serve_check(
     target: Annotated[Optional[str], Field(description="target checkpoint (default: the one the drafter was trained for)")] = None,
     num_prompts: Annotated[int, Field(description="held-out prompts to generate for", ge=1)] = 8,
     max_new_tokens: Annotated[int, Field(description="greedy tokens per prompt", ge=1)] = 48,
-    heldout_fraction: Annotated[float, Field(description="the training run's held-out share", gt=0, lt=1)] = 0.05,
+    heldout_fraction: Annotated[Optional[float], Field(description="held-out share (default: the training run's, from the drafter's config)", gt=0, lt=1)] = None,
     dtype: Annotated[str, Field(description="compute dtype of both servers (float32 makes greedy comparable)")] = "float32",
     num_steps: Annotated[int, Field(description="--speculative-num-steps", ge=1)] = 3,
     num_draft_tokens: Annotated[int, Field(description="--speculative-num-draft-tokens (top-1 chain: steps + 1)", ge=2)] = 4,
 ) -> dict:
     """Serve the drafter in SGLang: identical greedy output, accept length, speed-up."""
-    if target is None:
-        target = json.loads((Path(drafter_dir) / "config.json").read_text())["eagle3_training"]["target"]
+    trained = json.loads((Path(drafter_dir) / "config.json").read_text()).get("eagle3_training", {})
+    if target is None or heldout_fraction is None:
+        if not trained:
+            raise ValueError(f"{drafter_dir}/config.json does not say how it was trained: pass target and "
+                             f"heldout_fraction")
+        target = target or trained["target"]
+        # The training run's own split: prompts it never trained on.
+        heldout_fraction = heldout_fraction or trained["config"]["heldout_fraction"]
     prompts = prompts_task(store, heldout_fraction, num_prompts)
     return serve_task(target, drafter_dir, prompts, str(Path(drafter_dir).parent / "serve-logs"), max_new_tokens,
                       dtype, num_steps, num_draft_tokens)
