@@ -227,10 +227,13 @@ class Eagle3Drafter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "rotary."))}
 
 
-def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_aux: int = 3) -> Eagle3Drafter:
+def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_aux: int = 3,
+                  embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3Drafter:
     """A fresh drafter: random layers, the target's embeddings (frozen), and
     lm_head rows copied from the target's for the draft vocabulary (a far
-    better start than random: step 0 then starts near the target's own head)."""
+    better start than random: step 0 then starts near the target's own head).
+    `embeddings`: the target's (embed, head) if the caller has read them
+    already (for a large target they are gigabytes)."""
     target_config = json.loads((Path(target_path) / "config.json").read_text())
     cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux)
     torch.manual_seed(seed)
@@ -239,7 +242,7 @@ def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_au
     for name, p in model.named_parameters():
         if p.dim() == 2 and not name.startswith("embed_tokens"):
             nn.init.normal_(p, std=std)
-    embed, head = load_target_embeddings(target_path)
+    embed, head = embeddings if embeddings is not None else load_target_embeddings(target_path)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed)
         model.lm_head.weight.copy_(head[torch.from_numpy(vocab.target_ids)])

@@ -348,7 +348,7 @@ def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None) -> _Run:
                             f"captured from, {manifest.get('target')})")
     layers = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
     train_idx, held_idx = split(reader, cfg.heldout_fraction)
-    _, head = load_target_embeddings(target)
+    embed, head = load_target_embeddings(target)
     if vocab is None:
         counts = count_target_tokens((reader[int(i)] for i in train_idx), head, VOCAB_COUNT_TOKENS)
         vocab = DraftVocab.from_counts(counts, cfg.draft_vocab_size)
@@ -357,7 +357,8 @@ def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None) -> _Run:
                     "loss-masked training positions", vocab.size, vocab.vocab_size, 100 * covered,
                     f"{counts.sum():,}")
     device = _device()
-    model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids)).to(device)
+    model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
+                          embeddings=(embed, head)).to(device)
     head = head.to(device)
     return _Run(cfg, reader, train_idx, held_idx, layers, target, model,
                 head[torch.from_numpy(vocab.target_ids).to(device)], head, device, vocab=vocab)
