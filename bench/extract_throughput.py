@@ -29,13 +29,16 @@ import httpx
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from tasks.dataset import DEMO_DATASET, prepare_samples
-from tasks.extraction import extract_batch
-from tasks.layers import AuxLayers
-from tasks.models import resolve_model
+from tasks.capture.extraction import extract_batch
+from tasks.data.dataset import DEMO_DATASET, prepare_samples
 from tasks.paths import default_dump_root
-from tasks.server import ServerConfig, launch_server
-from tasks.store import Ledger, build_manifest, bytes_per_token, open_store
+from tasks.server.launch import ServerConfig, launch_server
+from tasks.store.ledger import open_ledger, open_store
+from tasks.store.manifest import build_manifest
+from tasks.store.shards import bytes_per_token
+from tasks.target.architectures import architecture_of
+from tasks.target.layers import AuxLayers
+from tasks.target.models import resolve_model
 
 
 async def _prefill_all(url: str, id_lists, in_flight: int) -> None:
@@ -108,15 +111,15 @@ def main() -> None:
         t_plain = plain_prefill(ServerConfig(**base, capture=False), id_lists, 2 * args.concurrency, work / "plain.log")
 
         store = work / "store"
-        open_store(store, build_manifest(model, tok, layers, max_length=4096, policy="truncate",
-                                         sources=[str(DEMO_DATASET)]))
+        open_store(store, build_manifest(model, tok, layers, architecture_of(config), max_length=4096,
+                                         policy="truncate", sources=[str(DEMO_DATASET)]))
         with launch_server(ServerConfig(**base, aux_layer_ids=layers.sglang_ids), work / "capture.log") as server:
             asyncio.run(_prefill_all(server.url, id_lists[:8], 2 * args.concurrency))  # warm-up (not captured)
             t_pipe = pipeline(server.url, dump_dir, store, str(DEMO_DATASET), samples, layers,
                               args.batch_size, args.concurrency)
             t_serial = clear_and_scan(server.url, dump_dir, work / "serial", id_lists)
 
-        summary = Ledger(store).summary()
+        summary = open_ledger(store).summary()
         assert summary["tokens"] == tokens, summary
         raw = tokens * bytes_per_token(config["hidden_size"])  # the tensors alone, no header
         a, b, c = tokens / t_plain, tokens / t_pipe, tokens / t_serial

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-from tasks.training import TTT, TrainConfig, _to, collate, plan_batches, prefetch, prepare
+from tasks.train.data import collate, plan_batches, prefetch
+from tasks.train.loop import TrainConfig, _to, prepare
+from tasks.train.ttt import TTT
 
 
 def main(argv=None) -> None:

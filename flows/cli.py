@@ -43,7 +43,9 @@ def build_parser(flow, prog: str) -> argparse.ArgumentParser:
         if typing.get_origin(base) is typing.Union:  # Optional[X]
             base = next(a for a in args if a is not type(None))
             args = typing.get_args(base)
-        kw: dict = {"default": param.default, "help": f"{help_text} (default: {param.default!r})"}
+        # A description that explains its default itself ("default: ...") keeps its own words.
+        shown = help_text if "default" in help_text else f"{help_text} (default: {param.default!r})"
+        kw: dict = {"default": param.default, "help": shown}
         origin = typing.get_origin(base)
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction

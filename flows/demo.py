@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from flows.pipeline import eagle3_pipeline
-from tasks.cpu_shim import gpu_present
-from tasks.dataset import DEMO_DATASET
-from tasks.layers import AuxLayers
-from tasks.models import SMOLLM2, resolve_model
+from tasks.data.dataset import DEMO_DATASET
 from tasks.paths import REPO_ROOT
-from tasks.reference import load_reference_model, per_token_cosine, reference_states
-from tasks.store import Ledger, StoreReader
+from tasks.server.cpu_shim import gpu_present
+from tasks.store.ledger import open_ledger
+from tasks.store.reader import StoreReader
+from tasks.target.layers import AuxLayers
+from tasks.target.models import SMOLLM2, resolve_model
+from tasks.target.reference import load_reference_model, per_token_cosine, reference_states
 
 # Sized for a 2-core CPU: well under an hour in all.
 DEMO_TRAINING = dict(draft_vocab_size=4096, ttt_steps=3, epochs=12, lr=2e-3, tokens_per_batch=2048,
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
                              **{**DEMO_TRAINING, "epochs": args.epochs})
     elapsed = time.perf_counter() - t0
     check = check_against_reference(result["store"], resolve_model(SMOLLM2), args.samples_checked)
-    summary = Ledger(Path(result["store"])).summary()
+    summary = open_ledger(Path(result["store"])).summary()
     steps = DEMO_TRAINING["serve_steps"]
     rows = [
         ("store", f"{result['store']}: {summary['samples']} samples, {summary['tokens']:,} tokens, verified"),

@@ -18,15 +18,19 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from pydantic import Field
 
+from flows import params
+from flows.artifacts import artifact_key
 from flows.cli import described
 from flows.verify import verify_task
-from tasks import extraction
-from tasks.dataset import DEMO_DATASET
-from tasks.layers import AuxLayers
-from tasks.models import resolve_model
+from tasks.capture import extraction
 from tasks.paths import default_dump_root
-from tasks.server import ServerConfig, ServerSupervisor, supervisor_for
-from tasks.store import Ledger, build_manifest, open_store
+from tasks.server.launch import ServerConfig
+from tasks.server.supervisor import ServerSupervisor
+from tasks.store.ledger import open_ledger, open_store
+from tasks.store.manifest import build_manifest
+from tasks.target.architectures import Architecture, architecture_of
+from tasks.target.layers import AuxLayers
+from tasks.target.models import resolve_model
 
 
 @task(name="plan", cache_policy=NO_CACHE)
@@ -36,18 +40,19 @@ def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str
     log = get_run_logger()
     model_path = resolve_model(model)
     config = json.loads((model_path / "config.json").read_text())
-    layers = AuxLayers.for_model(config["num_hidden_layers"], aux_layer_ids)
+    arch = architecture_of(config)
+    layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], aux_layer_ids)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    manifest = build_manifest(model_path, tokenizer, layers, max_length=max_length, policy=policy,
+    manifest = build_manifest(model_path, tokenizer, layers, arch, max_length=max_length, policy=policy,
                               sources=[str(Path(dataset).resolve())])
     ledger = open_store(Path(store), manifest)
     plan = extraction.plan_extraction(Path(dataset), tokenizer, ledger, max_length=max_length, policy=policy)
-    log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; aux layers: %s",
+    log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; %s, aux layers: %s",
              plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
-             len(plan.rejected), layers.describe())
+             len(plan.rejected), arch.name, layers.describe())
     for r in plan.rejected[:20]:
         log.warning("rejected row %d: %s", r.source_row, r.reason)
-    return plan, model_path, layers, config["hidden_size"]
+    return plan, model_path, arch, layers, manifest["hidden_size"]
 
 
 @task(name="storage-preflight", cache_policy=NO_CACHE)
@@ -59,7 +64,7 @@ def preflight_task(plan, store: str, dump_dir: str, hidden_size: int, in_flight_
             f"| store needs | {estimate['store_bytes'] / 2**30:.3f} GiB of {estimate['store_free'] / 2**30:.1f} GiB free "
             f"(`{store}`) |\n| dump dir needs | {estimate['dump_bytes'] / 2**30:.3f} GiB of "
             f"{estimate['dump_dir_free'] / 2**30:.1f} GiB free (`{dump_dir}`) |\n")
-    create_markdown_artifact(markdown=text, description="storage plan")
+    create_markdown_artifact(markdown=text, key=artifact_key("storage-plan", store), description="storage plan")
     get_run_logger().info("storage: store needs %.3f GiB (%.1f free), dump dir %.3f GiB (%.1f free)",
                           estimate["store_bytes"] / 2**30, estimate["store_free"] / 2**30,
                           estimate["dump_bytes"] / 2**30, estimate["dump_dir_free"] / 2**30)
@@ -67,22 +72,22 @@ def preflight_task(plan, store: str, dump_dir: str, hidden_size: int, in_flight_
 
 
 @task(name="launch-server", cache_policy=NO_CACHE)
-def launch_task(model_path: Path, dump_dir: str, layers: AuxLayers, server_url: Optional[str], tp_size: int,
-                max_total_tokens: int, chunked_prefill_size: Optional[int], extra_server_args: list[str],
-                max_server_restarts: int, log_path: str) -> str:
+def launch_task(model_path: Path, dump_dir: str, arch: Architecture, layers: AuxLayers, server_url: Optional[str],
+                tp_size: int, max_total_tokens: int, chunked_prefill_size: Optional[int], extra_server_args: list[str],
+                max_server_restarts: int, log_path: str) -> ServerSupervisor:
     log = get_run_logger()
     if server_url:
         supervisor = ServerSupervisor(attach_url=server_url, max_restarts=0)
         log.info("attaching to the SGLang server at %s", server_url)
     else:
-        cfg = ServerConfig(model_path=str(model_path), dump_dir=Path(dump_dir), aux_layer_ids=layers.sglang_ids,
+        cfg = ServerConfig(model_path=str(model_path), dump_dir=Path(dump_dir),
+                           aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids), capture_module=arch.decoder_stack,
                            tp_size=tp_size, max_total_tokens=max_total_tokens,
                            chunked_prefill_size=chunked_prefill_size, extra_args=tuple(extra_server_args))
         supervisor = ServerSupervisor(cfg, Path(log_path), max_restarts=max_server_restarts)
         log.info("launching SGLang on %s (tp=%d), log: %s", model_path, tp_size, log_path)
-    url = supervisor.start()
-    log.info("SGLang server ready at %s", url)
-    return url
+    log.info("SGLang server ready at %s", supervisor.start())
+    return supervisor
 
 
 @task(name="warm-up", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
@@ -103,15 +108,13 @@ def reset_dump_dir_task(dump_dir: str) -> int:
 # the defaults for a direct call.
 @task(name="extract-batch", cache_policy=NO_CACHE, retries=3,
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5)
-def extract_batch_task(batch: list, url: str, dump_dir: str, store: str, source: str, layers: AuxLayers,
-                       concurrency: int, sample_attempts: int) -> dict:
+def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: str, store: str, source: str,
+                       layers: AuxLayers, concurrency: int, sample_attempts: int) -> dict:
     log = get_run_logger()
-    result = extraction.extract_batch(url, Path(dump_dir), Path(store), source, batch,
+    result = extraction.extract_batch(server.url, Path(dump_dir), Path(store), source, batch,
                                       aux_layer_ids=layers.sglang_ids, concurrency=concurrency,
-                                      sample_attempts=sample_attempts)
-    supervisor = supervisor_for(url)
-    if supervisor is not None:
-        supervisor.forward_log(log)
+                                      sample_attempts=sample_attempts, on_server_down=server.recover)
+    server.forward_log(log)
     log.info("batch of %d: stored %d samples, %d tokens in %.1f s (%.0f tok/s) -> %s; retried %d, quarantined %d",
              len(batch), result.samples, result.tokens, result.seconds, result.tokens_per_s, result.shard,
              result.retried, len(result.quarantined))
@@ -120,28 +123,26 @@ def extract_batch_task(batch: list, url: str, dump_dir: str, store: str, source:
 
 
 @task(name="stop-server", cache_policy=NO_CACHE)
-def stop_task(url: str) -> None:
-    supervisor = supervisor_for(url)
-    if supervisor is None:
-        return
-    supervisor.stop()
-    if supervisor.attach_url:
-        get_run_logger().info("detached from the SGLang server at %s (left running)", url)
+def stop_task(server: ServerSupervisor) -> None:
+    server.stop()
+    if server.attach_url:
+        get_run_logger().info("detached from the SGLang server at %s (left running)", server.url)
     else:
-        get_run_logger().info("SGLang server at %s stopped (%d relaunches during the run)", url, supervisor.restarts)
+        get_run_logger().info("SGLang server at %s stopped (%d relaunches during the run)", server.url,
+                              server.restarts)
 
 
 @flow(name="extract_hidden_states", task_runner=ThreadPoolTaskRunner(max_workers=2))
 @described
 def extract_hidden_states(
-    dataset: Annotated[str, Field(description="JSONL/JSON/Parquet: messages, conversations, text or input_ids rows")] = str(DEMO_DATASET),
-    model: Annotated[str, Field(description="target model: a checkpoint folder, or 'smollm2-135m-instruct' / 'tiny-llama'")] = "smollm2-135m-instruct",
+    dataset: params.Dataset = params.DEFAULT_DATASET,
+    model: params.Model = params.DEFAULT_MODEL,
     store: Annotated[str, Field(description="store directory (created, or resumed if it exists)")] = "runs/demo/store",
-    server_url: Annotated[Optional[str], Field(description="attach to this running capture server instead of launching one")] = None,
-    dump_dir: Annotated[Optional[str], Field(description="where the server writes captures (default: one dir per store under /dev/shm)")] = None,
-    batch_size: Annotated[int, Field(description="samples per batch task and per shard", ge=1)] = 32,
+    server_url: params.ServerUrl = None,
+    dump_dir: params.DumpDir = None,
+    batch_size: params.BatchSize = 32,
     concurrency: Annotated[int, Field(description="requests in flight per batch", ge=1)] = 8,
-    max_length: Annotated[int, Field(description="longest sample in tokens", ge=1)] = 2048,
+    max_length: params.MaxLength = 2048,
     max_length_policy: Annotated[Literal["truncate", "skip"], Field(description="what to do with a longer sample")] = "truncate",
     aux_layer_ids: Annotated[Optional[list[int]], Field(description="SGLang 'output of layer i' ids (default: [1, n//2-1, n-4])")] = None,
     tp_size: Annotated[int, Field(description="tensor-parallel size of a launched server", ge=1)] = 1,
@@ -163,19 +164,20 @@ def extract_hidden_states(
     dump_dir = str(dump_dir or default_dump_root() / f"store-{hashlib.sha256(store.encode()).hexdigest()[:12]}")
     log_path = str(Path(store).parent / "logs" / "sglang-server.log")
 
-    plan, model_path, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy, aux_layer_ids)
+    plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
+                                                       aux_layer_ids)
     preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length)
-    url = None
+    server = None
     try:
         if plan.todo:
-            url = launch_task(model_path, dump_dir, layers, server_url, tp_size, max_total_tokens,
-                              chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
-            warm_up_task(url, dump_dir, layers)
+            server = launch_task(model_path, dump_dir, arch, layers, server_url, tp_size, max_total_tokens,
+                                 chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
+            warm_up_task(server.url, dump_dir, layers)
             reset_dump_dir_task(dump_dir)
             batch_task = extract_batch_task.with_options(
                 retries=batch_retries, retry_jitter_factor=0.5,
                 retry_delay_seconds=exponential_backoff(backoff_factor=batch_retry_delay_s) if batch_retry_delay_s else 0)
-            failures = _extract_all(batch_task, plan, url, dump_dir, store, layers, batch_size, concurrency,
+            failures = _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
                                     sample_attempts)
             if failures:
                 raise RuntimeError(f"{len(failures)} batches failed after their retries: "
@@ -183,9 +185,9 @@ def extract_hidden_states(
         else:
             log.info("nothing to capture: every sample of %s is already stored", dataset)
     finally:
-        if url is not None:
-            stop_task(url)
-    summary = Ledger(Path(store)).summary()
+        if server is not None:
+            stop_task(server)
+    summary = open_ledger(Path(store)).summary()
     result = {"store": store, **summary}
     if verify:
         report = verify_task(store)
@@ -193,13 +195,15 @@ def extract_hidden_states(
     return result
 
 
-def _extract_all(batch_task, plan, url, dump_dir, store, layers, batch_size, concurrency, sample_attempts) -> list[str]:
+def _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
+                 sample_attempts) -> list[str]:
     log = get_run_logger()
     batches = plan.batches(batch_size)
-    meter = extraction.ProgressMeter(Ledger(Path(store)), plan.todo_tokens, len(plan.todo))
-    artifact = create_progress_artifact(progress=0.0, description=f"extraction into {store}")
+    meter = extraction.ProgressMeter(open_ledger(Path(store)), plan.todo_tokens, len(plan.todo))
+    artifact = create_progress_artifact(progress=0.0, key=artifact_key("extraction-progress", store),
+                                        description=f"extraction into {store}")
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), batch_size)
-    futures = batch_task.map(batches, unmapped(url), unmapped(dump_dir), unmapped(store),
+    futures = batch_task.map(batches, unmapped(server), unmapped(dump_dir), unmapped(store),
                                      unmapped(plan.source), unmapped(layers), unmapped(concurrency),
                                      unmapped(sample_attempts))
     failures = []

@@ -13,15 +13,15 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
+from flows import params
 from flows.cli import described
 from flows.extract import extract_hidden_states
 from flows.serve import serve_check
 from flows.train import train_drafter
 from flows.verify import verify_store
-from tasks import regeneration
-from tasks.dataset import DEMO_DATASET
-from tasks.models import resolve_model
-from tasks.server import ServerConfig, launch_server
+from tasks.data import regeneration
+from tasks.server.launch import ServerConfig, launch_server
+from tasks.target.models import resolve_model
 
 
 @task(name="regenerate-answers", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
@@ -52,24 +52,24 @@ def regenerate_task(dataset: str, model: str, out_path: str, max_new_tokens: int
 @flow(name="eagle3_pipeline")
 @described
 def eagle3_pipeline(
-    dataset: Annotated[str, Field(description="JSONL/JSON/Parquet conversations (best: answered by the target itself)")] = str(DEMO_DATASET),
-    model: Annotated[str, Field(description="target: a checkpoint folder, or 'smollm2-135m-instruct' / 'tiny-llama'")] = "smollm2-135m-instruct",
+    dataset: params.Dataset = params.DEFAULT_DATASET,
+    model: params.Model = params.DEFAULT_MODEL,
     run_dir: Annotated[str, Field(description="store/, train/ (checkpoints, metrics, drafter/) go here; a rerun resumes")] = "runs/demo",
     regenerate: Annotated[bool, Field(description="first replace every answer with the target's own (greedy), on a plain SGLang server")] = False,
     regenerate_max_tokens: Annotated[int, Field(description="longest regenerated answer, in tokens", ge=1)] = 256,
-    server_url: Annotated[Optional[str], Field(description="attach extraction to this running capture server")] = None,
-    dump_dir: Annotated[Optional[str], Field(description="the capture server's dump dir (with server_url)")] = None,
-    max_length: Annotated[int, Field(description="longest sample in tokens", ge=1)] = 2048,
-    batch_size: Annotated[int, Field(description="samples per extraction batch and shard", ge=1)] = 32,
-    draft_vocab_size: Annotated[int, Field(description="draft vocabulary size", ge=16)] = 8192,
-    ttt_steps: Annotated[int, Field(description="training-time-test depth", ge=1)] = 7,
-    epochs: Annotated[int, Field(description="training epochs", ge=1)] = 2,
-    lr: Annotated[float, Field(description="peak learning rate", gt=0)] = 3e-4,
-    tokens_per_batch: Annotated[int, Field(description="padded tokens per training step", ge=64)] = 4096,
-    devices: Annotated[int, Field(description="GPUs to train on (>1: torchrun DDP)", ge=1)] = 1,
+    server_url: params.ServerUrl = None,
+    dump_dir: params.DumpDir = None,
+    max_length: params.MaxLength = 2048,
+    batch_size: params.BatchSize = 32,
+    draft_vocab_size: params.DraftVocabSize = params.TRAIN.draft_vocab_size,
+    ttt_steps: params.TttSteps = params.TRAIN.ttt_steps,
+    epochs: params.Epochs = params.TRAIN.epochs,
+    lr: params.Lr = params.TRAIN.lr,
+    tokens_per_batch: params.TokensPerBatch = params.TRAIN.tokens_per_batch,
+    devices: params.Devices = params.TRAIN.devices,
     serve_prompts: Annotated[int, Field(description="held-out prompts for the serving check", ge=1)] = 8,
     serve_new_tokens: Annotated[int, Field(description="greedy tokens per serving prompt", ge=1)] = 48,
-    serve_steps: Annotated[int, Field(description="--speculative-num-steps of the serving check", ge=1)] = 3,
+    serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
 ) -> dict:
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, serve-check."""
     log = get_run_logger()

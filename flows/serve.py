@@ -14,9 +14,10 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
+from flows.artifacts import artifact_key
 from flows.cli import described
-from tasks import serving
-from tasks.training import heldout_prompts
+from tasks.serve import check
+from tasks.train.data import heldout_prompts
 
 
 class SpeculationChangedOutput(RuntimeError):
@@ -37,10 +38,11 @@ def prompts_task(store: str, heldout_fraction: float, count: int) -> list[list[i
 def serve_task(target: str, drafter_dir: str, prompts: list[list[int]], log_dir: str, max_new_tokens: int,
                dtype: str, num_steps: int, num_draft_tokens: int) -> dict:
     log = get_run_logger()
-    report = serving.serve_check(target, drafter_dir, prompts, log_dir=log_dir, max_new_tokens=max_new_tokens,
-                                 dtype=dtype, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
+    report = check.serve_check(target, drafter_dir, prompts, log_dir=log_dir, max_new_tokens=max_new_tokens,
+                               dtype=dtype, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
     result = report.to_dict()
     create_table_artifact(table=[{k: v for k, v in result.items() if not isinstance(v, (list, dict))}],
+                          key=artifact_key("serving", drafter_dir),
                           description=f"SGLang serving {drafter_dir}")
     log.info("SGLang: accept length %s, accept rate %s, %d verify steps; %.1f vs %.1f tokens/s (speed-up %.2fx)",
              result["spec_accept_length"], result["spec_accept_rate"], result["spec_verify_ct"],

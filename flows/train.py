@@ -14,10 +14,14 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
+from flows import params
+from flows.artifacts import artifact_key
 from flows.cli import described
-from tasks import training
-from tasks.drafter import export_weights, load_exported
-from tasks.verification import require_verified
+from tasks.store.verification import require_verified
+from tasks.train.export import export_weights, load_exported
+from tasks.train.launch import launch_distributed
+from tasks.train.loop import TrainConfig, TrainResult, train, trained_drafter
+from tasks.train.metrics import metrics_table
 
 
 @task(name="check-store-verified", cache_policy=NO_CACHE)
@@ -30,10 +34,10 @@ def check_verified_task(store: str) -> dict:
 
 # A retry resumes from the last checkpoint (weights, optimizer, data position).
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
-def train_task(cfg: training.TrainConfig) -> training.TrainResult:
+def train_task(cfg: TrainConfig) -> TrainResult:
     if cfg.devices > 1:
-        return training.launch_distributed(cfg, get_run_logger())
-    return training.train(cfg)
+        return launch_distributed(cfg, get_run_logger())
+    return train(cfg)
 
 
 @task(name="check-export", cache_policy=NO_CACHE)
@@ -44,7 +48,7 @@ def check_export_task(drafter_dir: str, out_dir: str, target: str) -> dict:
     import torch
 
     loaded = export_weights(load_exported(Path(drafter_dir), Path(target)))
-    trained = export_weights(training.trained_drafter(Path(out_dir), Path(target)))
+    trained = export_weights(trained_drafter(Path(out_dir), Path(target)))
     worst = 0.0
     for name, tensor in trained.items():
         if name not in loaded:
@@ -60,9 +64,10 @@ def check_export_task(drafter_dir: str, out_dir: str, target: str) -> dict:
 
 
 @task(name="metrics-artifacts", cache_policy=NO_CACHE)
-def metrics_artifacts_task(result: training.TrainResult, out_dir: str) -> None:
-    table = training.metrics_table(result.history)
-    create_table_artifact(table=table, key=None, description=f"held-out metrics per epoch ({out_dir})")
+def metrics_artifacts_task(result: TrainResult, out_dir: str) -> None:
+    table = metrics_table(result.history)
+    create_table_artifact(table=table, key=artifact_key("training-metrics", out_dir),
+                          description=f"held-out metrics per epoch ({out_dir})")
     png = Path(out_dir) / "metrics.png"
     encoded = base64.b64encode(png.read_bytes()).decode()
     final = result.final
@@ -71,7 +76,7 @@ def metrics_artifacts_task(result: training.TrainResult, out_dir: str) -> None:
         markdown=(f"### Drafter training\n\nheld-out tau **{final['tau']:.2f}** ({tau_s} {final[tau_s]:.2f}) "
                   f"after {result.steps} steps; untrained: {result.history[0]['tau']:.2f}\n\n"
                   f"![loss and tau](data:image/png;base64,{encoded})\n\n`{result.drafter_dir}`\n"),
-        description="training loss and held-out tau")
+        key=artifact_key("training-plot", out_dir), description="training loss and held-out tau")
 
 
 @flow(name="train_drafter")
@@ -80,20 +85,20 @@ def train_drafter(
     store: Annotated[str, Field(description="a verified store (from extract_hidden_states)")] = "runs/demo/store",
     out_dir: Annotated[str, Field(description="checkpoints, metrics and the exported drafter/ go here; a rerun resumes")] = "runs/demo/train",
     target: Annotated[Optional[str], Field(description="target checkpoint (default: the one the store was captured from)")] = None,
-    draft_vocab_size: Annotated[int, Field(description="draft vocabulary: the N most frequent target tokens", ge=16)] = 8192,
-    ttt_steps: Annotated[int, Field(description="training-time-test unroll depth K (loss weights decay^k)", ge=1)] = 7,
-    step_decay: Annotated[float, Field(description="loss weight decay per TTT step", gt=0, le=1)] = 0.8,
-    epochs: Annotated[int, Field(description="passes over the training split", ge=1)] = 2,
-    lr: Annotated[float, Field(description="peak learning rate (AdamW, warm-up then cosine)", gt=0)] = 3e-4,
-    tokens_per_batch: Annotated[int, Field(description="padded tokens per step and device", ge=64)] = 4096,
-    heldout_fraction: Annotated[float, Field(description="share of samples held out (by sample-id hash)", gt=0, lt=1)] = 0.05,
-    serve_steps: Annotated[int, Field(description="speculative steps the drafter will be served with (for tau@S)", ge=1)] = 3,
-    devices: Annotated[int, Field(description="GPUs to train on; >1 runs torchrun (DDP)", ge=1)] = 1,
-    checkpoint_every: Annotated[int, Field(description="steps between checkpoints", ge=1)] = 50,
-    seed: Annotated[int, Field(description="initialisation and data-order seed")] = 0,
+    draft_vocab_size: params.DraftVocabSize = params.TRAIN.draft_vocab_size,
+    ttt_steps: params.TttSteps = params.TRAIN.ttt_steps,
+    step_decay: Annotated[float, Field(description="loss weight decay per TTT step", gt=0, le=1)] = params.TRAIN.step_decay,
+    epochs: params.Epochs = params.TRAIN.epochs,
+    lr: params.Lr = params.TRAIN.lr,
+    tokens_per_batch: params.TokensPerBatch = params.TRAIN.tokens_per_batch,
+    heldout_fraction: Annotated[float, Field(description="share of samples held out (by sample-id hash)", gt=0, lt=1)] = params.TRAIN.heldout_fraction,
+    serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
+    devices: params.Devices = params.TRAIN.devices,
+    checkpoint_every: Annotated[int, Field(description="steps between checkpoints", ge=1)] = params.TRAIN.checkpoint_every,
+    seed: Annotated[int, Field(description="initialisation and data-order seed")] = params.TRAIN.seed,
 ) -> dict:
     """Train an EAGLE-3 drafter on a verified store and export it for SGLang."""
-    cfg = training.TrainConfig(
+    cfg = TrainConfig(
         store=str(Path(store).resolve()), out_dir=str(Path(out_dir).resolve()), target=target,
         draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, step_decay=step_decay, epochs=epochs, lr=lr,
         tokens_per_batch=tokens_per_batch, heldout_fraction=heldout_fraction, serve_steps=serve_steps,

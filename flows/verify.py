@@ -12,8 +12,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
+from flows.artifacts import artifact_key
 from flows.cli import described
-from tasks.verification import verify_store as verify_plain
+from tasks.store.verification import verify_store as verify_plain
 
 
 class VerificationFailed(RuntimeError):
@@ -25,7 +26,8 @@ def verify_task(store: str, recheck_source: bool = True) -> dict:
     log = get_run_logger()
     report = verify_plain(Path(store), recheck_source=recheck_source)
     files = report.files
-    create_table_artifact(table=files.to_dict("records"), description=f"verification of {store}")
+    create_table_artifact(table=files.to_dict("records"), key=artifact_key("verification", store),
+                          description=f"verification of {store}")
     for row in files.itertuples():
         level = log.info if row.status == "OK" else log.warning
         level("%s %s: %d samples, %d tokens%s", row.status, row.shard, row.samples, row.tokens,

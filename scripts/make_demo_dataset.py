@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from tasks.models import SMOLLM2, ensure_model
+from tasks.data.regeneration import regenerate
 from tasks.paths import DATA_DIR, cache_root
-from tasks.regeneration import regenerate
-from tasks.server import ServerConfig, launch_server
+from tasks.server.launch import ServerConfig, launch_server
+from tasks.target.models import SMOLLM2, ensure_model
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
 

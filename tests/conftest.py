@@ -9,9 +9,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from tasks.layers import AuxLayers  # noqa: E402
-from tasks.models import TINY, ensure_model  # noqa: E402
-from tasks.server import ServerConfig, launch_server  # noqa: E402
+from tasks.server.launch import ServerConfig, launch_server  # noqa: E402
+from tasks.target.layers import AuxLayers  # noqa: E402
+from tasks.target.models import TINY, ensure_model  # noqa: E402
 
 # Small enough that a 600-token prompt is split over several forwards.
 CHUNKED_PREFILL = 256
@@ -75,7 +75,7 @@ def tiny_store(capture_server, prefect_api, tmp_path_factory) -> Path:
 def demo_rows(n: int) -> list[dict]:
     import json
 
-    from tasks.dataset import DEMO_DATASET
+    from tasks.data.dataset import DEMO_DATASET
 
     return [json.loads(line) for line in DEMO_DATASET.read_text().splitlines()[:n]]
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from tasks.capture_hook import make_capture_hook
-from tasks.dump import read_capture
+from tasks.capture.dump import read_capture
+from tasks.capture.hook import make_capture_hook
 
 
 class Mode(enum.Enum):

@@ -6,10 +6,9 @@ import httpx
 import pytest
 import torch
 
-from tasks.capture_client import capture_many, capture_one
-from tasks.cpu_shim import gpu_present, resolve_dtype
-from tasks.reference import compare_with_reference, load_reference_model, reference_states
-from tasks.server import probe_capture
+from tasks.capture.client import capture_many, capture_one, probe_capture
+from tasks.server.cpu_shim import gpu_present, resolve_dtype
+from tasks.target.reference import compare_with_reference, load_reference_model, reference_states
 from tests.conftest import CHUNKED_PREFILL
 
 pytestmark = pytest.mark.server

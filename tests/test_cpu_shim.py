@@ -3,7 +3,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tasks.cpu_shim import build_libcuda_stub, server_environment
+from tasks.server.cpu_shim import build_libcuda_stub, server_environment
 
 
 def defined_symbols(lib: Path) -> set[str]:

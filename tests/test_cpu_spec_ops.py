@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from tasks.cpu_shim import CPU_SPECULATIVE_SWITCH, SGLANG_SITE_DIR, server_environment
-from tasks.cpu_spec_ops import SCHEMAS, TREE_MASK_FULL, TREE_MASK_QLEN_ONLY, register_ops
 from tasks.paths import REPO_ROOT
+from tasks.server.cpu_shim import CPU_SPECULATIVE_SWITCH, SGLANG_SITE_DIR, server_environment
+from tasks.server.cpu_spec_ops import SCHEMAS, TREE_MASK_FULL, TREE_MASK_QLEN_ONLY, register_ops
 
 ops = torch.ops.sgl_kernel
 
@@ -399,7 +399,7 @@ def test_speculative_environment_only_on_cpu():
 
 def run_site(env: dict) -> dict:
     probe = ("import json, sys, torch\n"
-             "info = {'installed': 'tasks.cpu_spec_ops' in sys.modules,\n"
+             "info = {'installed': 'tasks.server.cpu_spec_ops' in sys.modules,\n"
              "        'ops': [n for n in %r if hasattr(torch.ops.sgl_kernel, n)]}\n"
              "if info['installed']:\n"
              "    from sglang.srt.runtime_context import get_platform\n"

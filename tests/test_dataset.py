@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from tasks.dataset import prepare_samples, read_rows, sample_id, tokenize_conversation
+from tasks.data.dataset import prepare_samples, read_rows, sample_id, tokenize_conversation
 from tests.conftest import write_jsonl
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},

@@ -11,10 +11,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tasks.drafter import DraftVocab, build_drafter, count_target_tokens, export_drafter, export_weights, \
-    load_exported, load_target_embeddings
-from tasks.layers import AuxLayers
-from tasks.training import TrainConfig, acceptance_length, lr_at, plan_batches, ttt_attention
+from tasks.target.layers import AuxLayers
+from tasks.train.data import plan_batches
+from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_attention
+from tasks.train.export import export_drafter, export_weights, load_exported
+from tasks.train.loop import TrainConfig, lr_at
+from tasks.train.ttt import acceptance_length
+from tasks.train.vocab import DraftVocab, count_target_tokens
 
 
 def test_draft_vocab_keeps_the_most_frequent_ids_and_maps_them_like_sglang():

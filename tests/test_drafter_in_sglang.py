@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tasks.drafter import export_random_drafter, export_weights, load_exported, load_target_embeddings
-from tasks.server import ServerConfig, launch_server
-from tasks.training import ttt_attention
+from tasks.server.launch import ServerConfig, launch_server
+from tasks.train.drafter import load_target_embeddings
+from tasks.train.export import export_random_drafter, export_weights, load_exported
 from tests.conftest import ARTIFACTS
 
 pytestmark = pytest.mark.server
@@ -66,9 +66,6 @@ def test_sglang_loads_our_drafter_and_computes_what_we_train(tiny_model, tmp_pat
 
     with torch.no_grad():
         ids, pos = dump["input_ids"][None], dump["positions"][None]
-        hidden = model.fc(dump["aux"][None])
-        q, k, v = model.midlayer.qkv(model.embed_tokens(ids), hidden)
-        q, k = model.rotary(q, k, pos)
-        out = model.midlayer.finish(ttt_attention(q, [k], [v], torch.ones_like(ids, dtype=torch.bool)), hidden)
+        out = model.step(ids, model.fc(dump["aux"][None]), pos, [], [], torch.ones_like(ids, dtype=torch.bool))
         ours_out = model.norm(out)[0]
     assert torch.allclose(ours_out, dump["out"], atol=2e-4, rtol=1e-3), (ours_out - dump["out"]).abs().max()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tasks.dump import (
+from tasks.capture.dump import (
     CaptureError, CaptureMissing, chunk_path, is_safe_rid, new_rid, read_capture,
     remove_capture, write_chunk,
 )

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from flows.extract import extract_hidden_states
-from tasks import capture_client
-from tasks.dataset import prepare_samples
-from tasks.dump import read_capture as real_read_capture
-from tasks.dump import write_chunk
-from tasks.extraction import extract_batch
-from tasks.layers import AuxLayers
-from tasks.reference import load_reference_model, per_token_cosine, reference_states
-from tasks.server import _SUPERVISORS
-from tasks.store import Ledger, StoreReader, read_manifest
-from tasks.verification import verify_store
+from tasks.capture import client as capture_client
+from tasks.capture.dump import read_capture as real_read_capture, write_chunk
+from tasks.capture.extraction import extract_batch
+from tasks.data.dataset import prepare_samples
+from tasks.store.ledger import open_ledger
+from tasks.store.manifest import read_manifest
+from tasks.store.reader import StoreReader
+from tasks.store.verification import verify_store
+from tasks.target.layers import AuxLayers
+from tasks.target.reference import load_reference_model, per_token_cosine, reference_states
 from tests.conftest import attach, demo_rows, write_jsonl
 
 pytestmark = pytest.mark.server
@@ -155,15 +155,17 @@ def test_killed_run_resumes_and_another_batch_size_redoes_nothing(capture_server
 def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from tasks.store import build_manifest, open_store
+    from tasks.store.ledger import open_store
+    from tasks.store.manifest import build_manifest
+    from tasks.target.architectures import LLAMA
 
     server = capture_server
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(6))
     tok = AutoTokenizer.from_pretrained(tiny_model)
     samples, _ = prepare_samples(dataset, tok, max_length=512)
     layers = AuxLayers.for_model(8)
-    open_store(tmp_path / "store", build_manifest(tiny_model, tok, layers, max_length=512, policy="truncate",
-                                                  sources=[str(dataset)]))
+    open_store(tmp_path / "store", build_manifest(tiny_model, tok, layers, LLAMA, max_length=512,
+                                                  policy="truncate", sources=[str(dataset)]))
     foreign_once, short_always = samples[1].input_ids.tolist(), samples[4].input_ids.tolist()
     calls = {"foreign": 0}
 
@@ -212,6 +214,20 @@ def test_a_transient_request_failure_is_retried(capture_server, prefect_api, tmp
     assert failed and result["samples"] == 10 and result["quarantined"] == 0 and result["verification"]["ok"]
 
 
+def servers_on(dump_dir) -> list[int]:
+    """Pids of SGLang server leaders whose capture hook writes into `dump_dir`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            leader = entry.isdigit() and os.getpgid(int(entry)) == int(entry)
+        except OSError:
+            continue
+        if leader and b"sglang.launch_server" in cmd and any(str(dump_dir).encode() in arg for arg in cmd):
+            pids.append(int(entry))
+    return pids
+
+
 def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_api, tmp_path):
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(120))
     store = tmp_path / "store"
@@ -220,10 +236,10 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
     def kill_server_midway():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not killed:
-            launched = [s for s in _SUPERVISORS.values() if s.handle is not None]
-            if launched and (store / "ledger.sqlite").exists() and Ledger(store).summary()["shards"] >= 2:
-                os.killpg(launched[0].handle.process.pid, signal.SIGKILL)
-                killed.append(Ledger(store).summary()["samples"])
+            launched = servers_on(tmp_path / "dumps")
+            if launched and (store / "ledger.sqlite").exists() and open_ledger(store).summary()["shards"] >= 2:
+                os.killpg(launched[0], signal.SIGKILL)
+                killed.append(open_ledger(store).summary()["samples"])
             time.sleep(0.05)
 
     watcher = threading.Thread(target=kill_server_midway, daemon=True)
@@ -236,7 +252,7 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
     assert result["samples"] == 120 and result["quarantined"] == 0 and result["verification"]["ok"]
     log = (store.parent / "logs" / "sglang-server.log").read_text()
     assert log.count("$ ") == 2  # launched once, relaunched once
-    assert not _SUPERVISORS
+    assert not servers_on(tmp_path / "dumps")  # the run stopped the server it launched
 
 
 def test_a_batch_task_that_fails_once_shows_its_retry_and_completes(capture_server, prefect_api, tmp_path,

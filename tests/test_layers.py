@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.layers import AuxLayers, default_aux_layer_ids
+from tasks.target.layers import AuxLayers, default_aux_layer_ids
 
 
 @pytest.mark.parametrize("n, ids", [(8, (1, 3, 4)), (30, (1, 14, 26)), (32, (1, 15, 28)), (7, (1, 2, 3))])

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.server import free_port
+from tasks.server.launch import free_port
 from tests.conftest import ARTIFACTS, demo_rows, write_jsonl
 
 pytestmark = pytest.mark.server
@@ -318,8 +318,8 @@ def test_a_failed_run_retried_like_the_ui_redoes_only_what_is_missing(prefect_st
                                                                       tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from tasks.dataset import prepare_samples
-    from tasks.store import shard_name
+    from tasks.data.dataset import prepare_samples
+    from tasks.store.shards import shard_name
 
     api = prefect_stack["api"]
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(12))

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tasks.regeneration import prompt_messages, regenerate
-from tasks.server import ServerConfig, launch_server
+from tasks.data.regeneration import prompt_messages, regenerate
+from tasks.server.launch import ServerConfig, launch_server
 from tests.conftest import ARTIFACTS, demo_rows, write_jsonl
 
 

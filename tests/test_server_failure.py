@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from tasks.server import ServerConfig, ServerError, _group_members, launch_server
+from tasks.server.launch import ServerConfig, ServerError, _group_members, launch_server
 
 
 def test_bad_model_path_fails_fast_with_log_tail_and_leaves_no_process(tmp_path, monkeypatch):
@@ -16,7 +16,7 @@ def test_bad_model_path_fails_fast_with_log_tail_and_leaves_no_process(tmp_path,
         started["proc"] = proc
         return proc
 
-    monkeypatch.setattr("tasks.server.subprocess.Popen", spy)
+    monkeypatch.setattr("tasks.server.launch.subprocess.Popen", spy)
     cfg = ServerConfig(model_path=str(tmp_path / "no-such-model"), dump_dir=tmp_path / "dumps")
     t0 = time.monotonic()
     with pytest.raises(ServerError) as err:

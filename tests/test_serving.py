@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.drafter import export_random_drafter
-from tasks.server import ServerConfig, build_command
-from tasks.serving import GenerationRun, compare, serve_check
-
+from tasks.serve.check import GenerationRun, compare, serve_check
+from tasks.server.launch import ServerConfig, build_command
+from tasks.train.export import export_random_drafter
 from tests.conftest import ARTIFACTS
 
 PROMPTS = [[1, 5, 9, 33, 100, 7, 8], [1, 42], [1, 200, 300, 400]]

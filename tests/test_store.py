@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.store import FORMAT, StoreError, StoreReader, open_store, write_shard
+from tasks.store.ledger import open_store
+from tasks.store.manifest import StoreError
+from tasks.store.reader import StoreReader
+from tasks.store.shards import FORMAT, write_shard
 
 H = 16
 MANIFEST = {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"}, "aux_layers": {"ids": [1, 3, 4]},

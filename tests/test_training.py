@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tasks.store import StoreReader
-from tasks.training import CHECKPOINT, TrainConfig, split, train
-from tasks.verification import StoreNotVerified, require_verified
+from tasks.store.reader import StoreReader
+from tasks.store.verification import StoreNotVerified, require_verified
+from tasks.train.data import split
+from tasks.train.loop import CHECKPOINT, TrainConfig, train
 
 pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parent.parent
@@ -130,7 +131,7 @@ def test_a_killed_run_resumes_to_the_same_result(trained, tmp_path):
     killed_cfg = config(cfg.store, out, checkpoint_every=3)
     out.mkdir()
     (out / "cfg.json").write_text(json.dumps(killed_cfg.__dict__))
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.training", "--config", str(out / "cfg.json")],
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.train.launch", "--config", str(out / "cfg.json")],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     try:
@@ -183,7 +184,7 @@ def test_unverified_or_failed_stores_are_refused(tiny_store, tmp_path):
 
 def test_two_process_ddp_run_trains_and_exports(tiny_store, tmp_path):
     """torchrun with two CPU processes (gloo): the same code as on GPUs."""
-    from tasks.training import launch_distributed
+    from tasks.train.launch import launch_distributed
 
     result = launch_distributed(config(tiny_store, tmp_path / "ddp", epochs=1, devices=2))
     assert (Path(result.drafter_dir) / "model.safetensors").exists()

@@ -19,8 +19,7 @@ from typing import Sequence
 
 import httpx
 
-from tasks.capture_client import ssl_context
-from tasks.server import ServerConfig, ServerError, launch_server
+from tasks.server.launch import ServerConfig, ServerError, launch_server, ssl_context
 
 logger = logging.getLogger("eagle3.serving")
 

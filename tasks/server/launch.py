@@ -1,21 +1,22 @@
-"""Launch, health-check, probe and stop an SGLang capture server (or a plain
-or EAGLE-3 speculative one, for generation and serving checks).
+"""Launch, health-check and stop an SGLang server: a capture server, or a
+plain or EAGLE-3 speculative one for generation and serving checks.
 
 The server is stock SGLang: capture is switched on with its own flags
 (`--enable-return-aux-hidden-states --speculative-algorithm EAGLE3`) and the
-dump is written by our forward hook (`tasks.capture_hook`), loaded through
-`--forward-hooks`. The prefix cache is off, because tokens it serves are not
-recomputed and so never reach the hook.
+dump is written by our forward hook (`tasks/capture/hook.py`), loaded through
+`--forward-hooks` on the target architecture's decoder stack. The prefix
+cache is off, because tokens it serves are not recomputed and so never reach
+the hook.
 """
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import logging
 import os
-import threading
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,16 +26,16 @@ from typing import Sequence
 
 import httpx
 
-from tasks.cpu_shim import gpu_present, resolve_dtype, server_environment
-from tasks.capture_client import capture_one, ssl_context
-from tasks.dump import RID_PREFIX, CaptureError, remove_capture
+from tasks.capture.dump import RID_PREFIX
 from tasks.paths import REPO_ROOT
+from tasks.server.cpu_shim import gpu_present, resolve_dtype, server_environment
+from tasks.target.architectures import architecture_at
 
 logger = logging.getLogger("eagle3.server")
 
-HOOK_FACTORY = "tasks.capture_hook:make_capture_hook"
-# The LlamaModel decoder stack: it returns (final, aux) in capture mode.
-HOOK_TARGET_MODULES = ["model"]
+# Imported inside the server's scheduler process (the repository root is on
+# its PYTHONPATH).
+HOOK_FACTORY = "tasks.capture.hook:make_capture_hook"
 
 
 class ServerError(RuntimeError):
@@ -62,8 +63,21 @@ class ServerConfig:
     speculative_num_draft_tokens: int = 4
     rid_prefix: str = RID_PREFIX
     capture_all: bool = False
+    # The module the capture hook attaches to; None: the decoder stack of
+    # the model's architecture (tasks/target/architectures.py).
+    capture_module: str | None = None
     cpu: bool | None = None  # None: decide from the hardware
+    # SGLang's scheduler otherwise busy-polls a core at 100% while idle
+    # (bench/idle_cpu.py); with it, it waits on its sockets and wakes at once.
+    sleep_on_idle: bool = True
     extra_args: Sequence[str] = field(default_factory=tuple)
+
+
+@functools.cache
+def ssl_context() -> ssl.SSLContext:
+    """Built once: httpx builds a new one (loading every CA certificate) per
+    client otherwise, which cost 10% of the pipeline's client time."""
+    return ssl.create_default_context()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,7 +89,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def hook_spec(cfg: ServerConfig) -> list[dict]:
     return [{
         "name": "eagle3_capture",
-        "target_modules": HOOK_TARGET_MODULES,
+        "target_modules": [cfg.capture_module or architecture_at(cfg.model_path).decoder_stack],
         "hook_factory": HOOK_FACTORY,
         "config": {
             "dump_dir": str(cfg.dump_dir),
@@ -115,12 +129,14 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         ]
         if cpu:
             # SGLang's only CPU backend that supports EAGLE; the operators it
-            # needs come from tasks.cpu_spec_ops (see server_environment).
+            # needs come from tasks/server/cpu_spec_ops.py (see server_environment).
             cmd += ["--attention-backend", "intel_amx"]
     if cfg.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.sleep_on_idle:
+        cmd += ["--sleep-on-idle"]
     if not cpu:
         # Prefill CUDA graph replay skips Python forward hooks: no captures.
         cmd += ["--cuda-graph-backend-prefill", "disabled"]
@@ -176,7 +192,7 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = server_environment(cpu=cpu, speculative=cfg.draft_model_path is not None)
-    # The hook (and, for speculative serving on a CPU, tasks.cpu_spec_ops) is
+    # The hook (and, for speculative serving on a CPU, tasks/server/cpu_spec_ops.py) is
     # imported inside the server's processes.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     cmd = build_command(cfg, port, cpu=cpu)
@@ -287,106 +303,8 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
     raise ServerError(f"processes {_group_members(pgid)} of the SGLang server survived SIGKILL")
 
 
-class ServerSupervisor:
-    """The capture server of one run: launched by the run, or attached by URL.
-
-    A server the run launched is relaunched (same port, same dump dir) after a
-    crash, at most `max_restarts` times; an attached server is only checked,
-    since its owner must restart it. Batch tasks find the supervisor of their
-    server by URL (`supervisor_for`) and call `recover()` after a failure.
-    """
-
-    def __init__(self, cfg: ServerConfig | None = None, log_path: Path | None = None, *,
-                 attach_url: str | None = None, max_restarts: int = 2, timeout_s: float = 600.0):
-        if (cfg is None) == (attach_url is None):
-            raise ValueError("give either a server config to launch or a URL to attach to")
-        self.cfg, self.log_path, self.attach_url = cfg, log_path, attach_url
-        self.max_restarts, self.timeout_s = max_restarts, timeout_s
-        self.restarts = 0
-        self.handle: ServerHandle | None = None
-        self.follower = LogFollower(log_path) if log_path else None
-        self._lock = threading.Lock()
-
-    @property
-    def url(self) -> str:
-        return self.attach_url or self.handle.url
-
-    def start(self) -> str:
-        if self.attach_url is None:
-            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
-            # A relaunch reuses the port, so the URL the batches hold stays valid.
-            self.cfg.port = int(self.handle.url.rsplit(":", 1)[1])
-        elif not self.healthy():
-            raise ServerError(f"no healthy SGLang server at {self.attach_url}")
-        _SUPERVISORS[self.url] = self
-        return self.url
-
-    def healthy(self) -> bool:
-        if self.handle is not None and not self.handle.alive():
-            return False
-        return server_healthy(self.url)
-
-    def recover(self) -> None:
-        """Make the server serve again, or raise ServerError saying why not."""
-        with self._lock:
-            if self.healthy():
-                return
-            if self.attach_url is not None:
-                raise ServerError(f"the attached SGLang server at {self.attach_url} is not answering; "
-                                  "restart it, then retry the run (stored batches are kept)")
-            if self.restarts >= self.max_restarts:
-                raise ServerError(f"SGLang server died again after {self.restarts} relaunches; last log lines:\n"
-                                  + self.handle.log_tail())
-            self.restarts += 1
-            logger.warning("SGLang server at %s is down (exit code %s); relaunching (%d of at most %d). "
-                           "Last log lines:\n%s", self.url, self.handle.process.poll(), self.restarts,
-                           self.max_restarts, self.handle.log_tail(15))
-            stop_server(self.handle)
-            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
-            logger.warning("SGLang server relaunched at %s", self.url)
-
-    def forward_log(self, log: logging.Logger) -> None:
-        if self.follower is not None:
-            self.follower.forward(log)
-
-    def stop(self) -> None:
-        _SUPERVISORS.pop(self.url, None)
-        if self.handle is not None:
-            stop_server(self.handle)
-
-
-_SUPERVISORS: dict[str, ServerSupervisor] = {}
-
-
 def server_healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=30.0).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def supervisor_for(url: str) -> ServerSupervisor | None:
-    return _SUPERVISORS.get(url)
-
-
-def probe_capture(url: str, dump_dir: Path, *, num_tokens: int = 16, aux_layer_ids=None) -> dict:
-    """Send one small request and check its capture round-trips: the dump
-    holds exactly the ids sent, `prompt_tokens` equals their count, nothing
-    came from the prefix cache, the values are finite. Returns a summary."""
-    ids = list(range(1, num_tokens + 1))
-
-    async def probe():
-        async with httpx.AsyncClient(timeout=120.0, verify=ssl_context()) as client:
-            return await capture_one(client, url, dump_dir, ids, tag="probe", aux_layer_ids=aux_layer_ids)
-
-    try:
-        capture = asyncio.run(probe())
-    except (CaptureError, httpx.HTTPError) as e:
-        raise ServerError(f"probe capture against {url} failed: {e}") from e
-    remove_capture(capture)
-    return {
-        "tokens": capture.num_tokens,
-        "aux_layer_ids": list(capture.aux_layer_ids),
-        "hidden_size": int(capture.final_hidden_state.shape[-1]),
-        "dtype": str(capture.final_hidden_state.dtype).removeprefix("torch."),
-    }

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from tasks.capture_client import ssl_context
-from tasks.dataset import Rejected, read_rows, to_messages
+from tasks.data.dataset import Rejected, read_rows, to_messages
+from tasks.server.launch import ssl_context
 
 logger = logging.getLogger("eagle3.regeneration")
 

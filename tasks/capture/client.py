@@ -7,23 +7,15 @@ by its rid alone, so any number of requests can be in flight at once.
 from __future__ import annotations
 
 import asyncio
-import functools
-import ssl
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import httpx
 
-from tasks.dump import Capture, CaptureError, discard_rid, new_rid, read_capture, remove_capture
+from tasks.capture.dump import Capture, CaptureError, discard_rid, new_rid, read_capture, remove_capture
+from tasks.server.launch import ServerError, ssl_context
 
 T = TypeVar("T")
-
-
-@functools.cache
-def ssl_context() -> ssl.SSLContext:
-    """Built once: httpx builds a new one (loading every CA certificate) per
-    client otherwise, which cost 10% of the pipeline's client time."""
-    return ssl.create_default_context()
 
 
 def check_meta(meta: dict, rid: str, num_sent: int) -> None:
@@ -98,3 +90,26 @@ def capture_many(
             return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(id_lists)), return_exceptions=True)
 
     return asyncio.run(run())
+
+
+def probe_capture(url: str, dump_dir: Path, *, num_tokens: int = 16, aux_layer_ids=None) -> dict:
+    """Send one small request and check its capture round-trips: the dump
+    holds exactly the ids sent, `prompt_tokens` equals their count, nothing
+    came from the prefix cache, the values are finite. Returns a summary."""
+    ids = list(range(1, num_tokens + 1))
+
+    async def probe():
+        async with httpx.AsyncClient(timeout=120.0, verify=ssl_context()) as client:
+            return await capture_one(client, url, dump_dir, ids, tag="probe", aux_layer_ids=aux_layer_ids)
+
+    try:
+        capture = asyncio.run(probe())
+    except (CaptureError, httpx.HTTPError) as e:
+        raise ServerError(f"probe capture against {url} failed: {e}") from e
+    remove_capture(capture)
+    return {
+        "tokens": capture.num_tokens,
+        "aux_layer_ids": list(capture.aux_layer_ids),
+        "hidden_size": int(capture.final_hidden_state.shape[-1]),
+        "dtype": str(capture.final_hidden_state.dtype).removeprefix("torch."),
+    }

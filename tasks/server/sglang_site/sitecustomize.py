@@ -1,9 +1,9 @@
 """Imported by every Python process whose PYTHONPATH holds this folder (the
-SGLang server and the workers it spawns); see tasks.cpu_shim.server_environment.
+SGLang server and the workers it spawns); see tasks/server/cpu_shim.py.
 
 It does nothing unless EAGLE3_CPU_SPECULATIVE=1 is set, and never on a machine
 with a GPU. Then it adds the CPU speculative-decoding operators SGLang needs
-and keeps the intel_amx attention backend (tasks.cpu_spec_ops.install).
+and keeps the intel_amx attention backend (tasks/server/cpu_spec_ops.py).
 """
 import os
 
@@ -12,16 +12,16 @@ if os.environ.get("EAGLE3_CPU_SPECULATIVE") == "1":
     import traceback
 
     try:
-        from tasks.cpu_shim import gpu_present
+        from tasks.server.cpu_shim import gpu_present
 
         if not gpu_present():
-            from tasks.cpu_spec_ops import install
+            from tasks.server.cpu_spec_ops import install
 
             install()
     except Exception:
         # site.py would print one line and carry on, and the server would then
         # die far from the cause; stop here with the whole story instead.
         traceback.print_exc()
-        sys.stderr.write("EAGLE3_CPU_SPECULATIVE=1 but tasks.cpu_spec_ops.install() failed (above); "
+        sys.stderr.write("EAGLE3_CPU_SPECULATIVE=1 but tasks.server.cpu_spec_ops.install() failed (above); "
                          "the repository root must be on PYTHONPATH\n")
         raise SystemExit(1)

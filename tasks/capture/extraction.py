@@ -11,15 +11,16 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import httpx
 
-from tasks.capture_client import capture_many
-from tasks.dataset import Rejected, Sample, prepare_samples
-from tasks.dump import RID_PREFIX, TMP_PREFIX, CaptureError
-from tasks.server import probe_capture, server_healthy, supervisor_for
-from tasks.store import Ledger, bytes_per_token, write_shard
+from tasks.capture.client import capture_many, probe_capture
+from tasks.capture.dump import CaptureError, RID_PREFIX, TMP_PREFIX
+from tasks.data.dataset import Rejected, Sample, prepare_samples
+from tasks.server.launch import server_healthy
+from tasks.store.ledger import Ledger, open_ledger
+from tasks.store.shards import bytes_per_token, write_shard
 
 logger = logging.getLogger("eagle3.extract")
 
@@ -153,17 +154,19 @@ def extract_batch(
     aux_layer_ids: Sequence[int],
     concurrency: int = 8,
     sample_attempts: int = 3,
+    on_server_down: Callable[[], None] | None = None,
 ) -> BatchResult:
     """Capture one batch, write it as one shard, commit it to the ledger.
 
     Each sample gets up to `sample_attempts` tries, each under a fresh rid; a
     sample whose dump is missing, foreign, short or non-finite every time is
     quarantined with the reason, and the rest of the batch is stored. If the
-    server itself stops answering, ServerUnavailable is raised (after asking
-    the run's supervisor to relaunch it) so the task is retried as a whole.
+    server itself stops answering, ServerUnavailable is raised (after calling
+    `on_server_down`, e.g. the run's supervisor relaunching it) so the task
+    is retried as a whole.
     """
     t0 = time.perf_counter()
-    ledger = Ledger(store)
+    ledger = open_ledger(store)
     stored = ledger.stored_ids()
     pending = [s for s in samples if s.sample_id not in stored]
     if len(pending) < len(samples):
@@ -188,9 +191,8 @@ def extract_batch(
                             concurrency=concurrency, aux_layer_ids=aux_layer_ids)
         down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
         if down and not server_healthy(url):
-            supervisor = supervisor_for(url)
-            if supervisor is not None:
-                supervisor.recover()
+            if on_server_down is not None:
+                on_server_down()
             raise ServerUnavailable(f"SGLang server at {url} stopped answering mid-batch ({down[0]!r}); "
                                     "the batch will be retried") from down[0]
         failed = []

@@ -1,12 +1,12 @@
 """The forward hook that runs inside the SGLang scheduler process.
 
-Loaded by stock SGLang through `--forward-hooks` on the decoder stack module
-`model` (LlamaModel and its kin). In capture mode
+Loaded by stock SGLang through `--forward-hooks` on the target architecture's
+decoder stack (`model` for LlamaModel and its kin). In capture mode
 (`--enable-return-aux-hidden-states`) that module returns
 `(final_hidden, [aux_0, aux_1, aux_2])` over the flat token axis of a batch;
 `forward_batch.rids` and `extend_{prefix,seq}_lens_cpu` say which tokens
 belong to which request. Each prefill piece of a request the pipeline issued
-is written by `tasks.dump.write_chunk`, keyed by its rid.
+is written by `tasks.capture.dump.write_chunk`, keyed by its rid.
 
 The hook must never take the server down: a failure is logged and the
 request simply has no dump, which the pipeline detects and retries.
@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tasks.dump import RID_PREFIX, is_safe_rid, write_chunk
-from tasks.layers import FINAL_STATE_NORM
+from tasks.capture.dump import RID_PREFIX, is_safe_rid, write_chunk
+from tasks.target.layers import FINAL_STATE_NORM
 
 logger = logging.getLogger("eagle3.capture_hook")
 

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from tasks.dump import Capture
-from tasks.layers import AuxLayers
+from tasks.capture.dump import Capture
+from tasks.target.layers import AuxLayers
 
 
 def load_reference_model(model_path: str, dtype: torch.dtype):

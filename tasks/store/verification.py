@@ -19,9 +19,10 @@ import pandas as pd
 import torch
 from safetensors import safe_open
 
-from tasks.dataset import prepare_samples
-from tasks.store import FORMAT, SHARD_DTYPES, Ledger, file_sha256, read_manifest, sample_checksum, shard_path
-
+from tasks.data.dataset import prepare_samples
+from tasks.store.ledger import open_ledger
+from tasks.store.manifest import read_manifest
+from tasks.store.shards import FORMAT, SHARD_DTYPES, file_sha256, sample_checksum, shard_path
 
 
 @dataclass
@@ -59,9 +60,9 @@ def _fresh_samples(manifest: dict, sources: list[str]) -> dict[str, dict]:
 def verify_store(store: Path, *, recheck_source: bool = True, write_report: bool = True) -> VerifyReport:
     store = Path(store)
     manifest = read_manifest(store)
-    ledger = Ledger(store)
-    shards = ledger.table("shards")
-    samples = ledger.table("samples").sort_values(["shard", "position"])
+    ledger = open_ledger(store)
+    shards = ledger.shards()
+    samples = ledger.samples()
     fresh = _fresh_samples(manifest, sorted(samples.source.unique())) if recheck_source else {}
     hidden = manifest["hidden_size"]
     file_rows, sample_rows = [], []
@@ -199,8 +200,9 @@ def require_verified(store: Path) -> dict:
         raise StoreNotVerified(f"store {store} failed its last verification "
                                f"({summary.get('failed_files')} files, {summary.get('failed_samples')} samples; "
                                f"see {summary.get('files_report')}): re-extract or repair it, then verify again")
-    samples, newest = Ledger(store).query("SELECT COUNT(*), (SELECT MAX(created) FROM shards) FROM samples")[0]
-    if samples != summary.get("samples") or (newest or 0) > summary.get("time", 0):
+    now = open_ledger(store).summary()
+    samples = now["samples"]
+    if samples != summary.get("samples") or (now["newest_shard"] or 0) > summary.get("time", 0):
         raise StoreNotVerified(f"store {store} changed since its last verification ({summary.get('samples')} "
                                f"samples verified, {samples} stored now): verify it again")
     return summary

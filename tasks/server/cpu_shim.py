@@ -18,7 +18,7 @@ from tasks.paths import REPO_ROOT, cache_root
 
 STUB_SOURCE = REPO_ROOT / "csrc" / "libcuda_stub.c"
 # Holds the sitecustomize.py that server processes import at start-up.
-SGLANG_SITE_DIR = REPO_ROOT / "tasks" / "sglang_site"
+SGLANG_SITE_DIR = Path(__file__).resolve().parent / "sglang_site"
 CPU_SPECULATIVE_SWITCH = "EAGLE3_CPU_SPECULATIVE"
 
 
@@ -83,7 +83,7 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
     switch and the stub driver, and with `speculative=True` also the
     sitecustomize that supplies the CPU speculative-decoding operators
-    (tasks/sglang_site, tasks.cpu_spec_ops; it needs the repository root on
+    (tasks/server/sglang_site, tasks/server/cpu_spec_ops.py; it needs the repository root on
     PYTHONPATH too, which the launcher adds). On a GPU machine: `base`
     unchanged, since SGLang's own kernels serve speculative decoding there.
     """

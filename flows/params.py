@@ -1,0 +1,39 @@
+"""Flow parameters that more than one flow takes, declared once: type,
+limits and description (the CLI's help and the Prefect UI's run form read
+them) and default. A flow's signature uses these, so `extract` and
+`pipeline`, or `train` and `pipeline`, cannot drift apart."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+from pydantic import Field
+
+from tasks.data.dataset import DEMO_DATASET
+from tasks.target.models import SMOLLM2
+from tasks.train.loop import TrainConfig
+
+DEFAULT_DATASET = str(DEMO_DATASET)
+DEFAULT_MODEL = SMOLLM2
+# TrainConfig's own defaults: the plain function and the flows agree.
+TRAIN = TrainConfig(store="", out_dir="")
+
+# Extraction.
+Dataset = Annotated[str, Field(description="JSONL/JSON/Parquet: messages, conversations, text or input_ids rows "
+                                           "(best: answered by the target itself)")]
+Model = Annotated[str, Field(description="target model: a checkpoint folder, or 'smollm2-135m-instruct' / "
+                                         "'tiny-llama'")]
+ServerUrl = Annotated[Optional[str], Field(description="attach to this running capture server instead of "
+                                                       "launching one")]
+DumpDir = Annotated[Optional[str], Field(description="where the server writes captures (default: one dir per store "
+                                                     "under /dev/shm)")]
+MaxLength = Annotated[int, Field(description="longest sample in tokens", ge=1)]
+BatchSize = Annotated[int, Field(description="samples per batch task and per shard", ge=1)]
+
+# Training.
+DraftVocabSize = Annotated[int, Field(description="draft vocabulary: the N most frequent target tokens", ge=16)]
+TttSteps = Annotated[int, Field(description="training-time-test unroll depth K (loss weights decay^k)", ge=1)]
+Epochs = Annotated[int, Field(description="passes over the training split", ge=1)]
+Lr = Annotated[float, Field(description="peak learning rate (AdamW, warm-up then cosine)", gt=0)]
+TokensPerBatch = Annotated[int, Field(description="padded tokens per step and device", ge=64)]
+Devices = Annotated[int, Field(description="GPUs to train on; >1 runs torchrun (DDP)", ge=1)]
+ServeSteps = Annotated[int, Field(description="speculative steps the drafter will be served with (for tau@S)", ge=1)]

@@ -1,0 +1,2 @@
+"""Running stock SGLang: launch, health, stop, supervision, and what it
+needs on a machine without a GPU."""

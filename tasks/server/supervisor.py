@@ -1,0 +1,78 @@
+"""The capture server of one run, kept serving: launched (and relaunched
+after a crash) or attached to by URL."""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from tasks.server.launch import LogFollower, ServerConfig, ServerError, ServerHandle, launch_server, \
+    server_healthy, stop_server
+
+logger = logging.getLogger("eagle3.server")
+
+
+class ServerSupervisor:
+    """The capture server of one run: launched by the run, or attached by URL.
+
+    A server the run launched is relaunched (same port, same dump dir) after a
+    crash, at most `max_restarts` times; an attached server is only checked,
+    since its owner must restart it. The run hands the supervisor to its
+    batch tasks, which call `recover()` when the server stops answering.
+    """
+
+    def __init__(self, cfg: ServerConfig | None = None, log_path: Path | None = None, *,
+                 attach_url: str | None = None, max_restarts: int = 2, timeout_s: float = 600.0):
+        if (cfg is None) == (attach_url is None):
+            raise ValueError("give either a server config to launch or a URL to attach to")
+        self.cfg, self.log_path, self.attach_url = cfg, log_path, attach_url
+        self.max_restarts, self.timeout_s = max_restarts, timeout_s
+        self.restarts = 0
+        self.handle: ServerHandle | None = None
+        self.follower = LogFollower(log_path) if log_path else None
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.attach_url or self.handle.url
+
+    def start(self) -> str:
+        if self.attach_url is None:
+            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
+            # A relaunch reuses the port, so the URL the batches hold stays valid.
+            self.cfg.port = int(self.handle.url.rsplit(":", 1)[1])
+        elif not self.healthy():
+            raise ServerError(f"no healthy SGLang server at {self.attach_url}")
+        return self.url
+
+    def healthy(self) -> bool:
+        if self.handle is not None and not self.handle.alive():
+            return False
+        return server_healthy(self.url)
+
+    def recover(self) -> None:
+        """Make the server serve again, or raise ServerError saying why not."""
+        with self._lock:
+            if self.healthy():
+                return
+            if self.attach_url is not None:
+                raise ServerError(f"the attached SGLang server at {self.attach_url} is not answering; "
+                                  "restart it, then retry the run (stored batches are kept)")
+            if self.restarts >= self.max_restarts:
+                raise ServerError(f"SGLang server died again after {self.restarts} relaunches; last log lines:\n"
+                                  + self.handle.log_tail())
+            self.restarts += 1
+            logger.warning("SGLang server at %s is down (exit code %s); relaunching (%d of at most %d). "
+                           "Last log lines:\n%s", self.url, self.handle.process.poll(), self.restarts,
+                           self.max_restarts, self.handle.log_tail(15))
+            stop_server(self.handle)
+            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
+            logger.warning("SGLang server relaunched at %s", self.url)
+
+    def forward_log(self, log: logging.Logger) -> None:
+        if self.follower is not None:
+            self.follower.forward(log)
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            stop_server(self.handle)

@@ -1,0 +1,2 @@
+"""The store: the on-disk data contract (manifest, ledger, shards), its
+reader, and its verification."""

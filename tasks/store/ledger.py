@@ -1,0 +1,164 @@
+"""The ledger: the store's index, and the single source of truth for
+progress, resume and verification. A sample is stored when, and only when,
+the ledger has committed its shard.
+
+`Ledger` names the operations the rest of the project uses; no SQL lives
+outside a backend. `open_ledger(store)` gives the store's backend; SQLite
+(`<store>/ledger.sqlite`) is the one for a store on one machine's local
+filesystem. Tables, in every backend:
+
+    shards(name, sha256, bytes, num_samples, num_tokens, created)
+    samples(sample_id, source, source_row, shard, position, token_offset,
+            num_tokens, num_loss_tokens, checksum)
+    quarantine(source, source_row, sample_id, reason, attempts, at)
+"""
+from __future__ import annotations
+
+import abc
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pandas as pd
+
+from tasks.store.manifest import create_or_check
+from tasks.store.shards import ShardInfo
+
+SHARD_COLUMNS = ["name", "sha256", "bytes", "num_samples", "num_tokens", "created"]
+SAMPLE_COLUMNS = ["sample_id", "source", "source_row", "shard", "position", "token_offset", "num_tokens",
+                  "num_loss_tokens", "checksum"]
+QUARANTINE_COLUMNS = ["source", "source_row", "sample_id", "reason", "attempts", "at"]
+
+
+class Ledger(abc.ABC):
+    """The index of one store. Safe to call from the threads Prefect runs
+    mapped tasks in."""
+
+    store: Path
+
+    @abc.abstractmethod
+    def stored_ids(self) -> set[str]:
+        """Every committed sample id."""
+
+    @abc.abstractmethod
+    def commit_shard(self, shard: ShardInfo, rows: list[dict]) -> None:
+        """In one transaction: the shard, its samples (rows as made by
+        `write_shard`), and the end of any quarantine of their source rows."""
+
+    @abc.abstractmethod
+    def quarantine(self, rows: list[dict]) -> None:
+        """rows: source, source_row, sample_id (or None), reason, attempts."""
+
+    @abc.abstractmethod
+    def summary(self) -> dict:
+        """samples, tokens, loss_tokens, shards, bytes, quarantined, and
+        newest_shard (its `created` time, None for an empty store)."""
+
+    @abc.abstractmethod
+    def shards(self) -> pd.DataFrame:
+        """One row per committed shard (SHARD_COLUMNS)."""
+
+    @abc.abstractmethod
+    def samples(self) -> pd.DataFrame:
+        """One row per committed sample (SAMPLE_COLUMNS), by shard and position."""
+
+    @abc.abstractmethod
+    def quarantined(self) -> pd.DataFrame:
+        """One row per quarantined source row (QUARANTINE_COLUMNS)."""
+
+    @abc.abstractmethod
+    def sample_index(self) -> list[tuple]:
+        """(sample_id, shard, token_offset, num_tokens, num_loss_tokens,
+        source_row) per sample, by shard and position: what a reader needs."""
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS shards(
+    name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, bytes INTEGER NOT NULL,
+    num_samples INTEGER NOT NULL, num_tokens INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS samples(
+    sample_id TEXT PRIMARY KEY, source TEXT NOT NULL, source_row INTEGER NOT NULL,
+    shard TEXT NOT NULL REFERENCES shards(name), position INTEGER NOT NULL,
+    token_offset INTEGER NOT NULL, num_tokens INTEGER NOT NULL,
+    num_loss_tokens INTEGER NOT NULL, checksum TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantine(
+    source TEXT NOT NULL, source_row INTEGER NOT NULL, sample_id TEXT,
+    reason TEXT NOT NULL, attempts INTEGER NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY(source, source_row));
+"""
+
+
+class SqliteLedger(Ledger):
+    """`<store>/ledger.sqlite`. One short connection per call, so it can be
+    used from many threads. Keep such a store on a local or POSIX
+    filesystem (SQLite's locking is unreliable on NFS)."""
+
+    def __init__(self, store: Path):
+        self.store = Path(store)
+        self.path = self.store / "ledger.sqlite"
+        with closing(self._connect()) as db, db:
+            db.executescript(SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=120)
+
+    def _rows(self, sql: str, args=()) -> list[tuple]:
+        with closing(self._connect()) as db:
+            return db.execute(sql, args).fetchall()
+
+    def _frame(self, sql: str) -> pd.DataFrame:
+        with closing(self._connect()) as db:
+            return pd.read_sql_query(sql, db)
+
+    def stored_ids(self) -> set[str]:
+        return {r[0] for r in self._rows("SELECT sample_id FROM samples")}
+
+    def commit_shard(self, shard: ShardInfo, rows: list[dict]) -> None:
+        with closing(self._connect()) as db, db:
+            db.execute("INSERT OR REPLACE INTO shards VALUES (?,?,?,?,?,?)",
+                       (shard.name, shard.sha256, shard.bytes, shard.num_samples, shard.num_tokens, time.time()))
+            db.executemany(
+                "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
+                ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
+            db.executemany("DELETE FROM quarantine WHERE source=? AND source_row=?",
+                           [(r["source"], r["source_row"]) for r in rows])
+
+    def quarantine(self, rows: list[dict]) -> None:
+        with closing(self._connect()) as db, db:
+            db.executemany(
+                "INSERT OR REPLACE INTO quarantine VALUES (:source,:source_row,:sample_id,:reason,:attempts,:at)",
+                [{"sample_id": None, "attempts": 0, "at": time.time(), **r} for r in rows])
+
+    def summary(self) -> dict:
+        samples, tokens, loss = self._rows(
+            "SELECT COUNT(*), COALESCE(SUM(num_tokens),0), COALESCE(SUM(num_loss_tokens),0) FROM samples")[0]
+        shards, nbytes, newest = self._rows("SELECT COUNT(*), COALESCE(SUM(bytes),0), MAX(created) FROM shards")[0]
+        quarantined = self._rows("SELECT COUNT(*) FROM quarantine")[0][0]
+        return {"samples": samples, "tokens": tokens, "loss_tokens": loss, "shards": shards,
+                "bytes": nbytes, "quarantined": quarantined, "newest_shard": newest}
+
+    def shards(self) -> pd.DataFrame:
+        return self._frame("SELECT * FROM shards")
+
+    def samples(self) -> pd.DataFrame:
+        return self._frame("SELECT * FROM samples ORDER BY shard, position")
+
+    def quarantined(self) -> pd.DataFrame:
+        return self._frame("SELECT * FROM quarantine")
+
+    def sample_index(self) -> list[tuple]:
+        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row "
+                          "FROM samples ORDER BY shard, position")
+
+
+def open_ledger(store: Path) -> Ledger:
+    """The ledger of an existing (or new) store."""
+    return SqliteLedger(Path(store))
+
+
+def open_store(store: Path, manifest: dict) -> Ledger:
+    """Create the store, or check that an existing one was built the same
+    way (tasks/store/manifest.py), then return its ledger."""
+    create_or_check(Path(store), manifest)
+    return open_ledger(store)

@@ -1,0 +1,101 @@
+"""The store's manifest: what produced its data, and the rule for adding to it.
+
+    <store>/manifest.json     target (name, config hash, architecture),
+                              tokenizer and chat-template hashes, aux layer ids
+                              in both conventions, final state post-norm,
+                              hidden size, dtype, max length and policy,
+                              SGLang version, sources
+
+Two runs may write into the same store only if the keys in IDENTITY_KEYS are
+equal.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from tasks.store.shards import FORMAT, file_sha256
+from tasks.target.architectures import Architecture
+
+# What must be equal for two runs to write into the same store.
+IDENTITY_KEYS = ("format", "target", "architecture", "tokenizer", "aux_layers", "hidden_size", "dtype",
+                 "max_length", "max_length_policy")
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Architecture, *, max_length: int,
+                   policy: str, sources: Sequence[str]) -> dict:
+    """What produced the data. The keys in IDENTITY_KEYS must match for a run
+    to add to an existing store."""
+    from importlib.metadata import version
+
+    model_path = Path(model_path)
+    config = json.loads((model_path / "config.json").read_text())
+    sizes = architecture.sizes(config)
+    return {
+        "format": FORMAT,
+        "target": {"name": model_path.name, "config_sha256": file_sha256(model_path / "config.json"),
+                   "architectures": config.get("architectures"), "num_hidden_layers": sizes["num_hidden_layers"],
+                   "vocab_size": sizes.get("vocab_size")},
+        "architecture": architecture.as_record(),
+        "target_path": str(model_path.resolve()),
+        "tokenizer": {"sha256": file_sha256(model_path / "tokenizer.json"),
+                      "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()},
+        "aux_layers": aux_layers.as_record(),
+        "hidden_size": sizes["hidden_size"],
+        "dtype": "bfloat16",
+        "max_length": max_length,
+        "max_length_policy": policy,
+        "sglang_version": version("sglang"),
+        "sources": sorted(str(s) for s in sources),
+    }
+
+
+def manifest_path(store: Path) -> Path:
+    return Path(store) / "manifest.json"
+
+
+def read_manifest(store: Path) -> dict:
+    path = manifest_path(store)
+    if not path.exists():
+        raise StoreError(f"{store} is not a store: no manifest.json")
+    return json.loads(path.read_text())
+
+
+def create_or_check(store: Path, manifest: dict) -> None:
+    """Create the store's manifest, or check that an existing store was built
+    the same way (and record new sources). Refuses to mix data from
+    different models, tokenizers, layers or length policies."""
+    store = Path(store)
+    (store / "shards").mkdir(parents=True, exist_ok=True)
+    path = manifest_path(store)
+    if not path.exists():
+        write_json_atomic(path, manifest)
+        return
+    existing = json.loads(path.read_text())
+    # Stores written before the architecture was recorded: the target's
+    # config hash (part of the identity) already fixes its architecture.
+    if "architecture" not in existing and existing.get("target") == manifest.get("target"):
+        existing["architecture"] = manifest.get("architecture")
+    diff = [k for k in IDENTITY_KEYS if existing.get(k) != manifest.get(k)]
+    if diff:
+        raise StoreError(
+            f"store {store} was built with different {', '.join(diff)}: "
+            + "; ".join(f"{k}: store has {existing.get(k)!r}, this run {manifest.get(k)!r}" for k in diff)
+            + ". Use a new store directory for this run."
+        )
+    updated = {**existing, "sources": sorted(set(existing.get("sources", [])) | set(manifest.get("sources", [])))}
+    if updated != json.loads(path.read_text()):
+        write_json_atomic(path, updated)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

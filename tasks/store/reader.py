@@ -1,0 +1,55 @@
+"""Random access to a store's samples, straight from its shards."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from tasks.store.ledger import open_ledger
+from tasks.store.manifest import read_manifest
+from tasks.store.shards import shard_path
+
+
+class StoreReader:
+    """`reader[i]` reads only sample i's slices (safetensors maps the file;
+    nothing else is loaded)."""
+
+    def __init__(self, store: Path, *, max_open_shards: int = 64):
+        self.store = Path(store)
+        self.manifest = read_manifest(self.store)
+        rows = open_ledger(self.store).sample_index()
+        self.sample_ids = [r[0] for r in rows]
+        self._shards = [r[1] for r in rows]
+        self._offsets = np.array([r[2] for r in rows], dtype=np.int64)
+        self.num_tokens = np.array([r[3] for r in rows], dtype=np.int64)
+        self.num_loss_tokens = np.array([r[4] for r in rows], dtype=np.int64)
+        self._open: OrderedDict[str, object] = OrderedDict()
+        self._max_open = max_open_shards
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def _handle(self, shard: str):
+        with self._lock:
+            f = self._open.pop(shard, None)
+            if f is None:
+                f = safe_open(str(shard_path(self.store, shard)), framework="pt")
+                if len(self._open) >= self._max_open:
+                    self._open.popitem(last=False)
+            self._open[shard] = f
+            return f
+
+    def __getitem__(self, i: int) -> dict:
+        f = self._handle(self._shards[i])
+        a, b = int(self._offsets[i]), int(self._offsets[i] + self.num_tokens[i])
+        return {
+            "sample_id": self.sample_ids[i],
+            "input_ids": f.get_slice("input_ids")[a:b],
+            "loss_mask": f.get_slice("loss_mask")[a:b],
+            "aux_hidden_states": f.get_slice("aux_hidden_states")[a:b],
+            "final_hidden_state": f.get_slice("final_hidden_state")[a:b],
+        }

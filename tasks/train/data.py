@@ -1,0 +1,114 @@
+"""Training data straight from a verified store: the held-out split,
+length-bucketed batches, collation and a prefetching thread."""
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from tasks.store.reader import StoreReader
+
+
+def is_heldout(sample_id: str, fraction: float) -> bool:
+    """Held-out by a hash of the sample id: stable across runs, resumes and
+    store growth (a sample never moves between the splits)."""
+    h = int.from_bytes(hashlib.sha256(f"heldout:{sample_id}".encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def split(reader: StoreReader, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    held = np.array([is_heldout(s, fraction) for s in reader.sample_ids], dtype=bool)
+    if len(reader) >= 2 and (held.all() or not held.any()):
+        # Tiny stores: keep at least one sample on each side.
+        held[:] = False
+        held[int(np.argmax([hashlib.sha256(s.encode()).digest() for s in reader.sample_ids]))] = True
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def plan_batches(lengths: np.ndarray, indices: np.ndarray, tokens_per_batch: int,
+                 seed: int | None, epoch: int = 0) -> list[list[int]]:
+    """Length-bucketed batches cut at a padded-token budget. With a seed the
+    order is shuffled deterministically in (seed, epoch), so a resumed run
+    replays the same order: shuffle, sort within windows of a few thousand
+    samples by length (little padding), cut, shuffle the batches. Without a
+    seed (evaluation): sorted by length, no shuffle."""
+    rng = np.random.default_rng([seed, epoch]) if seed is not None else None
+    order = rng.permutation(indices) if rng is not None else np.asarray(indices)
+    window = 4096 if rng is not None else max(1, len(order))
+    batches: list[list[int]] = []
+    for w in range(0, len(order), window):
+        current: list[int] = []
+        for i in sorted(order[w:w + window], key=lambda i: lengths[i]):
+            if current and lengths[i] * (len(current) + 1) > tokens_per_batch:
+                batches.append(current)
+                current = []
+            current.append(int(i))
+        if current:
+            batches.append(current)
+    return [batches[i] for i in rng.permutation(len(batches))] if rng is not None else batches
+
+
+def collate(reader: StoreReader, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Right-padded tensors read straight from the shards (only these samples'
+    slices are touched); hidden states stay bf16 until they reach the device."""
+    items = [reader[i] for i in indices]
+    lengths = [len(it["input_ids"]) for it in items]
+    b, n = len(items), max(lengths)
+    h = items[0]["final_hidden_state"].shape[-1]
+    out = {
+        "input_ids": torch.zeros(b, n, dtype=torch.long),
+        "loss_mask": torch.zeros(b, n, dtype=torch.bool),
+        "lengths": torch.tensor(lengths, dtype=torch.long),
+        "aux": torch.zeros(b, n, items[0]["aux_hidden_states"].shape[1] * h, dtype=items[0]["aux_hidden_states"].dtype),
+        "final": torch.zeros(b, n, h, dtype=items[0]["final_hidden_state"].dtype),
+    }
+    for r, (it, m) in enumerate(zip(items, lengths)):
+        out["input_ids"][r, :m] = it["input_ids"].long()
+        out["loss_mask"][r, :m] = it["loss_mask"].bool()
+        out["aux"][r, :m] = it["aux_hidden_states"].reshape(m, -1)
+        out["final"][r, :m] = it["final_hidden_state"]
+    return out
+
+
+def prefetch(make: Callable[[list[int]], dict], batches: Iterable[list[int]], depth: int = 4) -> Iterator[dict]:
+    """Collate the next batches in a thread while the current one trains."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def work():
+        try:
+            for b in batches:
+                q.put(make(b))
+        except BaseException as e:  # surfaced in the consumer
+            q.put(e)
+        q.put(done)
+
+    threading.Thread(target=work, daemon=True, name="eagle3-loader").start()
+    while (item := q.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def heldout_prompts(store: Path, heldout_fraction: float, count: int) -> list[list[int]]:
+    """Prompts of held-out samples (every token before the first loss-masked
+    one: the conversation up to the assistant's answer), for serving checks
+    on data the drafter never trained on."""
+    reader = StoreReader(Path(store))
+    _, held = split(reader, heldout_fraction)
+    prompts = []
+    for i in held:
+        s = reader[int(i)]
+        mask = s["loss_mask"].bool()
+        if mask.any():
+            first = int(mask.nonzero()[0])
+            if first > 0:
+                prompts.append(s["input_ids"][:first].tolist())
+        if len(prompts) == count:
+            break
+    return prompts

@@ -1,0 +1,249 @@
+"""The EAGLE-3 drafter, in the layout SGLang serves (`LlamaForCausalLMEagle3`),
+and its forward: the computation SGLang serves, step by step.
+
+    fc          [H, 3H]    the three aux states of the target, concatenated
+    midlayer    one Llama decoder layer whose q/k/v take 2H inputs: the
+                normed token embedding concatenated with the normed hidden
+                state (input_layernorm, hidden_norm); residual = the hidden
+                state entering the layer
+    norm        final RMSNorm
+    lm_head     [N, H]     over the draft vocabulary
+    d2t, t2d    draft id j is target id j + d2t[j]; t2d[t] marks target ids
+                in the draft vocabulary
+
+The token embeddings are the target's (frozen here; SGLang shares the
+target's at serving time). `Eagle3Drafter.step` mirrors SGLang's
+`llama_eagle3.LlamaDecoderLayer.forward`, so what is trained is what is
+served; tests/test_drafter_in_sglang.py checks the exported weights load into
+SGLang's own class and compute the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from tasks.target.architectures import architecture_of, read_config
+from tasks.train.vocab import DraftVocab
+
+
+def target_sizes(target_path: Path) -> dict:
+    """The target config section with its text model's sizes (the drafter
+    shares them)."""
+    config = read_config(target_path)
+    return architecture_of(config).sizes(config)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  valid: torch.Tensor) -> torch.Tensor:
+    """Step-k attention: the causal prefix of step-0 keys, plus the diagonal
+    (same position) keys of steps 1..k. q [B, h, L, d]; valid [B, L]."""
+    heads, n, d = q.shape[1], q.shape[2], q.shape[3]
+    scale = d ** -0.5
+    k0, v0 = _repeat_kv(keys[0], heads), _repeat_kv(values[0], heads)
+    scores = (q @ k0.transpose(-1, -2)) * scale
+    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None, None] & valid[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diag = [((q * _repeat_kv(k, heads)).sum(-1, keepdim=True)) * scale for k in keys[1:]]
+    p = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = p[..., :n] @ v0
+    for j, v in enumerate(values[1:]):
+        out = out + p[..., n + j:n + j + 1] * _repeat_kv(v, heads)
+    return out
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    draft_vocab_size: int
+    num_aux: int = 3
+
+    @classmethod
+    def from_target(cls, target_config: dict, draft_vocab_size: int, num_aux: int = 3) -> "DrafterConfig":
+        if target_config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"the drafter is a Llama layer with SiLU; the target uses {target_config['hidden_act']}")
+        heads = target_config["num_attention_heads"]
+        return cls(
+            hidden_size=target_config["hidden_size"], num_attention_heads=heads,
+            num_key_value_heads=target_config.get("num_key_value_heads", heads),
+            head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
+            intermediate_size=target_config["intermediate_size"], rms_norm_eps=target_config["rms_norm_eps"],
+            vocab_size=target_config["vocab_size"], draft_vocab_size=draft_vocab_size, num_aux=num_aux,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """The target's rotary embedding (any rope type transformers knows), so
+    positions mean the same to the drafter as to SGLang's draft layer."""
+
+    def __init__(self, target_config: dict):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.rope = LlamaRotaryEmbedding(LlamaConfig(**target_config))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        # q, k: [B, heads, L, d]; positions: [B, L]
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        cos, sin = self.rope(q, positions)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor):
+        """[B, L, H] each -> q [B, heads, L, d], k, v [B, kv_heads, L, d]."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        b, n, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, n, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)
+        return q, k, v
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn [B, heads, L, d] -> the layer's pre-norm output (SGLang's
+        `hidden + residual` after the MLP), what the next draft step takes in."""
+        b, _, n, _ = attn.shape
+        residual = self.o_proj(attn.transpose(1, 2).reshape(b, n, -1)) + residual
+        x = self.post_attention_layernorm(residual)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) + residual
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, target_config: dict):
+        super().__init__()
+        self.cfg = cfg
+        self.target_config = dict(target_config)
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux * h, h, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(target_config)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, vocab: DraftVocab) -> None:
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def step(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+        """One draft step, as SGLang serves it: the embedding of the token
+        each position has just seen (`next_ids` [B, L]) with the hidden state
+        it carries (`hidden` [B, L, H]: fc of the target's aux states at step
+        0, this layer's own output after), through the decoder layer. Step k
+        attends to the step-0 keys of the causal prefix and to its own chain
+        (steps 1..k at the same position); this step's keys and values are
+        appended to `keys`/`values`. Returns the layer's pre-norm output, what
+        the next step takes in (`logits` scores it)."""
+        q, k, v = self.midlayer.qkv(self.embed_tokens(next_ids), hidden)
+        q, k = self.rotary(q, k, positions)
+        keys.append(k)
+        values.append(v)
+        return self.midlayer.finish(ttt_attention(q, keys, values, valid), hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores over the draft vocabulary of a step's output."""
+        return self.lm_head(self.norm(hidden))
+
+    def trainable_state(self) -> dict:
+        """Everything but the frozen target embeddings."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "rotary."))}
+
+
+def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_aux: int = 3,
+                  embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3Drafter:
+    """A fresh drafter: random layers, the target's embeddings (frozen), and
+    lm_head rows copied from the target's for the draft vocabulary (a far
+    better start than random: step 0 then starts near the target's own head).
+    `embeddings`: the target's (embed, head) if the caller has read them
+    already (for a large target they are gigabytes)."""
+    target_config = target_sizes(target_path)
+    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux)
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(cfg, target_config)
+    std = target_config.get("initializer_range", 0.02)
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and not name.startswith("embed_tokens"):
+            nn.init.normal_(p, std=std)
+    embed, head = embeddings if embeddings is not None else load_target_embeddings(target_path)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head[torch.from_numpy(vocab.target_ids)])
+    model.set_vocab(vocab)
+    return model
+
+
+def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens [V, H], lm_head [V, H]) in fp32, read from the target's
+    safetensors without loading the rest (tensor names from the
+    architecture table); a tied target has no head tensor, and its head is
+    the embedding."""
+    target_path = Path(target_path)
+    config = read_config(target_path)
+    arch = architecture_of(config)
+    found: dict[str, torch.Tensor] = {}
+    wanted = {arch.embed_weight: "embed", arch.head_weight: "head"}
+    for file in sorted(target_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key in wanted:
+                    found[wanted[key]] = f.get_tensor(key).float()
+    if "embed" not in found:
+        raise FileNotFoundError(f"no {arch.embed_weight} in {target_path}/*.safetensors (architecture {arch.name})")
+    if "head" not in found:
+        if not arch.sizes(config).get("tie_word_embeddings", False):
+            raise FileNotFoundError(f"{target_path} has no {arch.head_weight} and does not tie its embeddings")
+        found["head"] = found["embed"]
+    return found["embed"], found["head"]

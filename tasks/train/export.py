@@ -1,0 +1,125 @@
+"""Export: the drafter as SGLang loads it (`--speculative-draft-model-path`),
+and reading an export back.
+
+    <dir>/config.json         architectures ["LlamaForCausalLMEagle3"], the
+                              target's sizes and rope, num_hidden_layers 1,
+                              draft_vocab_size, eagle_config (aux layer ids)
+    <dir>/model.safetensors   fc, midlayer.*, norm, lm_head, d2t, t2d
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tasks.target.layers import AuxLayers
+from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, load_target_embeddings, target_sizes
+from tasks.train.vocab import DraftVocab
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Target config keys the drafter must share so SGLang builds the same shapes,
+# rotary embedding and activation.
+_SHARED_CONFIG_KEYS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_parameters", "rope_theta",
+    "rope_scaling", "attention_bias", "mlp_bias", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
+)
+
+
+def export_weights(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """SGLang's names: it maps `midlayer` to `layers.0` and fuses q/k/v and
+    gate/up itself; embeddings are not exported (served from the target)."""
+    m = model.midlayer
+    out = {
+        "fc.weight": model.fc.weight,
+        "norm.weight": model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+        "d2t": model.d2t,
+        "t2d": model.t2d,
+    }
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        out[f"midlayer.self_attn.{name}.weight"] = getattr(m, name).weight
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        out[f"midlayer.mlp.{name}.weight"] = getattr(m, name).weight
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        out[f"midlayer.{name}.weight"] = getattr(m, name).weight
+    return out
+
+
+def export_config(model: Eagle3Drafter, layers: AuxLayers, dtype: torch.dtype) -> dict:
+    config = {k: model.target_config[k] for k in _SHARED_CONFIG_KEYS if k in model.target_config}
+    config.update({
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "draft_vocab_size": model.cfg.draft_vocab_size,
+        # SGLang would otherwise make lm_head the (full-vocab) embedding.
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(layers.sglang_ids),
+            "use_aux_hidden_state": True,
+            # The same tensors in the other conventions, for readers of vLLM/EAGLE.
+            "hf_hidden_state_indices": list(layers.hf_hidden_state_indices),
+        },
+    })
+    return config
+
+
+def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *,
+                   dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
+    """Write `config.json` + `model.safetensors`, atomically (a temp dir renamed
+    into place), loadable by `--speculative-draft-model-path out_dir`."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+               for k, v in export_weights(model).items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = export_config(model, layers, dtype)
+    if extra:
+        config["eagle3_training"] = extra
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
+    """Read an exported drafter back (embeddings from the target)."""
+    out_dir = Path(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    target_config = target_sizes(target_path)
+    with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    vocab = DraftVocab.from_d2t(tensors["d2t"], config["vocab_size"])
+    cfg = DrafterConfig.from_target(target_config, vocab.size, len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+    model = Eagle3Drafter(cfg, target_config)
+    embed, _ = load_target_embeddings(target_path)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        names = export_weights(model)
+        for k, p in names.items():
+            p.copy_(tensors[k].to(p.dtype))
+    return model
+
+
+def export_random_drafter(target_model_path: Path, out_dir: Path, *, draft_vocab_size: int,
+                          aux_layer_ids: Sequence[int] | None = None, seed: int = 0) -> Path:
+    """An untrained drafter in the served layout (serving tests, baselines):
+    the draft vocabulary is the lowest `draft_vocab_size` target ids."""
+    target_config = target_sizes(target_model_path)
+    vocab = DraftVocab.from_counts(np.zeros(target_config["vocab_size"], dtype=np.int64), draft_vocab_size)
+    model = build_drafter(Path(target_model_path), vocab, seed=seed)
+    layers = AuxLayers.for_model(target_config["num_hidden_layers"], aux_layer_ids)
+    return export_drafter(model, layers, Path(out_dir))

@@ -1,0 +1,322 @@
+"""The training loop over a verified store: prepare once (split, draft
+vocabulary, drafter), train with TTT, evaluate on held-out samples per
+epoch, checkpoint atomically with the data position, export at the end.
+
+The batch order is a function of the seed and the epoch, so a resumed run
+replays exactly what is left. Under torchrun (tasks/train/launch.py) each
+rank trains its slice of every global batch order under DDP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tasks.store.reader import StoreReader
+from tasks.store.verification import require_verified
+from tasks.target.layers import AuxLayers
+from tasks.train.data import collate, plan_batches, prefetch, split
+from tasks.train.drafter import Eagle3Drafter, build_drafter, load_target_embeddings
+from tasks.train.export import export_drafter
+from tasks.train.metrics import write_metrics
+from tasks.train.ttt import TTT, acceptance_length, ttt_forward
+from tasks.train.vocab import DraftVocab, count_target_tokens
+
+logger = logging.getLogger("eagle3.training")
+
+CHECKPOINT = "checkpoint.pt"
+RESULT = "result.json"
+# Positions counted to pick the draft vocabulary: plenty for a frequency estimate.
+VOCAB_COUNT_TOKENS = 2_000_000
+
+
+@dataclass
+class TrainConfig:
+    store: str
+    out_dir: str
+    target: str | None = None  # default: the checkpoint the store was captured from
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    epochs: int = 2
+    lr: float = 3e-4
+    warmup_fraction: float = 0.05
+    max_grad_norm: float = 0.5
+    tokens_per_batch: int = 4096  # padded tokens per optimizer step (per device)
+    heldout_fraction: float = 0.05
+    eval_max_samples: int = 256
+    serve_steps: int = 3  # tau@serve_steps is what SGLang's --speculative-num-steps serves
+    seed: int = 0
+    # Not part of a run's identity: they may change between a run and its resume.
+    checkpoint_every: int = 50
+    log_every: int = 10
+    devices: int = 1
+
+    RESUMABLE = ("checkpoint_every", "log_every", "devices")
+
+    def identity(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUMABLE}
+
+
+@dataclass
+class TrainResult:
+    drafter_dir: str
+    history: list[dict]  # one row per evaluation (epoch 0 = untrained)
+    steps: int
+    train_samples: int
+    heldout_samples: int
+    draft_vocab_size: int
+    target: str = ""
+    resumed_from: dict | None = None
+    seconds: float = 0.0
+    data_wait_s: float = 0.0
+    compute_s: float = 0.0
+    tokens: int = 0
+
+    @property
+    def final(self) -> dict:
+        return self.history[-1]
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine to 10%: a function of the step alone, so a
+    resume needs no scheduler state."""
+    warm = max(1, int(cfg.warmup_fraction * total))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@dataclass
+class _Run:
+    """What the loop needs, prepared once."""
+    cfg: TrainConfig
+    reader: StoreReader
+    train_idx: np.ndarray
+    held_idx: np.ndarray
+    layers: AuxLayers
+    target: Path
+    model: Eagle3Drafter
+    head_rows: torch.Tensor
+    full_head: torch.Tensor
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    vocab: DraftVocab | None = None
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None) -> _Run:
+    store = Path(cfg.store)
+    require_verified(store)
+    reader = StoreReader(store)
+    if len(reader) < 2:
+        raise TrainingError(f"store {store} holds {len(reader)} samples: training needs at least 2")
+    manifest = reader.manifest
+    target = Path(cfg.target or manifest["target_path"])
+    if not (target / "config.json").exists():
+        raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
+                            f"captured from, {manifest.get('target')})")
+    layers = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
+    train_idx, held_idx = split(reader, cfg.heldout_fraction)
+    embed, head = load_target_embeddings(target)
+    if vocab is None:
+        counts = count_target_tokens((reader[int(i)] for i in train_idx), head, VOCAB_COUNT_TOKENS)
+        vocab = DraftVocab.from_counts(counts, cfg.draft_vocab_size)
+        covered = counts[vocab.target_ids].sum() / max(1, counts.sum())
+        logger.info("draft vocabulary: %d of %d target ids cover %.1f%% of the target's greedy tokens at %s "
+                    "loss-masked training positions", vocab.size, vocab.vocab_size, 100 * covered,
+                    f"{counts.sum():,}")
+    device = _device()
+    model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
+                          embeddings=(embed, head)).to(device)
+    head = head.to(device)
+    return _Run(cfg, reader, train_idx, held_idx, layers, target, model,
+                head[torch.from_numpy(vocab.target_ids).to(device)], head, device, vocab=vocab)
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(run: _Run) -> dict:
+    """Held-out loss, per-step accuracy and tau, over up to eval_max_samples."""
+    cfg = run.cfg
+    model = run.model
+    model.eval()
+    idx = run.held_idx[:cfg.eval_max_samples]
+    correct = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    counted = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    losses = torch.zeros(cfg.ttt_steps)
+    batches = plan_batches(run.reader.num_tokens, idx, cfg.tokens_per_batch, None)
+    for batch in prefetch(lambda b: collate(run.reader, b), batches):
+        out = ttt_forward(model, _to(batch, run.device), run.head_rows, steps=cfg.ttt_steps, decay=cfg.step_decay,
+                          full_head=run.full_head)
+        correct += out.correct.cpu()
+        counted += out.counted.cpu()
+        losses += out.step_losses.cpu() * out.counted.cpu()
+    model.train()
+    acc = (correct / counted.clamp(min=1)).tolist()
+    step_loss = (losses / counted.clamp(min=1)).tolist()
+    return {
+        "loss": sum(cfg.step_decay ** k * l for k, l in enumerate(step_loss)),
+        "acc": acc,
+        "tau": acceptance_length(acc),
+        f"tau@{cfg.serve_steps}": acceptance_length(acc[:cfg.serve_steps]),
+        "heldout_tokens": int(counted[0]),
+    }
+
+
+def _distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
+
+
+def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) -> TrainResult:
+    """Train (or resume) a drafter; returns its exported directory and metrics.
+    Checkpoints hold the weights, the optimizer, the draft vocabulary and the
+    data position (epoch, batch); the batch order is a function of the seed
+    and the epoch, so a resumed run replays exactly what is left."""
+    started = time.time()
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / CHECKPOINT
+    rank, world = _distributed()
+    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    if ckpt is not None and ckpt["identity"] != cfg.identity():
+        changed = {k: (ckpt["identity"].get(k), v) for k, v in cfg.identity().items() if ckpt["identity"].get(k) != v}
+        raise TrainingError(f"{ckpt_path} belongs to a run with other settings {changed} (old, new): "
+                            f"use another out_dir, or delete the checkpoint to start over")
+    run = prepare(cfg, DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt else None)
+    run.rank, run.world = rank, world
+    model = run.model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    history: list[dict] = []
+    epoch, batch_pos, step = 0, 0, 0
+    resumed = None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"], strict=False)
+        opt.load_state_dict(ckpt["optimizer"])
+        epoch, batch_pos, step, history = ckpt["epoch"], ckpt["batch"], ckpt["step"], ckpt["history"]
+        resumed = {"epoch": epoch, "batch": batch_pos, "step": step}
+        logger.info("resuming from %s: epoch %d, batch %d, step %d", ckpt_path, epoch + 1, batch_pos, step)
+    ttt = TTT(model)
+    ttt = torch.nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
+    plans = [plan_batches(run.reader.num_tokens, run.train_idx, cfg.tokens_per_batch, cfg.seed, e)
+             for e in range(cfg.epochs)]
+    per_epoch = min(len(p) for p in plans) // world
+    total = per_epoch * cfg.epochs
+    logger.info("training on %d samples (%s tokens), held out %d; %d epochs x %d steps, TTT %d steps, "
+                "draft vocab %d, device %s x %d", len(run.train_idx),
+                f"{int(run.reader.num_tokens[run.train_idx].sum()):,}", len(run.held_idx), cfg.epochs, per_epoch,
+                cfg.ttt_steps, run.vocab.size, run.device, world)
+
+    def save(epoch_: int, batch_: int) -> None:
+        if rank == 0:
+            _save_atomic({"identity": cfg.identity(), "model": model.trainable_state(),
+                          "optimizer": opt.state_dict(), "epoch": epoch_, "batch": batch_, "step": step,
+                          "history": history, "d2t": model.d2t.cpu(), "vocab_size": model.cfg.vocab_size},
+                         ckpt_path)
+
+    if not history and rank == 0:
+        history.append({"epoch": 0, "step": 0, **evaluate(run)})
+        logger.info("untrained drafter, held out: %s", _describe(history[-1]))
+        if on_eval:
+            on_eval(history[-1])
+    wait_s = compute_s = 0.0
+    tokens = 0
+    while epoch < cfg.epochs:
+        mine = plans[epoch][rank::world][:per_epoch]
+        t_epoch, tok_epoch = time.time(), 0
+        t_wait = time.time()
+        for i, batch in enumerate(prefetch(lambda b: collate(run.reader, b), mine[batch_pos:]), start=batch_pos):
+            t0 = time.time()
+            wait_s += t0 - t_wait
+            batch = _to(batch, run.device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, total, cfg)
+            out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+            opt.step()
+            step += 1
+            n_tok = int(batch["lengths"].sum())
+            tokens += n_tok
+            tok_epoch += n_tok
+            t_wait = time.time()
+            compute_s += t_wait - t0
+            if step % cfg.log_every == 0 and rank == 0:
+                rate = tok_epoch / max(1e-9, time.time() - t_epoch)
+                left = (total - step) * (time.time() - t_epoch) / max(1, i + 1 - batch_pos)
+                acc0 = float(out.correct[0]) / max(1, int(out.counted[0]))
+                logger.info("epoch %d/%d step %d/%d: loss %.3f, acc0 %.2f, lr %.2e, %.0f tok/s, ETA %.0f s",
+                            epoch + 1, cfg.epochs, step, total, out.loss.item(), acc0, lr_at(step, total, cfg),
+                            rate, left)
+            if step % cfg.checkpoint_every == 0:
+                save(epoch, i + 1)
+        epoch, batch_pos = epoch + 1, 0
+        if rank == 0:
+            history.append({"epoch": epoch, "step": step, **evaluate(run)})
+            logger.info("epoch %d/%d held out: %s", epoch, cfg.epochs, _describe(history[-1]))
+            if on_eval:
+                on_eval(history[-1])
+        save(epoch, 0)
+    drafter_dir = out_dir / "drafter"
+    if rank == 0:
+        export_drafter(model, run.layers, drafter_dir, extra={
+            "store": str(Path(cfg.store).resolve()), "target": str(run.target), "steps": step,
+            "heldout": {k: v for k, v in history[-1].items() if k != "epoch"}, "config": cfg.identity()})
+        write_metrics(out_dir, history)
+    if world > 1:
+        torch.distributed.barrier()
+    result = TrainResult(drafter_dir=str(drafter_dir), history=history, steps=step,
+                         train_samples=len(run.train_idx), heldout_samples=len(run.held_idx),
+                         draft_vocab_size=run.vocab.size, target=str(run.target), resumed_from=resumed,
+                         seconds=time.time() - started, data_wait_s=wait_s, compute_s=compute_s, tokens=tokens)
+    if rank == 0:
+        (out_dir / RESULT).write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+    return result
+
+
+def _describe(m: dict) -> str:
+    acc = ", ".join(f"{a:.2f}" for a in m["acc"])
+    tau_s = next(k for k in m if k.startswith("tau@"))
+    return f"loss {m['loss']:.3f}, tau {m['tau']:.2f}, {tau_s} {m[tau_s]:.2f}, acc [{acc}]"
+
+
+def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
+    """The drafter as the last checkpoint holds it (fp32), to check an export against."""
+    ckpt = torch.load(Path(out_dir) / CHECKPOINT, weights_only=False)
+    model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]))
+    model.load_state_dict(ckpt["model"], strict=False)
+    return model

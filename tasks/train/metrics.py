@@ -1,0 +1,45 @@
+"""Held-out metrics of a training run: the table, the plot, the files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def metrics_table(history: list[dict]) -> list[dict]:
+    rows = []
+    for m in history:
+        row = {"epoch": m["epoch"], "step": m["step"], "loss": round(m["loss"], 4), "tau": round(m["tau"], 3)}
+        row.update({k: round(v, 3) for k, v in m.items() if k.startswith("tau@")})
+        row.update({f"acc{k}": round(a, 3) for k, a in enumerate(m["acc"])})
+        rows.append(row)
+    return rows
+
+
+def plot_metrics(history: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [m["epoch"] for m in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.plot(epochs, [m["loss"] for m in history], marker="o")
+    a.set(xlabel="epoch", ylabel="held-out TTT loss", title="loss")
+    b.plot(epochs, [m["tau"] for m in history], marker="o", label="tau (all TTT steps)")
+    tau_s = next(k for k in history[0] if k.startswith("tau@"))
+    b.plot(epochs, [m[tau_s] for m in history], marker="s", label=tau_s)
+    b.set(xlabel="epoch", ylabel="simulated acceptance length", title="held-out tau")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_metrics(out_dir: Path, history: list[dict]) -> dict:
+    import pandas as pd
+
+    csv = out_dir / "metrics.csv"
+    pd.DataFrame(metrics_table(history)).to_csv(csv, index=False)
+    (out_dir / "metrics.json").write_text(json.dumps(history, indent=2) + "\n")
+    return {"csv": str(csv), "plot": str(plot_metrics(history, out_dir / "metrics.png"))}

@@ -1,0 +1,62 @@
+"""The draft vocabulary: the target ids the drafter can propose, and how
+they are chosen."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """The N target ids the drafter can propose, ascending."""
+    target_ids: np.ndarray  # int64 [N]
+    vocab_size: int  # the target's
+
+    @property
+    def size(self) -> int:
+        return len(self.target_ids)
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return torch.from_numpy(self.target_ids - np.arange(self.size)).long()
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[torch.from_numpy(self.target_ids)] = True
+        return mask
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray, size: int) -> "DraftVocab":
+        """The `size` most frequent ids; ties, and ids never seen, by id, so
+        the choice is deterministic."""
+        size = min(size, len(counts))
+        order = np.lexsort((np.arange(len(counts)), -counts))  # count desc, then id asc
+        return cls(np.sort(order[:size]).astype(np.int64), len(counts))
+
+    @classmethod
+    def from_d2t(cls, d2t: torch.Tensor, vocab_size: int) -> "DraftVocab":
+        return cls((d2t.long() + torch.arange(len(d2t))).numpy(), vocab_size)
+
+
+def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = None) -> np.ndarray:
+    """How often each target id is the target's greedy next token at a
+    loss-masked position: the tokens the drafter must be able to propose.
+    `samples` yield dicts with `loss_mask` and `final_hidden_state`; the
+    target's greedy token at position j (final state j through its lm_head)
+    predicts token j+1, which counts if it is loss-masked. On data the target
+    answered itself these are the data's own tokens; on other data they are
+    not, which is why the data tokens are not counted. Stops after
+    `max_tokens` counted positions (a frequency estimate needs no more)."""
+    counts = np.zeros(head.shape[0], dtype=np.int64)
+    for s in samples:
+        mask = torch.as_tensor(np.asarray(s["loss_mask"]), dtype=torch.bool)[1:]
+        final = s["final_hidden_state"][:-1][mask]
+        if len(final):
+            top = (final.to(head.dtype) @ head.T).argmax(-1)
+            counts += np.bincount(top.numpy(), minlength=len(counts))
+        if max_tokens is not None and counts.sum() >= max_tokens:
+            break
+    return counts
