@@ -262,7 +262,7 @@ def test_a_batch_task_that_fails_once_shows_its_retry_and_completes(capture_serv
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter
 
-    from tasks import extraction
+    from tasks.capture import extraction
 
     real = extraction.extract_batch
     calls = []

@@ -266,7 +266,7 @@ def test_a_run_started_from_the_ui_shows_its_tasks_logs_and_verification(prefect
 
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Quick run").click()
-    expect(page.get_by_text("Flow run created")).to_be_visible()
+    expect(page.get_by_text("Flow run created")).to_be_visible(timeout=30_000)  # slow under load
     shot(page, "2-quick-run")
     page.get_by_role("link", name="View run").click()
     page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))

@@ -86,10 +86,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def capture_module(cfg: ServerConfig) -> str:
+    if cfg.capture_module:
+        return cfg.capture_module
+    if not (Path(cfg.model_path) / "config.json").is_file():
+        # A path that is no checkpoint: SGLang refuses it with its own words
+        # (launch_server quotes them), which say more than a guess here.
+        return "model"
+    return architecture_at(cfg.model_path).decoder_stack
+
+
 def hook_spec(cfg: ServerConfig) -> list[dict]:
     return [{
         "name": "eagle3_capture",
-        "target_modules": [cfg.capture_module or architecture_at(cfg.model_path).decoder_stack],
+        "target_modules": [capture_module(cfg)],
         "hook_factory": HOOK_FACTORY,
         "config": {
             "dump_dir": str(cfg.dump_dir),
