@@ -113,6 +113,49 @@ def test_ttt_attention_equals_a_loop_reference(depth):
         assert torch.allclose(got[:1], sdpa, atol=1e-5)
 
 
+def _dense_ttt_attention(q, keys, values, valid):
+    """The implementation this project had before the memory-linear one: it
+    keeps fp32 [B, heads, n, n] scores per TTT step for backward."""
+    def rep(x):
+        return x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
+
+    heads, n, d = q.shape[1], q.shape[2], q.shape[3]
+    scale = d ** -0.5
+    k0, v0 = rep(keys[0]), rep(values[0])
+    scores = (q @ k0.transpose(-1, -2)) * scale
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diag = [((q * rep(k)).sum(-1, keepdim=True)) * scale for k in keys[1:]]
+    p = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = p[..., :n] @ v0
+    for j, v in enumerate(values[1:]):
+        out = out + p[..., n + j:n + j + 1] * rep(v)
+    return out
+
+
+@pytest.mark.parametrize("depth", range(1, 8))
+def test_blockwise_ttt_attention_equals_the_dense_one_in_values_and_gradients(depth):
+    torch.manual_seed(depth)
+    b, h, kv, n, d = 3, 8, 2, 11, 16
+    q = torch.randn(b, h, n, d, dtype=torch.float32, requires_grad=True)
+    keys = [torch.randn(b, kv, n, d, dtype=torch.float32, requires_grad=True) for _ in range(depth)]
+    values = [torch.randn(b, kv, n, d, dtype=torch.float32, requires_grad=True) for _ in range(depth)]
+    valid = torch.arange(n)[None, :] < torch.tensor([n, 7, 1])[:, None]
+    upstream = torch.randn(b, h, n, d, dtype=torch.float32)
+    leaves = [q, *keys, *values]
+    want = _dense_ttt_attention(q, keys, values, valid)
+    want_grads = torch.autograd.grad((want * upstream).sum(), leaves)
+    for block in (4, 11, 512):  # several blocks with a ragged last one, exactly one, one larger than n
+        got = ttt_attention(q, keys, values, valid, block=block)
+        assert torch.allclose(got, want, atol=1e-5), block
+        grads = torch.autograd.grad((got * upstream).sum(), leaves)
+        for name, g, w in zip(["q"] + [f"k{i}" for i in range(depth)] + [f"v{i}" for i in range(depth)],
+                              grads, want_grads):
+            assert torch.allclose(g, w, atol=1e-5), (block, name)
+    with torch.no_grad():  # evaluation takes the path without checkpointing
+        assert torch.allclose(ttt_attention(q, keys, values, valid, block=4), want, atol=1e-5)
+
+
 def test_acceptance_length_is_the_sum_of_running_products():
     assert acceptance_length([1.0, 1.0, 1.0]) == 3.0
     assert acceptance_length([0.5, 0.5]) == 0.75
