@@ -79,6 +79,18 @@ def test_a_tied_target_gives_its_embedding_as_head_and_an_untied_drafter(tiny_mo
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
 
 
+
+def test_the_export_says_the_drafter_has_no_biases_even_if_the_target_has(tiny_model, tmp_path):
+    biased = tmp_path / "biased"
+    shutil.copytree(tiny_model, biased)
+    config = json.loads((biased / "config.json").read_text())
+    (biased / "config.json").write_text(json.dumps({**config, "attention_bias": True, "mlp_bias": True}))
+    model = build_drafter(biased, DraftVocab.from_counts(np.ones(2048), 64))
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    out = export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter")
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_bias"] is False and config["mlp_bias"] is False
+
 def _naive_step_attention(q, keys, values, valid):
     """Loops: query t attends to step-0 keys s <= t (valid), then to steps 1..k at t."""
     b, h, n, d = q.shape
