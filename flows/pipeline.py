@@ -90,14 +90,17 @@ def eagle3_pipeline(
     summary = {
         "store": store, "drafter_dir": trained["drafter_dir"],
         "heldout_tau": held["tau"], f"heldout_tau@{serve_steps}": held[f"tau@{serve_steps}"],
+        "heldout_tau_exact": held["tau_exact"],
+        f"heldout_tau_exact@{serve_steps}": held[f"tau_exact@{serve_steps}"],
         "untrained_tau": trained["untrained"]["tau"],
         "sglang_accept_length": served["spec_accept_length"], "sglang_accept_rate": served["spec_accept_rate"],
         "speedup": served["speedup"], "plain_tokens_per_s": served["plain_tokens_per_s"],
         "spec_tokens_per_s": served["spec_tokens_per_s"], "outputs_equal": served["outputs_equal"],
     }
-    log.info("drafter %s: held-out tau %.2f (tau@%d %.2f; untrained %.2f); SGLang accept length %.2f, "
-             "speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], serve_steps,
-             held[f"tau@{serve_steps}"], summary["untrained_tau"], served["spec_accept_length"] or 0.0,
+    log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); SGLang accept length "
+             "%.2f, speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], serve_steps,
+             held[f"tau@{serve_steps}"], held[f"tau_exact@{serve_steps}"], summary["untrained_tau"],
+             served["spec_accept_length"] or 0.0,
              served["speedup"], served["outputs_equal"])
     return summary
 

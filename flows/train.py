@@ -72,8 +72,10 @@ def metrics_artifacts_task(result: TrainResult, out_dir: str) -> None:
     encoded = base64.b64encode(png.read_bytes()).decode()
     final = result.final
     tau_s = next(k for k in final if k.startswith("tau@"))
+    exact_s = tau_s.replace("tau@", "tau_exact@")
     create_markdown_artifact(
-        markdown=(f"### Drafter training\n\nheld-out tau **{final['tau']:.2f}** ({tau_s} {final[tau_s]:.2f}) "
+        markdown=(f"### Drafter training\n\nheld-out tau **{final['tau']:.2f}** ({tau_s} {final[tau_s]:.2f}), "
+                  f"exact (chained) tau {final['tau_exact']:.2f} ({exact_s} {final[exact_s]:.2f}) "
                   f"after {result.steps} steps; untrained: {result.history[0]['tau']:.2f}\n\n"
                   f"![loss and tau](data:image/png;base64,{encoded})\n\n`{result.drafter_dir}`\n"),
         key=artifact_key("training-plot", out_dir), description="training loss and held-out tau")

@@ -16,7 +16,8 @@ from tasks.train.data import plan_batches
 from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_attention
 from tasks.train.export import export_drafter, export_weights, load_exported
 from tasks.train.loop import TrainConfig, lr_at
-from tasks.train.ttt import acceptance_length
+from tasks.train.ttt import (acceptance_length, chain_hits, exact_acceptance_length, target_greedy,
+                             ttt_forward)
 from tasks.train.vocab import DraftVocab, count_target_tokens
 
 
@@ -173,6 +174,64 @@ def test_acceptance_length_is_the_sum_of_running_products():
     assert acceptance_length([0.5, 0.5]) == 0.75
     assert acceptance_length([0.0, 1.0]) == 0.0
 
+
+
+def test_the_exact_tau_follows_each_chain_where_the_product_assumes_independence():
+    # Four starting positions, two steps, half of each step hits: tau = 0.5 + 0.5^2.
+    step0 = torch.tensor([True, True, False, False])
+    everywhere = [torch.ones(4, dtype=torch.bool)] * 2
+    same = chain_hits([step0, step0.clone()], everywhere)  # the same positions hit at both steps
+    opposite = chain_hits([step0, ~step0], everywhere)  # the positions step 0 missed hit at step 1
+    assert acceptance_length([0.5, 0.5]) == 0.75
+    assert same[0].tolist() == [2, 2] and exact_acceptance_length(*same) == 1.0
+    assert opposite[0].tolist() == [2, 0] and exact_acceptance_length(*opposite) == 0.5
+    # A chain whose step 1 is not scored (the answer ends) counts only where it is.
+    partly = chain_hits([step0, step0.clone()], [everywhere[0], torch.tensor([True, False, True, True])])
+    assert partly[0].tolist() == [2, 1] and partly[1].tolist() == [4, 3]
+    assert exact_acceptance_length(*partly) == pytest.approx(0.5 + 1 / 3)
+
+
+def _synthetic_batch(cfg, b=2, n=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (b, n), generator=g),
+        "loss_mask": torch.rand(b, n, generator=g) < 0.8,
+        "lengths": torch.tensor([n, n - 4]),
+        "aux": torch.randn(b, n, cfg.num_aux * cfg.hidden_size, generator=g),
+        "final": torch.randn(b, n, cfg.hidden_size, generator=g),
+    }
+
+
+def test_positions_whose_target_token_the_draft_vocabulary_lacks_are_left_out_of_the_loss_only(tiny_model):
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 512)  # target ids 0..511
+    model = build_drafter(tiny_model, vocab, seed=1)
+    _, head = load_target_embeddings(tiny_model)
+    head_rows = head[torch.from_numpy(vocab.target_ids)]
+    batch = _synthetic_batch(model.cfg)
+    greedy = target_greedy(batch["final"], head)
+    assert torch.equal(greedy, (batch["final"] @ head.T).argmax(-1))
+    proposable = model.t2d[greedy]
+    assert proposable.any() and not proposable.all()
+    # The same as dropping, by hand, the loss mask of the token each such greedy token predicts.
+    by_hand = dict(batch, loss_mask=batch["loss_mask"] & torch.cat([torch.ones(2, 1, dtype=torch.bool),
+                                                                    proposable[:, :-1]], dim=1))
+    kw = dict(steps=3, decay=0.8)
+    with torch.no_grad():
+        parity = ttt_forward(model, batch, head_rows, full_head=head, **kw)
+        want = ttt_forward(model, by_hand, head_rows, **kw)
+        everything = ttt_forward(model, batch, head_rows, **kw)
+    assert torch.allclose(parity.loss, want.loss) and not torch.allclose(parity.loss, everything.loss)
+    assert torch.equal(parity.in_loss, want.counted)
+    # Accuracy still counts every scored position.
+    assert torch.equal(parity.counted, everything.counted) and (parity.in_loss < parity.counted).all()
+    assert parity.chained[0] == parity.correct[0] and (parity.chained <= parity.correct).all()
+
+
+def test_the_targets_greedy_token_is_found_in_chunks_of_positions(monkeypatch):
+    head = torch.randn(1000, 8)
+    final = torch.randn(3, 50, 8)
+    monkeypatch.setattr("tasks.train.ttt._GREEDY_CHUNK", 7 * 1000)  # 7 positions a chunk, a ragged last one
+    assert torch.equal(target_greedy(final, head), (final @ head.T).argmax(-1))
 
 def test_batches_cover_every_sample_once_within_budget_and_replay_by_epoch():
     lengths = np.random.default_rng(0).integers(5, 300, size=200)

@@ -28,7 +28,7 @@ from tasks.train.data import collate, plan_batches, prefetch, split
 from tasks.train.drafter import Eagle3Drafter, build_drafter, load_target_embeddings
 from tasks.train.export import export_drafter
 from tasks.train.metrics import write_metrics
-from tasks.train.ttt import TTT, acceptance_length, ttt_forward
+from tasks.train.ttt import TTT, acceptance_length, exact_acceptance_length, ttt_forward
 from tasks.train.vocab import DraftVocab, count_target_tokens
 
 logger = logging.getLogger("eagle3.training")
@@ -166,13 +166,17 @@ def _to(batch: dict, device: torch.device) -> dict:
 
 @torch.no_grad()
 def evaluate(run: _Run) -> dict:
-    """Held-out loss, per-step accuracy and tau, over up to eval_max_samples."""
+    """Held-out loss, per-step accuracy and both taus (the product estimate
+    and the exact chained one), over up to eval_max_samples."""
     cfg = run.cfg
     model = run.model
     model.eval()
     idx = run.held_idx[:cfg.eval_max_samples]
     correct = torch.zeros(cfg.ttt_steps, dtype=torch.long)
     counted = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    in_loss = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    chained = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    chain_counted = torch.zeros(cfg.ttt_steps, dtype=torch.long)
     losses = torch.zeros(cfg.ttt_steps)
     batches = plan_batches(run.reader.num_tokens, idx, cfg.tokens_per_batch, None)
     for batch in prefetch(lambda b: collate(run.reader, b), batches):
@@ -180,16 +184,25 @@ def evaluate(run: _Run) -> dict:
                           full_head=run.full_head)
         correct += out.correct.cpu()
         counted += out.counted.cpu()
-        losses += out.step_losses.cpu() * out.counted.cpu()
+        in_loss += out.in_loss.cpu()
+        chained += out.chained.cpu()
+        chain_counted += out.chain_counted.cpu()
+        losses += out.step_losses.cpu() * out.in_loss.cpu()
     model.train()
     acc = (correct / counted.clamp(min=1)).tolist()
-    step_loss = (losses / counted.clamp(min=1)).tolist()
+    step_loss = (losses / in_loss.clamp(min=1)).tolist()
+    chained, chain_counted = chained.tolist(), chain_counted.tolist()
     return {
         "loss": sum(cfg.step_decay ** k * l for k, l in enumerate(step_loss)),
         "acc": acc,
         "tau": acceptance_length(acc),
         f"tau@{cfg.serve_steps}": acceptance_length(acc[:cfg.serve_steps]),
+        "tau_exact": exact_acceptance_length(chained, chain_counted),
+        f"tau_exact@{cfg.serve_steps}": exact_acceptance_length(chained[:cfg.serve_steps],
+                                                                chain_counted[:cfg.serve_steps]),
         "heldout_tokens": int(counted[0]),
+        # Scored positions whose target greedy token the draft vocabulary lacks (left out of the loss).
+        "unproposable": 1 - int(in_loss[0]) / max(1, int(counted[0])),
     }
 
 
@@ -264,7 +277,7 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
             batch = _to(batch, run.device)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, cfg)
-            out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay)
+            out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
@@ -311,7 +324,9 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
 def _describe(m: dict) -> str:
     acc = ", ".join(f"{a:.2f}" for a in m["acc"])
     tau_s = next(k for k in m if k.startswith("tau@"))
-    return f"loss {m['loss']:.3f}, tau {m['tau']:.2f}, {tau_s} {m[tau_s]:.2f}, acc [{acc}]"
+    exact_s = tau_s.replace("tau@", "tau_exact@")
+    return (f"loss {m['loss']:.3f}, tau {m['tau']:.2f} (exact {m['tau_exact']:.2f}), {tau_s} {m[tau_s]:.2f} "
+            f"(exact {m[exact_s]:.2f}), acc [{acc}]")
 
 
 def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
