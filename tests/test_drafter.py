@@ -15,7 +15,7 @@ from tasks.target.layers import AuxLayers
 from tasks.train.data import plan_batches
 from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_attention
 from tasks.train.export import export_drafter, export_weights, load_exported
-from tasks.train.loop import TrainConfig, lr_at
+from tasks.train.loop import TrainConfig, autocast_dtype, lr_at
 from tasks.train.ttt import (acceptance_length, chain_hits, exact_acceptance_length, target_greedy,
                              ttt_forward)
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -37,8 +37,44 @@ def test_the_targets_greedy_tokens_are_counted_where_the_next_token_is_masked():
     samples = [{"loss_mask": [1, 0, 1, 1], "final_hidden_state": final}]
     # Tokens 2 and 3 are masked: predicted at positions 1 and 2, greedy 1 and 3.
     assert count_target_tokens(samples, head).tolist() == [0, 1, 0, 1, 0]
-    assert count_target_tokens(samples * 3, head, max_tokens=2).sum() == 2
+    assert count_target_tokens(samples * 3, head, max_tokens=2).tolist() == [0, 1, 0, 1, 0]
+    # Batched across samples or not, in bf16 or fp32 (one-hot states leave no near-ties), the same counts.
+    for per_matmul in (1, 2, 5, 8192):
+        for dtype in (torch.float32, torch.bfloat16):
+            got = count_target_tokens(samples * 3, head, max_tokens=5, dtype=dtype, positions_per_matmul=per_matmul)
+            assert got.tolist() == [0, 3, 0, 2, 0], (per_matmul, dtype)
 
+
+
+def _vocab_on_rank(rank, port, results):
+    import os
+
+    from tasks.train.loop import _draft_vocab
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        head = torch.eye(6)
+        # Each rank sees other data: only rank 0's may decide, or the ranks would train different drafters.
+        greedy = [5, 5, 4] if rank == 0 else [0, 1, 1]
+        samples = [{"loss_mask": [1] * 4, "final_hidden_state": torch.eye(6)[greedy + [0]]}]
+        cfg = TrainConfig(store="s", out_dir="o", draft_vocab_size=2)
+        results[rank] = _draft_vocab(cfg, samples, np.arange(1), head, torch.device("cpu"), rank, 2).target_ids.tolist()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_under_ddp_rank_0_counts_the_draft_vocabulary_and_every_rank_gets_it():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_vocab_on_rank, args=(port, results), nprocs=2)
+    assert results[0] == results[1] == [4, 5]
 
 def test_export_has_sglangs_layout_and_reads_back(tiny_model, tmp_path):
     vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256)
@@ -232,6 +268,34 @@ def test_the_targets_greedy_token_is_found_in_chunks_of_positions(monkeypatch):
     final = torch.randn(3, 50, 8)
     monkeypatch.setattr("tasks.train.ttt._GREEDY_CHUNK", 7 * 1000)  # 7 positions a chunk, a ragged last one
     assert torch.equal(target_greedy(final, head), (final @ head.T).argmax(-1))
+
+
+def test_precision_auto_is_bf16_autocast_on_accelerators_and_fp32_on_a_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) == torch.bfloat16
+    assert autocast_dtype("fp32", cuda) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        TrainConfig(store="s", out_dir="o", precision="fp16")
+
+
+def test_a_bf16_autocast_step_keeps_fp32_weights_and_gradients_and_agrees_with_fp32(tiny_model):
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 512)
+    model = build_drafter(tiny_model, vocab, seed=1)
+    _, head = load_target_embeddings(tiny_model)
+    head_rows = head[torch.from_numpy(vocab.target_ids)]
+    batch = _synthetic_batch(model.cfg, n=40)
+    kw = dict(steps=3, decay=0.8, full_head=head)
+    fp32 = ttt_forward(model, batch, head_rows, **kw)
+    fp32.loss.backward()
+    want = model.midlayer.q_proj.weight.grad.clone()
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = ttt_forward(model, batch, head_rows, **kw)
+    bf16.loss.backward()
+    got = model.midlayer.q_proj.weight.grad
+    assert bf16.loss.dtype == torch.float32 and got.dtype == torch.float32
+    assert 0 < abs(bf16.loss.item() - fp32.loss.item()) < 0.02 * fp32.loss.item()  # bf16 ran, and agrees
+    assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.95
 
 def test_batches_cover_every_sample_once_within_budget_and_replay_by_epoch():
     lengths = np.random.default_rng(0).integers(5, 300, size=200)
