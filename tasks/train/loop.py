@@ -176,8 +176,16 @@ def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None, rank: int = 0, wo
         vocab = _draft_vocab(cfg, reader, train_idx, head, device, rank, world)
     model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
                           embeddings=(embed, head)).to(device)
-    return _Run(cfg, reader, train_idx, held_idx, layers, target, model,
-                head[torch.from_numpy(vocab.target_ids).to(device)], head, device, rank, world, vocab)
+    head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
+    low = autocast_dtype(cfg.precision, device)
+    if low is not None:
+        # The two target-vocabulary matrices (4.7 GB each in fp32 for a 160k x
+        # 7168 target) are frozen and only feed bf16 matmuls under autocast;
+        # a bf16 checkpoint's values are bf16 anyway.
+        model.embed_tokens.to(low)
+        head = head.to(low)
+    return _Run(cfg, reader, train_idx, held_idx, layers, target, model, head_rows, head, device, rank, world,
+                vocab)
 
 
 def _draft_vocab(cfg: TrainConfig, reader: StoreReader, train_idx: np.ndarray, head: torch.Tensor,

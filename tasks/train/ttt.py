@@ -57,8 +57,9 @@ _GREEDY_CHUNK = 1 << 26
 def target_greedy(final: torch.Tensor, full_head: torch.Tensor) -> torch.Tensor:
     """The target's greedy token over its full vocabulary at each position of
     `final` [..., H], in chunks of positions so a 160k vocabulary at 8k
-    tokens never materialises all its logits."""
-    flat = final.reshape(-1, final.shape[-1])
+    tokens never materialises all its logits. In the head's dtype (bf16 under
+    bf16 precision: it only picks an argmax)."""
+    flat = final.reshape(-1, final.shape[-1]).to(full_head.dtype)
     rows = max(1, _GREEDY_CHUNK // full_head.shape[0])
     top = torch.cat([(part @ full_head.T).argmax(-1) for part in flat.split(rows)])
     return top.view(final.shape[:-1])
