@@ -9,6 +9,7 @@ rank trains its slice of every global batch order under DDP.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -257,7 +258,11 @@ def evaluate(run: _Run) -> dict:
 def _distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # The other ranks wait in a collective while rank 0 alone counts the
+        # draft vocabulary and evaluates: minutes on a large store, past
+        # NCCL's default 10.
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                             timeout=datetime.timedelta(hours=2))
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
