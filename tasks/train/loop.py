@@ -383,7 +383,7 @@ def _describe(m: dict) -> str:
     tau_s = next(k for k in m if k.startswith("tau@"))
     exact_s = tau_s.replace("tau@", "tau_exact@")
     return (f"loss {m['loss']:.3f}, tau {m['tau']:.2f} (exact {m['tau_exact']:.2f}), {tau_s} {m[tau_s]:.2f} "
-            f"(exact {m[exact_s]:.2f}), acc [{acc}]")
+            f"(exact {m[exact_s]:.2f}), acc [{acc}], {100 * m['unproposable']:.1f}% of positions unproposable")
 
 
 def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
