@@ -16,6 +16,7 @@ from tasks.train.data import plan_batches
 from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_attention
 from tasks.train.export import export_drafter, export_weights, load_exported
 from tasks.train.loop import TrainConfig, autocast_dtype, lr_at
+from tasks.train.metrics import write_metrics
 from tasks.train.ttt import (acceptance_length, chain_hits, exact_acceptance_length, target_greedy,
                              ttt_forward)
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -225,6 +226,20 @@ def test_the_exact_tau_follows_each_chain_where_the_product_assumes_independence
     partly = chain_hits([step0, step0.clone()], [everywhere[0], torch.tensor([True, False, True, True])])
     assert partly[0].tolist() == [2, 1] and partly[1].tolist() == [4, 3]
     assert exact_acceptance_length(*partly) == pytest.approx(0.5 + 1 / 3)
+
+
+def test_metrics_files_hold_both_taus_and_rows_from_before_the_exact_one(tmp_path):
+    old = {"epoch": 0, "step": 0, "loss": 9.0, "acc": [0.1, 0.0], "tau": 0.1, "tau@1": 0.1}
+    new = {"epoch": 1, "step": 5, "loss": 4.0, "acc": [0.5, 0.5], "tau": 0.75, "tau@1": 0.5, "tau_exact": 1.0,
+           "tau_exact@1": 0.5}
+    files = write_metrics(tmp_path, [old, new])
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert {k: rows[1][k] for k in ("tau", "tau@1", "tau_exact", "tau_exact@1")} == \
+        {"tau": "0.75", "tau@1": "0.5", "tau_exact": "1.0", "tau_exact@1": "0.5"}
+    assert rows[0]["tau_exact"] == ""
+    assert (tmp_path / "metrics.png").stat().st_size > 0 and files["plot"].endswith("metrics.png")
 
 
 def _synthetic_batch(cfg, b=2, n=14, seed=0):

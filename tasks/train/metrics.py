@@ -30,8 +30,9 @@ def plot_metrics(history: list[dict], path: Path) -> Path:
     for key, marker in (("tau", "o"), (tau_s, "s")):
         line, = b.plot(epochs, [m[key] for m in history], marker=marker, label=f"{key} (product)")
         exact = key.replace("tau", "tau_exact")
-        b.plot(epochs, [m[exact] for m in history], marker=marker, linestyle="--", color=line.get_color(),
-               label=f"{exact} (chained)")
+        # A run resumed from before the exact tau existed has rows without it.
+        b.plot(epochs, [m.get(exact, float("nan")) for m in history], marker=marker, linestyle="--",
+               color=line.get_color(), label=f"{exact} (chained)")
     b.set(xlabel="epoch", ylabel="simulated acceptance length", title="held-out tau")
     b.legend()
     fig.tight_layout()
