@@ -17,9 +17,8 @@ from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_atten
 from tasks.train.export import export_drafter, export_weights, load_exported
 from tasks.train.loop import TrainConfig, autocast_dtype, lr_at
 from tasks.train.metrics import write_metrics
-from tasks.train.ttt import (acceptance_length, chain_hits, exact_acceptance_length, target_greedy,
-                             ttt_forward)
-from tasks.train.vocab import DraftVocab, count_target_tokens
+from tasks.train.ttt import acceptance_length, chain_hits, exact_acceptance_length, ttt_forward
+from tasks.train.vocab import DraftVocab, count_target_tokens, target_greedy
 
 
 def test_draft_vocab_keeps_the_most_frequent_ids_and_maps_them_like_sglang():
@@ -281,7 +280,7 @@ def test_positions_whose_target_token_the_draft_vocabulary_lacks_are_left_out_of
 def test_the_targets_greedy_token_is_found_in_chunks_of_positions(monkeypatch):
     head = torch.randn(1000, 8)
     final = torch.randn(3, 50, 8)
-    monkeypatch.setattr("tasks.train.ttt._GREEDY_CHUNK", 7 * 1000)  # 7 positions a chunk, a ragged last one
+    monkeypatch.setattr("tasks.train.vocab._GREEDY_CHUNK", 7 * 1000)  # 7 positions a chunk, a ragged last one
     assert torch.equal(target_greedy(final, head), (final @ head.T).argmax(-1))
 
 

@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 
 from tasks.train.drafter import Eagle3Drafter
+from tasks.train.vocab import target_greedy
 
 
 def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
@@ -47,22 +48,6 @@ class StepOutput:
     in_loss: torch.Tensor  # [K] positions in the loss (scored, target greedy token in the draft vocabulary)
     chained: torch.Tensor  # [K] starting positions whose steps 0..k all hit
     chain_counted: torch.Tensor  # [K] starting positions whose steps 0..k are all scored
-
-
-# Target logits computed at once, at most (positions x target vocabulary):
-# 2^26 fp32 values is 256 MiB, whatever the vocabulary.
-_GREEDY_CHUNK = 1 << 26
-
-
-def target_greedy(final: torch.Tensor, full_head: torch.Tensor) -> torch.Tensor:
-    """The target's greedy token over its full vocabulary at each position of
-    `final` [..., H], in chunks of positions so a 160k vocabulary at 8k
-    tokens never materialises all its logits. In the head's dtype (bf16 under
-    bf16 precision: it only picks an argmax)."""
-    flat = final.reshape(-1, final.shape[-1]).to(full_head.dtype)
-    rows = max(1, _GREEDY_CHUNK // full_head.shape[0])
-    top = torch.cat([(part @ full_head.T).argmax(-1) for part in flat.split(rows)])
-    return top.view(final.shape[:-1])
 
 
 def chain_hits(hits: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,22 @@ class DraftVocab:
         return cls((d2t.long() + torch.arange(len(d2t))).numpy(), vocab_size)
 
 
+# Target logits computed at once, at most (positions x target vocabulary):
+# 2^26 fp32 values is 256 MiB, whatever the vocabulary.
+_GREEDY_CHUNK = 1 << 26
+
+
+def target_greedy(final: torch.Tensor, full_head: torch.Tensor) -> torch.Tensor:
+    """The target's greedy token over its full vocabulary at each position of
+    `final` [..., H], in chunks of positions so a 160k vocabulary at 8k
+    tokens never materialises all its logits. In the head's dtype (bf16 under
+    bf16 precision: it only picks an argmax)."""
+    flat = final.reshape(-1, final.shape[-1]).to(full_head.dtype)
+    rows = max(1, _GREEDY_CHUNK // full_head.shape[0])
+    top = torch.cat([(part @ full_head.T).argmax(-1) for part in flat.split(rows)])
+    return top.view(final.shape[:-1])
+
+
 def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = None, *,
                         dtype: torch.dtype = torch.float32, positions_per_matmul: int = 8192) -> np.ndarray:
     """How often each target id is the target's greedy next token at a
@@ -54,7 +70,8 @@ def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = No
 
     Runs where `head` is (the training device), in `dtype` (bf16 on an
     accelerator: a near-tie may go either way, which a frequency estimate
-    does not mind), over `positions_per_matmul` positions at a time."""
+    does not mind), gathering `positions_per_matmul` positions across samples
+    before each (chunked) matmul."""
     device = head.device
     head = head.to(dtype)
     counts = torch.zeros(head.shape[0], dtype=torch.long, device=device)
@@ -64,7 +81,7 @@ def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = No
     def flush():
         nonlocal pending, held
         if pending:
-            top = (torch.cat(pending) @ head.T).argmax(-1)
+            top = target_greedy(torch.cat(pending), head)
             counts.add_(torch.bincount(top, minlength=len(counts)))
         pending, held = [], 0
 
