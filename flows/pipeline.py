@@ -102,8 +102,7 @@ def eagle3_pipeline(
     log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); SGLang accept length "
              "%.2f, speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], serve_steps,
              held[f"tau@{serve_steps}"], held[f"tau_exact@{serve_steps}"], summary["untrained_tau"],
-             served["spec_accept_length"] or 0.0,
-             served["speedup"], served["outputs_equal"])
+             served["spec_accept_length"] or 0.0, served["speedup"], served["outputs_equal"])
     return summary
 
 
