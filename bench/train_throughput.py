@@ -49,7 +49,7 @@ def main(argv=None) -> None:
         t1 = time.perf_counter()
         wait += t1 - t_wait
         batch = _to(batch, run.device)
-        out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay)
+        out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()

@@ -68,7 +68,8 @@ def main(argv=None) -> None:
                                  f"final {check['final']:.4f}, mean {check['mean']:.5f}"),
         ("drafter", result["drafter_dir"]),
         ("held-out tau", f"{result['heldout_tau']:.2f} over {DEMO_TRAINING['ttt_steps']} TTT steps, "
-                         f"tau@{steps} {result[f'heldout_tau@{steps}']:.2f} (untrained {result['untrained_tau']:.2f})"),
+                         f"tau@{steps} {result[f'heldout_tau@{steps}']:.2f}, exact (chained) "
+                         f"{result[f'heldout_tau_exact@{steps}']:.2f} (untrained {result['untrained_tau']:.2f})"),
         ("SGLang accept length", f"{result['sglang_accept_length']:.2f} tokens per verify step at {steps} steps "
                                  f"(accept rate {result['sglang_accept_rate']:.2f}); greedy output identical: "
                                  f"{result['outputs_equal']}"),

@@ -4,7 +4,7 @@ them) and default. A flow's signature uses these, so `extract` and
 `pipeline`, or `train` and `pipeline`, cannot drift apart."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field
 
@@ -36,4 +36,8 @@ Epochs = Annotated[int, Field(description="passes over the training split", ge=1
 Lr = Annotated[float, Field(description="peak learning rate (AdamW, warm-up then cosine)", gt=0)]
 TokensPerBatch = Annotated[int, Field(description="padded tokens per step and device", ge=64)]
 Devices = Annotated[int, Field(description="GPUs to train on; >1 runs torchrun (DDP)", ge=1)]
+Precision = Annotated[Literal["auto", "fp32", "bf16"],
+                      Field(description="auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs")]
+VocabPositions = Annotated[int, Field(description="training positions (a seeded random subset) counted to pick the "
+                                                  "draft vocabulary", ge=1)]
 ServeSteps = Annotated[int, Field(description="speculative steps the drafter will be served with (for tau@S)", ge=1)]

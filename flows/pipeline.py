@@ -67,6 +67,8 @@ def eagle3_pipeline(
     lr: params.Lr = params.TRAIN.lr,
     tokens_per_batch: params.TokensPerBatch = params.TRAIN.tokens_per_batch,
     devices: params.Devices = params.TRAIN.devices,
+    precision: params.Precision = params.TRAIN.precision,
+    vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
     serve_prompts: Annotated[int, Field(description="held-out prompts for the serving check", ge=1)] = 8,
     serve_new_tokens: Annotated[int, Field(description="greedy tokens per serving prompt", ge=1)] = 48,
     serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
@@ -82,7 +84,7 @@ def eagle3_pipeline(
     verify_store(store=store)
     trained = train_drafter(store=store, out_dir=train_dir, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
                             epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, serve_steps=serve_steps,
-                            devices=devices)
+                            devices=devices, precision=precision, vocab_positions=vocab_positions)
     served = serve_check(drafter_dir=trained["drafter_dir"], store=store, target=trained["target"],
                          num_prompts=serve_prompts, max_new_tokens=serve_new_tokens, num_steps=serve_steps,
                          num_draft_tokens=serve_steps + 1)
@@ -90,15 +92,17 @@ def eagle3_pipeline(
     summary = {
         "store": store, "drafter_dir": trained["drafter_dir"],
         "heldout_tau": held["tau"], f"heldout_tau@{serve_steps}": held[f"tau@{serve_steps}"],
+        "heldout_tau_exact": held["tau_exact"],
+        f"heldout_tau_exact@{serve_steps}": held[f"tau_exact@{serve_steps}"],
         "untrained_tau": trained["untrained"]["tau"],
         "sglang_accept_length": served["spec_accept_length"], "sglang_accept_rate": served["spec_accept_rate"],
         "speedup": served["speedup"], "plain_tokens_per_s": served["plain_tokens_per_s"],
         "spec_tokens_per_s": served["spec_tokens_per_s"], "outputs_equal": served["outputs_equal"],
     }
-    log.info("drafter %s: held-out tau %.2f (tau@%d %.2f; untrained %.2f); SGLang accept length %.2f, "
-             "speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], serve_steps,
-             held[f"tau@{serve_steps}"], summary["untrained_tau"], served["spec_accept_length"] or 0.0,
-             served["speedup"], served["outputs_equal"])
+    log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); SGLang accept length "
+             "%.2f, speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], serve_steps,
+             held[f"tau@{serve_steps}"], held[f"tau_exact@{serve_steps}"], summary["untrained_tau"],
+             served["spec_accept_length"] or 0.0, served["speedup"], served["outputs_equal"])
     return summary
 
 

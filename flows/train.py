@@ -72,8 +72,10 @@ def metrics_artifacts_task(result: TrainResult, out_dir: str) -> None:
     encoded = base64.b64encode(png.read_bytes()).decode()
     final = result.final
     tau_s = next(k for k in final if k.startswith("tau@"))
+    exact_s = tau_s.replace("tau@", "tau_exact@")
     create_markdown_artifact(
-        markdown=(f"### Drafter training\n\nheld-out tau **{final['tau']:.2f}** ({tau_s} {final[tau_s]:.2f}) "
+        markdown=(f"### Drafter training\n\nheld-out tau **{final['tau']:.2f}** ({tau_s} {final[tau_s]:.2f}), "
+                  f"exact (chained) tau {final['tau_exact']:.2f} ({exact_s} {final[exact_s]:.2f}) "
                   f"after {result.steps} steps; untrained: {result.history[0]['tau']:.2f}\n\n"
                   f"![loss and tau](data:image/png;base64,{encoded})\n\n`{result.drafter_dir}`\n"),
         key=artifact_key("training-plot", out_dir), description="training loss and held-out tau")
@@ -94,6 +96,8 @@ def train_drafter(
     heldout_fraction: Annotated[float, Field(description="share of samples held out (by sample-id hash)", gt=0, lt=1)] = params.TRAIN.heldout_fraction,
     serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
     devices: params.Devices = params.TRAIN.devices,
+    precision: params.Precision = params.TRAIN.precision,
+    vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
     checkpoint_every: Annotated[int, Field(description="steps between checkpoints", ge=1)] = params.TRAIN.checkpoint_every,
     seed: Annotated[int, Field(description="initialisation and data-order seed")] = params.TRAIN.seed,
 ) -> dict:
@@ -102,7 +106,8 @@ def train_drafter(
         store=str(Path(store).resolve()), out_dir=str(Path(out_dir).resolve()), target=target,
         draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, step_decay=step_decay, epochs=epochs, lr=lr,
         tokens_per_batch=tokens_per_batch, heldout_fraction=heldout_fraction, serve_steps=serve_steps,
-        devices=devices, checkpoint_every=checkpoint_every, seed=seed)
+        devices=devices, precision=precision, vocab_positions=vocab_positions, checkpoint_every=checkpoint_every,
+        seed=seed)
     check_verified_task(cfg.store)
     result = train_task(cfg)
     check_export_task(result.drafter_dir, cfg.out_dir, result.target)

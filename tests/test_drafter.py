@@ -15,9 +15,10 @@ from tasks.target.layers import AuxLayers
 from tasks.train.data import plan_batches
 from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_attention
 from tasks.train.export import export_drafter, export_weights, load_exported
-from tasks.train.loop import TrainConfig, lr_at
-from tasks.train.ttt import acceptance_length
-from tasks.train.vocab import DraftVocab, count_target_tokens
+from tasks.train.loop import TrainConfig, autocast_dtype, lr_at
+from tasks.train.metrics import write_metrics
+from tasks.train.ttt import acceptance_length, chain_hits, exact_acceptance_length, ttt_forward
+from tasks.train.vocab import DraftVocab, count_target_tokens, target_greedy
 
 
 def test_draft_vocab_keeps_the_most_frequent_ids_and_maps_them_like_sglang():
@@ -36,8 +37,44 @@ def test_the_targets_greedy_tokens_are_counted_where_the_next_token_is_masked():
     samples = [{"loss_mask": [1, 0, 1, 1], "final_hidden_state": final}]
     # Tokens 2 and 3 are masked: predicted at positions 1 and 2, greedy 1 and 3.
     assert count_target_tokens(samples, head).tolist() == [0, 1, 0, 1, 0]
-    assert count_target_tokens(samples * 3, head, max_tokens=2).sum() == 2
+    assert count_target_tokens(samples * 3, head, max_tokens=2).tolist() == [0, 1, 0, 1, 0]
+    # Batched across samples or not, in bf16 or fp32 (one-hot states leave no near-ties), the same counts.
+    for per_matmul in (1, 2, 5, 8192):
+        for dtype in (torch.float32, torch.bfloat16):
+            got = count_target_tokens(samples * 3, head, max_tokens=5, dtype=dtype, positions_per_matmul=per_matmul)
+            assert got.tolist() == [0, 3, 0, 2, 0], (per_matmul, dtype)
 
+
+
+def _vocab_on_rank(rank, port, results):
+    import os
+
+    from tasks.train.loop import _draft_vocab
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        head = torch.eye(6)
+        # Each rank sees other data: only rank 0's may decide, or the ranks would train different drafters.
+        greedy = [5, 5, 4] if rank == 0 else [0, 1, 1]
+        samples = [{"loss_mask": [1] * 4, "final_hidden_state": torch.eye(6)[greedy + [0]]}]
+        cfg = TrainConfig(store="s", out_dir="o", draft_vocab_size=2)
+        results[rank] = _draft_vocab(cfg, samples, np.arange(1), head, torch.device("cpu"), rank, 2).target_ids.tolist()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_under_ddp_rank_0_counts_the_draft_vocabulary_and_every_rank_gets_it():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_vocab_on_rank, args=(port, results), nprocs=2)
+    assert results[0] == results[1] == [4, 5]
 
 def test_export_has_sglangs_layout_and_reads_back(tiny_model, tmp_path):
     vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256)
@@ -79,6 +116,18 @@ def test_a_tied_target_gives_its_embedding_as_head_and_an_untied_drafter(tiny_mo
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
 
 
+
+def test_the_export_says_the_drafter_has_no_biases_even_if_the_target_has(tiny_model, tmp_path):
+    biased = tmp_path / "biased"
+    shutil.copytree(tiny_model, biased)
+    config = json.loads((biased / "config.json").read_text())
+    (biased / "config.json").write_text(json.dumps({**config, "attention_bias": True, "mlp_bias": True}))
+    model = build_drafter(biased, DraftVocab.from_counts(np.ones(2048), 64))
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    out = export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter")
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_bias"] is False and config["mlp_bias"] is False
+
 def _naive_step_attention(q, keys, values, valid):
     """Loops: query t attends to step-0 keys s <= t (valid), then to steps 1..k at t."""
     b, h, n, d = q.shape
@@ -113,11 +162,154 @@ def test_ttt_attention_equals_a_loop_reference(depth):
         assert torch.allclose(got[:1], sdpa, atol=1e-5)
 
 
+def _dense_ttt_attention(q, keys, values, valid):
+    """The implementation this project had before the memory-linear one: it
+    keeps fp32 [B, heads, n, n] scores per TTT step for backward."""
+    def rep(x):
+        return x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
+
+    heads, n, d = q.shape[1], q.shape[2], q.shape[3]
+    scale = d ** -0.5
+    k0, v0 = rep(keys[0]), rep(values[0])
+    scores = (q @ k0.transpose(-1, -2)) * scale
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diag = [((q * rep(k)).sum(-1, keepdim=True)) * scale for k in keys[1:]]
+    p = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = p[..., :n] @ v0
+    for j, v in enumerate(values[1:]):
+        out = out + p[..., n + j:n + j + 1] * rep(v)
+    return out
+
+
+@pytest.mark.parametrize("depth", range(1, 8))
+def test_blockwise_ttt_attention_equals_the_dense_one_in_values_and_gradients(depth):
+    torch.manual_seed(depth)
+    b, h, kv, n, d = 3, 8, 2, 11, 16
+    q = torch.randn(b, h, n, d, dtype=torch.float32, requires_grad=True)
+    keys = [torch.randn(b, kv, n, d, dtype=torch.float32, requires_grad=True) for _ in range(depth)]
+    values = [torch.randn(b, kv, n, d, dtype=torch.float32, requires_grad=True) for _ in range(depth)]
+    valid = torch.arange(n)[None, :] < torch.tensor([n, 7, 1])[:, None]
+    upstream = torch.randn(b, h, n, d, dtype=torch.float32)
+    leaves = [q, *keys, *values]
+    want = _dense_ttt_attention(q, keys, values, valid)
+    want_grads = torch.autograd.grad((want * upstream).sum(), leaves)
+    for block in (4, 11, 512):  # several blocks with a ragged last one, exactly one, one larger than n
+        got = ttt_attention(q, keys, values, valid, block=block)
+        assert torch.allclose(got, want, atol=1e-5), block
+        grads = torch.autograd.grad((got * upstream).sum(), leaves)
+        for name, g, w in zip(["q"] + [f"k{i}" for i in range(depth)] + [f"v{i}" for i in range(depth)],
+                              grads, want_grads):
+            assert torch.allclose(g, w, atol=1e-5), (block, name)
+    with torch.no_grad():  # evaluation takes the path without checkpointing
+        assert torch.allclose(ttt_attention(q, keys, values, valid, block=4), want, atol=1e-5)
+
+
 def test_acceptance_length_is_the_sum_of_running_products():
     assert acceptance_length([1.0, 1.0, 1.0]) == 3.0
     assert acceptance_length([0.5, 0.5]) == 0.75
     assert acceptance_length([0.0, 1.0]) == 0.0
 
+
+
+def test_the_exact_tau_follows_each_chain_where_the_product_assumes_independence():
+    # Four starting positions, two steps, half of each step hits: tau = 0.5 + 0.5^2.
+    step0 = torch.tensor([True, True, False, False])
+    everywhere = [torch.ones(4, dtype=torch.bool)] * 2
+    same = chain_hits([step0, step0.clone()], everywhere)  # the same positions hit at both steps
+    opposite = chain_hits([step0, ~step0], everywhere)  # the positions step 0 missed hit at step 1
+    assert acceptance_length([0.5, 0.5]) == 0.75
+    assert same[0].tolist() == [2, 2] and exact_acceptance_length(*same) == 1.0
+    assert opposite[0].tolist() == [2, 0] and exact_acceptance_length(*opposite) == 0.5
+    # A chain whose step 1 is not scored (the answer ends) counts only where it is.
+    partly = chain_hits([step0, step0.clone()], [everywhere[0], torch.tensor([True, False, True, True])])
+    assert partly[0].tolist() == [2, 1] and partly[1].tolist() == [4, 3]
+    assert exact_acceptance_length(*partly) == pytest.approx(0.5 + 1 / 3)
+
+
+def test_metrics_files_hold_both_taus_and_rows_from_before_the_exact_one(tmp_path):
+    old = {"epoch": 0, "step": 0, "loss": 9.0, "acc": [0.1, 0.0], "tau": 0.1, "tau@1": 0.1}
+    new = {"epoch": 1, "step": 5, "loss": 4.0, "acc": [0.5, 0.5], "tau": 0.75, "tau@1": 0.5, "tau_exact": 1.0,
+           "tau_exact@1": 0.5}
+    files = write_metrics(tmp_path, [old, new])
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert {k: rows[1][k] for k in ("tau", "tau@1", "tau_exact", "tau_exact@1")} == \
+        {"tau": "0.75", "tau@1": "0.5", "tau_exact": "1.0", "tau_exact@1": "0.5"}
+    assert rows[0]["tau_exact"] == ""
+    assert (tmp_path / "metrics.png").stat().st_size > 0 and files["plot"].endswith("metrics.png")
+
+
+def _synthetic_batch(cfg, b=2, n=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (b, n), generator=g),
+        "loss_mask": torch.rand(b, n, generator=g) < 0.8,
+        "lengths": torch.tensor([n, n - 4]),
+        "aux": torch.randn(b, n, cfg.num_aux * cfg.hidden_size, generator=g),
+        "final": torch.randn(b, n, cfg.hidden_size, generator=g),
+    }
+
+
+def test_positions_whose_target_token_the_draft_vocabulary_lacks_are_left_out_of_the_loss_only(tiny_model):
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 512)  # target ids 0..511
+    model = build_drafter(tiny_model, vocab, seed=1)
+    _, head = load_target_embeddings(tiny_model)
+    head_rows = head[torch.from_numpy(vocab.target_ids)]
+    batch = _synthetic_batch(model.cfg)
+    greedy = target_greedy(batch["final"], head)
+    assert torch.equal(greedy, (batch["final"] @ head.T).argmax(-1))
+    proposable = model.t2d[greedy]
+    assert proposable.any() and not proposable.all()
+    # The same as dropping, by hand, the loss mask of the token each such greedy token predicts.
+    by_hand = dict(batch, loss_mask=batch["loss_mask"] & torch.cat([torch.ones(2, 1, dtype=torch.bool),
+                                                                    proposable[:, :-1]], dim=1))
+    kw = dict(steps=3, decay=0.8)
+    with torch.no_grad():
+        parity = ttt_forward(model, batch, head_rows, full_head=head, **kw)
+        want = ttt_forward(model, by_hand, head_rows, **kw)
+        everything = ttt_forward(model, batch, head_rows, **kw)
+    assert torch.allclose(parity.loss, want.loss) and not torch.allclose(parity.loss, everything.loss)
+    assert torch.equal(parity.in_loss, want.counted)
+    # Accuracy still counts every scored position.
+    assert torch.equal(parity.counted, everything.counted) and (parity.in_loss < parity.counted).all()
+    assert parity.chained[0] == parity.correct[0] and (parity.chained <= parity.correct).all()
+
+
+def test_the_targets_greedy_token_is_found_in_chunks_of_positions(monkeypatch):
+    head = torch.randn(1000, 8)
+    final = torch.randn(3, 50, 8)
+    monkeypatch.setattr("tasks.train.vocab._GREEDY_CHUNK", 7 * 1000)  # 7 positions a chunk, a ragged last one
+    assert torch.equal(target_greedy(final, head), (final @ head.T).argmax(-1))
+
+
+def test_precision_auto_is_bf16_autocast_on_accelerators_and_fp32_on_a_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) == torch.bfloat16
+    assert autocast_dtype("fp32", cuda) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        TrainConfig(store="s", out_dir="o", precision="fp16")
+
+
+def test_a_bf16_autocast_step_keeps_fp32_weights_and_gradients_and_agrees_with_fp32(tiny_model):
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 512)
+    model = build_drafter(tiny_model, vocab, seed=1)
+    _, head = load_target_embeddings(tiny_model)
+    head_rows = head[torch.from_numpy(vocab.target_ids)]
+    batch = _synthetic_batch(model.cfg, n=40)
+    kw = dict(steps=3, decay=0.8, full_head=head)
+    fp32 = ttt_forward(model, batch, head_rows, **kw)
+    fp32.loss.backward()
+    want = model.midlayer.q_proj.weight.grad.clone()
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = ttt_forward(model, batch, head_rows, **kw)
+    bf16.loss.backward()
+    got = model.midlayer.q_proj.weight.grad
+    assert bf16.loss.dtype == torch.float32 and got.dtype == torch.float32
+    assert 0 < abs(bf16.loss.item() - fp32.loss.item()) < 0.02 * fp32.loss.item()  # bf16 ran, and agrees
+    assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.95
 
 def test_batches_cover_every_sample_once_within_budget_and_replay_by_epoch():
     lengths = np.random.default_rng(0).integers(5, 300, size=200)

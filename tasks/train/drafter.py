@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tasks.target.architectures import architecture_of, read_config
 from tasks.train.vocab import DraftVocab
@@ -38,26 +39,58 @@ def target_sizes(target_path: Path) -> dict:
     return architecture_of(config).sizes(config)
 
 
-def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+def _prefix_block(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, valid: torch.Tensor,
+                  start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the queries at positions start.. to the step-0 keys,
+    grouped by KV head so the keys are never repeated: q [B, kv, rep, m, d],
+    k0/v0 [B, kv, n, d]. Returns the normalised output [B, kv, rep, m, d] and
+    the fp32 log-sum-exp [B, kv, rep, m] (-inf where no key is allowed)."""
+    b, kv, rep, m, d = q.shape
+    end = start + m  # keys past the block's last query are masked anyway
+    k0, v0 = k0[:, :, :end], v0[:, :, :end]
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in fp32 at least
+    scores = (q.reshape(b, kv, rep * m, d) @ k0.transpose(-1, -2)).to(acc).view(b, kv, rep, m, end) * d ** -0.5
+    rows = torch.arange(start, end, device=q.device)
+    allowed = (torch.arange(end, device=q.device)[None, :] <= rows[:, None])[None] & valid[:, None, :end]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None]).to(v0.dtype)
+    out = (p.view(b, kv, rep * m, end) @ v0).view(b, kv, rep, m, d)
+    return out, lse
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                  valid: torch.Tensor) -> torch.Tensor:
+                  valid: torch.Tensor, block: int = 512) -> torch.Tensor:
     """Step-k attention: the causal prefix of step-0 keys, plus the diagonal
-    (same position) keys of steps 1..k. q [B, h, L, d]; valid [B, L]."""
-    heads, n, d = q.shape[1], q.shape[2], q.shape[3]
-    scale = d ** -0.5
-    k0, v0 = _repeat_kv(keys[0], heads), _repeat_kv(values[0], heads)
-    scores = (q @ k0.transpose(-1, -2)) * scale
-    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None, None] & valid[:, None, None, :]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    diag = [((q * _repeat_kv(k, heads)).sum(-1, keepdim=True)) * scale for k in keys[1:]]
-    p = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-    out = p[..., :n] @ v0
-    for j, v in enumerate(values[1:]):
-        out = out + p[..., n + j:n + j + 1] * _repeat_kv(v, heads)
-    return out
+    (same position) keys of steps 1..k. q [B, h, L, d]; keys/values
+    [B, kv_heads, L, d]; valid [B, L].
+
+    Memory-linear: the prefix part runs over blocks of `block` queries, each
+    under activation checkpointing, so backward keeps only its output and
+    log-sum-exp ([B, h, L] per step) and recomputes one block's scores at a
+    time, instead of keeping fp32 [B, h, L, L] per TTT step (8k tokens x 64
+    heads x 7 steps do not fit any GPU). The diagonal terms are merged with
+    the prefix by log-sum-exp, which is exactly one softmax over both."""
+    b, heads, n, d = q.shape
+    kv = keys[0].shape[1]
+    qg = q.reshape(b, kv, heads // kv, n, d)
+    outs, lses = [], []
+    for start in range(0, n, block):
+        args = (qg[:, :, :, start:start + block], keys[0], values[0], valid, start)
+        if torch.is_grad_enabled():
+            o, s = checkpoint(_prefix_block, *args, use_reentrant=False)
+        else:
+            o, s = _prefix_block(*args)
+        outs.append(o)
+        lses.append(s)
+    prefix, prefix_lse = torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    diag = [(qg * k[:, :, None]).sum(-1).to(acc) * d ** -0.5 for k in keys[1:]]  # [B, kv, rep, L] each
+    total = torch.logsumexp(torch.stack([prefix_lse, *diag]), dim=0)
+    out = torch.exp(prefix_lse - total)[..., None] * prefix.to(acc)
+    for s, v in zip(diag, values[1:]):
+        out = out + torch.exp(s - total)[..., None] * v[:, :, None].to(acc)
+    return out.to(q.dtype).view(b, heads, n, d)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 _SHARED_CONFIG_KEYS = (
     "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_parameters", "rope_theta",
-    "rope_scaling", "attention_bias", "mlp_bias", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
+    "rope_scaling", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
 )
 
 
@@ -62,6 +62,10 @@ def export_config(model: Eagle3Drafter, layers: AuxLayers, dtype: torch.dtype) -
         "draft_vocab_size": model.cfg.draft_vocab_size,
         # SGLang would otherwise make lm_head the (full-vocab) embedding.
         "tie_word_embeddings": False,
+        # The drafter has no biases whatever the target has (a Qwen2 target's
+        # q/k/v do): SGLang would otherwise build bias parameters no weight fills.
+        "attention_bias": False,
+        "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(layers.sglang_ids),

@@ -9,6 +9,7 @@ rank trains its slice of every global batch order under DDP.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -28,15 +29,14 @@ from tasks.train.data import collate, plan_batches, prefetch, split
 from tasks.train.drafter import Eagle3Drafter, build_drafter, load_target_embeddings
 from tasks.train.export import export_drafter
 from tasks.train.metrics import write_metrics
-from tasks.train.ttt import TTT, acceptance_length, ttt_forward
+from tasks.train.ttt import TTT, acceptance_length, exact_acceptance_length, ttt_forward
 from tasks.train.vocab import DraftVocab, count_target_tokens
 
 logger = logging.getLogger("eagle3.training")
 
 CHECKPOINT = "checkpoint.pt"
 RESULT = "result.json"
-# Positions counted to pick the draft vocabulary: plenty for a frequency estimate.
-VOCAB_COUNT_TOKENS = 2_000_000
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -56,6 +56,12 @@ class TrainConfig:
     eval_max_samples: int = 256
     serve_steps: int = 3  # tau@serve_steps is what SGLang's --speculative-num-steps serves
     seed: int = 0
+    # "auto": bf16 autocast on an accelerator (fp32 master weights, fp32
+    # softmax and loss), fp32 on a CPU, where bf16 matmuls are slower.
+    precision: str = "auto"
+    # Training positions counted to pick the draft vocabulary (a seeded random
+    # subset): plenty for a frequency estimate.
+    vocab_positions: int = 2_000_000
     # Not part of a run's identity: they may change between a run and its resume.
     checkpoint_every: int = 50
     log_every: int = 10
@@ -63,8 +69,24 @@ class TrainConfig:
 
     RESUMABLE = ("checkpoint_every", "log_every", "devices")
 
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+
     def identity(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUMABLE}
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of a precision setting on a device; None: plain fp32."""
+    if precision == "fp32" or (precision == "auto" and device.type == "cpu"):
+        return None
+    return torch.bfloat16
+
+
+def _autocast(run: "_Run"):
+    dtype = autocast_dtype(run.cfg.precision, run.device)
+    return torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
 @dataclass
@@ -131,7 +153,11 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None) -> _Run:
+def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None, rank: int = 0, world: int = 1) -> _Run:
+    """Read the store and the target's embeddings, pick the draft vocabulary
+    (unless given: a resumed run's) and build the drafter. Under DDP only rank
+    0 counts the vocabulary and broadcasts it, so every rank has the same one
+    (counting is the slow part: it reads the target's final states)."""
     store = Path(cfg.store)
     require_verified(store)
     reader = StoreReader(store)
@@ -145,19 +171,41 @@ def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None) -> _Run:
     layers = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
     train_idx, held_idx = split(reader, cfg.heldout_fraction)
     embed, head = load_target_embeddings(target)
-    if vocab is None:
-        counts = count_target_tokens((reader[int(i)] for i in train_idx), head, VOCAB_COUNT_TOKENS)
-        vocab = DraftVocab.from_counts(counts, cfg.draft_vocab_size)
-        covered = counts[vocab.target_ids].sum() / max(1, counts.sum())
-        logger.info("draft vocabulary: %d of %d target ids cover %.1f%% of the target's greedy tokens at %s "
-                    "loss-masked training positions", vocab.size, vocab.vocab_size, 100 * covered,
-                    f"{counts.sum():,}")
     device = _device()
+    head = head.to(device)
+    if vocab is None:
+        vocab = _draft_vocab(cfg, reader, train_idx, head, device, rank, world)
     model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
                           embeddings=(embed, head)).to(device)
-    head = head.to(device)
-    return _Run(cfg, reader, train_idx, held_idx, layers, target, model,
-                head[torch.from_numpy(vocab.target_ids).to(device)], head, device, vocab=vocab)
+    head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
+    low = autocast_dtype(cfg.precision, device)
+    if low is not None:
+        # The two target-vocabulary matrices (4.7 GB each in fp32 for a 160k x
+        # 7168 target) are frozen and only feed bf16 matmuls under autocast;
+        # a bf16 checkpoint's values are bf16 anyway.
+        model.embed_tokens.to(low)
+        head = head.to(low)
+    return _Run(cfg, reader, train_idx, held_idx, layers, target, model, head_rows, head, device, rank, world,
+                vocab)
+
+
+def _draft_vocab(cfg: TrainConfig, reader: StoreReader, train_idx: np.ndarray, head: torch.Tensor,
+                 device: torch.device, rank: int, world: int) -> DraftVocab:
+    size = min(cfg.draft_vocab_size, head.shape[0])
+    target_ids = torch.zeros(size, dtype=torch.long, device=device)
+    if rank == 0:
+        order = np.random.default_rng(cfg.seed).permutation(train_idx)
+        counts = count_target_tokens((reader[int(i)] for i in order), head, cfg.vocab_positions,
+                                     dtype=autocast_dtype(cfg.precision, device) or torch.float32)
+        vocab = DraftVocab.from_counts(counts, size)
+        covered = counts[vocab.target_ids].sum() / max(1, counts.sum())
+        logger.info("draft vocabulary: %d of %d target ids cover %.1f%% of the target's greedy tokens at %s "
+                    "loss-masked training positions (a random subset, seed %d)", vocab.size, vocab.vocab_size,
+                    100 * covered, f"{counts.sum():,}", cfg.seed)
+        target_ids.copy_(torch.from_numpy(vocab.target_ids))
+    if world > 1:
+        torch.distributed.broadcast(target_ids, src=0)
+    return DraftVocab(target_ids.cpu().numpy(), head.shape[0])
 
 
 def _to(batch: dict, device: torch.device) -> dict:
@@ -166,37 +214,55 @@ def _to(batch: dict, device: torch.device) -> dict:
 
 @torch.no_grad()
 def evaluate(run: _Run) -> dict:
-    """Held-out loss, per-step accuracy and tau, over up to eval_max_samples."""
+    """Held-out loss, per-step accuracy and both taus (the product estimate
+    and the exact chained one), over up to eval_max_samples."""
     cfg = run.cfg
     model = run.model
     model.eval()
     idx = run.held_idx[:cfg.eval_max_samples]
     correct = torch.zeros(cfg.ttt_steps, dtype=torch.long)
     counted = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    in_loss = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    chained = torch.zeros(cfg.ttt_steps, dtype=torch.long)
+    chain_counted = torch.zeros(cfg.ttt_steps, dtype=torch.long)
     losses = torch.zeros(cfg.ttt_steps)
     batches = plan_batches(run.reader.num_tokens, idx, cfg.tokens_per_batch, None)
     for batch in prefetch(lambda b: collate(run.reader, b), batches):
-        out = ttt_forward(model, _to(batch, run.device), run.head_rows, steps=cfg.ttt_steps, decay=cfg.step_decay,
-                          full_head=run.full_head)
+        with _autocast(run):
+            out = ttt_forward(model, _to(batch, run.device), run.head_rows, steps=cfg.ttt_steps,
+                              decay=cfg.step_decay, full_head=run.full_head)
         correct += out.correct.cpu()
         counted += out.counted.cpu()
-        losses += out.step_losses.cpu() * out.counted.cpu()
+        in_loss += out.in_loss.cpu()
+        chained += out.chained.cpu()
+        chain_counted += out.chain_counted.cpu()
+        losses += out.step_losses.cpu() * out.in_loss.cpu()
     model.train()
     acc = (correct / counted.clamp(min=1)).tolist()
-    step_loss = (losses / counted.clamp(min=1)).tolist()
+    step_loss = (losses / in_loss.clamp(min=1)).tolist()
+    chained, chain_counted = chained.tolist(), chain_counted.tolist()
     return {
         "loss": sum(cfg.step_decay ** k * l for k, l in enumerate(step_loss)),
         "acc": acc,
         "tau": acceptance_length(acc),
         f"tau@{cfg.serve_steps}": acceptance_length(acc[:cfg.serve_steps]),
+        "tau_exact": exact_acceptance_length(chained, chain_counted),
+        f"tau_exact@{cfg.serve_steps}": exact_acceptance_length(chained[:cfg.serve_steps],
+                                                                chain_counted[:cfg.serve_steps]),
         "heldout_tokens": int(counted[0]),
+        # Scored positions whose target greedy token the draft vocabulary lacks (left out of the loss).
+        "unproposable": 1 - int(in_loss[0]) / max(1, int(counted[0])),
     }
 
 
 def _distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # The other ranks wait in a collective while rank 0 alone counts the
+        # draft vocabulary and evaluates: minutes on a large store, past
+        # NCCL's default 10.
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                             timeout=datetime.timedelta(hours=2))
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
@@ -211,12 +277,14 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
     ckpt_path = out_dir / CHECKPOINT
     rank, world = _distributed()
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    if ckpt is not None:
+        # A checkpoint from before a setting existed ran with its default.
+        ckpt["identity"] = {**TrainConfig(store="", out_dir="").identity(), **ckpt["identity"]}
     if ckpt is not None and ckpt["identity"] != cfg.identity():
         changed = {k: (ckpt["identity"].get(k), v) for k, v in cfg.identity().items() if ckpt["identity"].get(k) != v}
         raise TrainingError(f"{ckpt_path} belongs to a run with other settings {changed} (old, new): "
                             f"use another out_dir, or delete the checkpoint to start over")
-    run = prepare(cfg, DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt else None)
-    run.rank, run.world = rank, world
+    run = prepare(cfg, DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt else None, rank, world)
     model = run.model
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -236,9 +304,10 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
     per_epoch = min(len(p) for p in plans) // world
     total = per_epoch * cfg.epochs
     logger.info("training on %d samples (%s tokens), held out %d; %d epochs x %d steps, TTT %d steps, "
-                "draft vocab %d, device %s x %d", len(run.train_idx),
+                "draft vocab %d, device %s x %d, %s", len(run.train_idx),
                 f"{int(run.reader.num_tokens[run.train_idx].sum()):,}", len(run.held_idx), cfg.epochs, per_epoch,
-                cfg.ttt_steps, run.vocab.size, run.device, world)
+                cfg.ttt_steps, run.vocab.size, run.device, world,
+                "bf16 autocast" if autocast_dtype(cfg.precision, run.device) else "fp32")
 
     def save(epoch_: int, batch_: int) -> None:
         if rank == 0:
@@ -264,7 +333,8 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
             batch = _to(batch, run.device)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, cfg)
-            out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay)
+            with _autocast(run):
+                out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
@@ -311,7 +381,9 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
 def _describe(m: dict) -> str:
     acc = ", ".join(f"{a:.2f}" for a in m["acc"])
     tau_s = next(k for k in m if k.startswith("tau@"))
-    return f"loss {m['loss']:.3f}, tau {m['tau']:.2f}, {tau_s} {m[tau_s]:.2f}, acc [{acc}]"
+    exact_s = tau_s.replace("tau@", "tau_exact@")
+    return (f"loss {m['loss']:.3f}, tau {m['tau']:.2f} (exact {m['tau_exact']:.2f}), {tau_s} {m[tau_s]:.2f} "
+            f"(exact {m[exact_s]:.2f}), acc [{acc}], {100 * m['unproposable']:.1f}% of positions unproposable")
 
 
 def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:

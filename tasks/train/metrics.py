@@ -8,8 +8,9 @@ from pathlib import Path
 def metrics_table(history: list[dict]) -> list[dict]:
     rows = []
     for m in history:
-        row = {"epoch": m["epoch"], "step": m["step"], "loss": round(m["loss"], 4), "tau": round(m["tau"], 3)}
-        row.update({k: round(v, 3) for k, v in m.items() if k.startswith("tau@")})
+        row = {"epoch": m["epoch"], "step": m["step"], "loss": round(m["loss"], 4)}
+        # The product estimate (tau, tau@S) and the exact chained one (tau_exact, tau_exact@S).
+        row.update({k: round(v, 3) for k, v in m.items() if k.startswith("tau")})
         row.update({f"acc{k}": round(a, 3) for k, a in enumerate(m["acc"])})
         rows.append(row)
     return rows
@@ -25,9 +26,13 @@ def plot_metrics(history: list[dict], path: Path) -> Path:
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     a.plot(epochs, [m["loss"] for m in history], marker="o")
     a.set(xlabel="epoch", ylabel="held-out TTT loss", title="loss")
-    b.plot(epochs, [m["tau"] for m in history], marker="o", label="tau (all TTT steps)")
     tau_s = next(k for k in history[0] if k.startswith("tau@"))
-    b.plot(epochs, [m[tau_s] for m in history], marker="s", label=tau_s)
+    for key, marker in (("tau", "o"), (tau_s, "s")):
+        line, = b.plot(epochs, [m[key] for m in history], marker=marker, label=f"{key} (product)")
+        exact = key.replace("tau", "tau_exact")
+        # A run resumed from before the exact tau existed has rows without it.
+        b.plot(epochs, [m.get(exact, float("nan")) for m in history], marker=marker, linestyle="--",
+               color=line.get_color(), label=f"{exact} (chained)")
     b.set(xlabel="epoch", ylabel="simulated acceptance length", title="held-out tau")
     b.legend()
     fig.tight_layout()

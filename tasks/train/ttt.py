@@ -9,11 +9,16 @@ the drafter's own hidden state, takes x_{t+1+k}, and is scored against the
 target at t+1+k (`Eagle3Drafter.step` is the served computation). Loss: soft
 cross-entropy to the target distribution over the draft vocabulary, weighted
 decay^k, on positions whose predicted token is a loss-masked (assistant)
-token.
+token and whose target greedy token (full vocabulary) is in the draft
+vocabulary (as SpecForge: the drafter cannot propose the others, and the
+target distribution restricted to the draft vocabulary says nothing useful
+there).
 
 Metrics: acc_k (the drafter's top token equals the target's greedy token,
-full vocabulary) and the simulated acceptance length tau = sum_k prod_{i<=k}
-acc_i.
+full vocabulary, over all scored positions, the excluded ones included) and
+two simulated acceptance lengths: tau = sum_k prod_{i<=k} acc_i (the usual
+estimate, which takes the steps' hits as independent) and the exact one,
+sum_k P(steps 0..k all hit), from each starting position's own chain.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Iterable
 import torch
 
 from tasks.train.drafter import Eagle3Drafter
+from tasks.train.vocab import target_greedy
 
 
 def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
@@ -38,15 +44,35 @@ class StepOutput:
     loss: torch.Tensor
     correct: torch.Tensor  # [K] positions where the drafter's top token = the target's
     counted: torch.Tensor  # [K] positions scored
-    step_losses: torch.Tensor  # [K]
+    step_losses: torch.Tensor  # [K] mean loss over the positions in the loss
+    in_loss: torch.Tensor  # [K] positions in the loss (scored, target greedy token in the draft vocabulary)
+    chained: torch.Tensor  # [K] starting positions whose steps 0..k all hit
+    chain_counted: torch.Tensor  # [K] starting positions whose steps 0..k are all scored
+
+
+def chain_hits(hits: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per starting position, a running AND over the steps: (chained [K]: how
+    many positions have steps 0..k all hit, chain_counted [K]: how many have
+    steps 0..k all scored). hits, scored: K bool tensors of one shape."""
+    alive, alive_scored = torch.ones_like(hits[0]), torch.ones_like(scored[0])
+    chained, counted = [], []
+    for hit, score in zip(hits, scored):
+        alive_scored = alive_scored & score
+        alive = alive & hit & score
+        chained.append(alive.sum())
+        counted.append(alive_scored.sum())
+    return torch.stack(chained), torch.stack(counted)
 
 
 def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, steps: int, decay: float,
                 full_head: torch.Tensor | None = None) -> StepOutput:
     """One TTT unroll over a padded batch. `head_rows` are the target lm_head
-    rows of the draft vocabulary (the target distribution restricted to it);
-    with `full_head`, accuracy is against the target's full-vocabulary greedy
-    token, as at serving time, else against its top draft-vocab token."""
+    rows of the draft vocabulary (the target distribution restricted to it).
+    With `full_head` (the target's whole lm_head), accuracy is against the
+    target's full-vocabulary greedy token, as at serving time, and positions
+    where that token is outside the draft vocabulary are left out of the
+    loss; without it, accuracy is against the target's top draft-vocab token
+    and no position is left out."""
     dtype = head_rows.dtype
     ids, mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
     aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
@@ -57,27 +83,31 @@ def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, s
         target_logits = final @ head_rows.T
         target_p = torch.softmax(target_logits.float(), dim=-1)
         d2t = model.draft_to_target
-        target_top = (final @ full_head.T).argmax(-1) if full_head is not None else d2t[target_logits.argmax(-1)]
+        target_top = target_greedy(final, full_head) if full_head is not None else d2t[target_logits.argmax(-1)]
+        proposable = model.t2d[target_top]
     hidden = model.fc(aux)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     loss = torch.zeros((), device=ids.device)
-    correct, counted, step_losses = [], [], []
+    hits, scored, in_loss, step_losses = [], [], [], []
     for k in range(steps):
         j = k + 1
         hidden = model.step(_shift(ids, j), hidden, (pos + k)[None].expand(b, n), keys, values, valid)
         logits = model.logits(hidden)
         weight = _shift(mask, j + 1, False) & ((pos + j + 1)[None, :] < lengths[:, None])
+        loss_weight = weight & _shift(proposable, j, False)
         ce = -(_shift(target_p, j) * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-        count = weight.sum()
-        step_loss = (ce * weight).sum() / count.clamp(min=1)
+        count = loss_weight.sum()
+        step_loss = (ce * loss_weight).sum() / count.clamp(min=1)
         loss = loss + decay ** k * step_loss
         with torch.no_grad():
-            hit = (d2t[logits.argmax(-1)] == _shift(target_top, j)) & weight
-        correct.append(hit.sum())
-        counted.append(count)
+            hits.append((d2t[logits.argmax(-1)] == _shift(target_top, j)) & weight)
+        scored.append(weight)
+        in_loss.append(count)
         step_losses.append(step_loss.detach())
-    return StepOutput(loss, torch.stack(correct), torch.stack(counted), torch.stack(step_losses))
+    chained, chain_counted = chain_hits(hits, scored)
+    return StepOutput(loss, torch.stack([h.sum() for h in hits]), torch.stack([s.sum() for s in scored]),
+                      torch.stack(step_losses), torch.stack(in_loss), chained, chain_counted)
 
 
 class TTT(torch.nn.Module):
@@ -88,14 +118,23 @@ class TTT(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch: dict, head_rows: torch.Tensor, steps: int, decay: float) -> StepOutput:
-        return ttt_forward(self.drafter, batch, head_rows, steps=steps, decay=decay)
+    def forward(self, batch: dict, head_rows: torch.Tensor, steps: int, decay: float,
+                full_head: torch.Tensor | None = None) -> StepOutput:
+        return ttt_forward(self.drafter, batch, head_rows, steps=steps, decay=decay, full_head=full_head)
 
 
 def acceptance_length(acc: Iterable[float]) -> float:
-    """tau = sum_k prod_{i<=k} acc_i."""
+    """tau = sum_k prod_{i<=k} acc_i: exact only if the steps' hits are
+    independent (they are not: a drafter that misses step 0 at a hard token
+    often misses the next too)."""
     tau, run = 0.0, 1.0
     for a in acc:
         run *= a
         tau += run
     return tau
+
+
+def exact_acceptance_length(chained: Iterable[int], chain_counted: Iterable[int]) -> float:
+    """sum_k P(steps 0..k all hit), each over the starting positions whose
+    steps 0..k are all scored (`chain_hits`)."""
+    return sum(c / max(1, n) for c, n in zip(chained, chain_counted))

@@ -41,7 +41,24 @@ class DraftVocab:
         return cls((d2t.long() + torch.arange(len(d2t))).numpy(), vocab_size)
 
 
-def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = None) -> np.ndarray:
+# Target logits computed at once, at most (positions x target vocabulary):
+# 2^26 fp32 values is 256 MiB, whatever the vocabulary.
+_GREEDY_CHUNK = 1 << 26
+
+
+def target_greedy(final: torch.Tensor, full_head: torch.Tensor) -> torch.Tensor:
+    """The target's greedy token over its full vocabulary at each position of
+    `final` [..., H], in chunks of positions so a 160k vocabulary at 8k
+    tokens never materialises all its logits. In the head's dtype (bf16 under
+    bf16 precision: it only picks an argmax)."""
+    flat = final.reshape(-1, final.shape[-1]).to(full_head.dtype)
+    rows = max(1, _GREEDY_CHUNK // full_head.shape[0])
+    top = torch.cat([(part @ full_head.T).argmax(-1) for part in flat.split(rows)])
+    return top.view(final.shape[:-1])
+
+
+def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = None, *,
+                        dtype: torch.dtype = torch.float32, positions_per_matmul: int = 8192) -> np.ndarray:
     """How often each target id is the target's greedy next token at a
     loss-masked position: the tokens the drafter must be able to propose.
     `samples` yield dicts with `loss_mask` and `final_hidden_state`; the
@@ -49,14 +66,37 @@ def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = No
     predicts token j+1, which counts if it is loss-masked. On data the target
     answered itself these are the data's own tokens; on other data they are
     not, which is why the data tokens are not counted. Stops after
-    `max_tokens` counted positions (a frequency estimate needs no more)."""
-    counts = np.zeros(head.shape[0], dtype=np.int64)
+    `max_tokens` counted positions (a frequency estimate needs no more).
+
+    Runs where `head` is (the training device), in `dtype` (bf16 on an
+    accelerator: a near-tie may go either way, which a frequency estimate
+    does not mind), gathering `positions_per_matmul` positions across samples
+    before each (chunked) matmul."""
+    device = head.device
+    head = head.to(dtype)
+    counts = torch.zeros(head.shape[0], dtype=torch.long, device=device)
+    pending: list[torch.Tensor] = []
+    held = seen = 0
+
+    def flush():
+        nonlocal pending, held
+        if pending:
+            top = target_greedy(torch.cat(pending), head)
+            counts.add_(torch.bincount(top, minlength=len(counts)))
+        pending, held = [], 0
+
     for s in samples:
         mask = torch.as_tensor(np.asarray(s["loss_mask"]), dtype=torch.bool)[1:]
         final = s["final_hidden_state"][:-1][mask]
+        if max_tokens is not None:
+            final = final[:max_tokens - seen]
         if len(final):
-            top = (final.to(head.dtype) @ head.T).argmax(-1)
-            counts += np.bincount(top.numpy(), minlength=len(counts))
-        if max_tokens is not None and counts.sum() >= max_tokens:
+            pending.append(final.to(device, dtype))
+            held += len(final)
+            seen += len(final)
+        if held >= positions_per_matmul:
+            flush()
+        if max_tokens is not None and seen >= max_tokens:
             break
-    return counts
+    flush()
+    return counts.cpu().numpy()
