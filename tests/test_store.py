@@ -302,3 +302,25 @@ def test_fp8_is_part_of_the_store_identity(fp8_store):
     path, _ = fp8_store
     with pytest.raises(StoreError, match="different dtype"):
         open_store(path, MANIFEST)
+
+
+def test_verification_refuses_a_negative_fp8_scale_even_with_matching_hashes(fp8_store):
+    """A writer bug, not corruption: the hashes agree with the bytes, the
+    scales do not make sense."""
+    path, _ = fp8_store
+    shard = next((path / "shards").iterdir())
+    data = bytearray(shard.read_bytes())
+    data[-4:] = np.array([-1.0], dtype=np.float32).tobytes()  # the last token's final_scale
+    shard.write_bytes(bytes(data))
+    t, _ = load_raw(shard)
+    db = sqlite3.connect(path / "ledger.sqlite")
+    offset, n, sid = db.execute("SELECT token_offset, num_tokens, sample_id FROM samples ORDER BY token_offset DESC").fetchone()
+    raw = sample_bytes(t, offset, offset + n, ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state",
+                                               "aux_scale", "final_scale"))
+    with db:
+        db.execute("UPDATE samples SET checksum=? WHERE sample_id=?", (xxhash.xxh3_128(raw).hexdigest(), sid))
+        db.execute("UPDATE shards SET sha256=?", (hashlib.sha256(bytes(data)).hexdigest(),))
+    report = verify_store(path, recheck_source=False, write_report=False)
+    assert not report.ok
+    bad = report.samples[report.samples.status == "FAIL"]
+    assert list(bad.sample_id) == [sid] and bad.problems.iloc[0] == "FP8 scales not all finite and positive"

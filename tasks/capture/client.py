@@ -21,6 +21,7 @@ from tasks.capture.dump import (
     Capture, CaptureError, CaptureMissing, discard_rid, new_rid, read_capture, remove_capture,
 )
 from tasks.server.launch import ServerError, ssl_context
+from tasks.store.shards import default_workers
 
 T = TypeVar("T")
 
@@ -113,7 +114,6 @@ def capture_many(
     returned or the exception that request ended with (in input order).
     `read_workers` threads read and check dumps (default: one per core, at
     most 8); `transport` replaces the network (benchmarks, tests)."""
-    from tasks.store.shards import default_workers
 
     async def run(pool: Executor) -> list:
         limit = asyncio.Semaphore(concurrency)
