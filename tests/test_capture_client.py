@@ -16,7 +16,8 @@ from tasks.capture.writer import DumpWriter
 from tasks.data.dataset import Sample
 from tasks.store.ledger import open_store
 from tasks.store.reader import StoreReader
-from tasks.store.shards import FORMAT
+from tasks.store import fp8
+from tasks.store.shards import BF16, FORMAT, FP8
 from tasks.store.verification import verify_store
 
 H = 8
@@ -76,10 +77,11 @@ def test_a_dump_that_never_comes_fails_after_the_bounded_wait(tmp_path):
     server.writer.close(timeout=10)
 
 
-def test_extract_batch_stores_the_batch_in_order_through_many_workers(tmp_path):
+@pytest.mark.parametrize("storage", [BF16, FP8])
+def test_extract_batch_stores_the_batch_in_order_through_many_workers(tmp_path, storage):
     store = tmp_path / "store"
     open_store(store, {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"},
-                       "aux_layers": {"ids": list(LAYERS)}, "hidden_size": H, "dtype": "bfloat16",
+                       "aux_layers": {"ids": list(LAYERS)}, "hidden_size": H, "dtype": storage,
                        "max_length": 64, "max_length_policy": "truncate"})
     samples = []
     for k in range(24):
@@ -95,5 +97,7 @@ def test_extract_batch_stores_the_batch_in_order_through_many_workers(tmp_path):
     assert reader.sample_ids == [s.sample_id for s in samples]  # shard order = batch order
     for i, s in enumerate(samples):
         aux, final = states_for(s.input_ids.tolist())
+        if storage == FP8:  # the format itself is checked by hand in test_store.py
+            aux, final = (fp8.dequantize(*fp8.quantize(t)) for t in (aux, final))
         assert torch.equal(reader[i]["aux_hidden_states"], aux) and torch.equal(reader[i]["final_hidden_state"], final)
     assert verify_store(store, recheck_source=False, write_report=False).ok
