@@ -138,7 +138,8 @@ class DumpWriter:
             host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                          for t in tensors)
         for t in tensors:
-            t.record_stream(side)
+            if t.is_cuda:  # ids can come from the host
+                t.record_stream(side)
         ready = torch.cuda.Event()
         ready.record(side)
         return host, ready
