@@ -324,3 +324,23 @@ def test_verification_refuses_a_negative_fp8_scale_even_with_matching_hashes(fp8
     assert not report.ok
     bad = report.samples[report.samples.status == "FAIL"]
     assert list(bad.sample_id) == [sid] and bad.problems.iloc[0] == "FP8 scales not all finite and positive"
+
+
+def test_a_write_that_fails_midway_leaves_no_file_and_nothing_committed(tmp_path, monkeypatch):
+    import tasks.store.shards as shards
+
+    ledger = open_store(tmp_path / "s", MANIFEST)
+    real, calls = shards._pwrite, []
+
+    def disk_full_on_the_sixth_write(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 6:
+            raise OSError(28, "No space left on device (injected)")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(shards, "_pwrite", disk_full_on_the_sixth_write)
+    with pytest.raises(OSError, match="No space left"):
+        write_shard(tmp_path / "s", [item(k, 4 + k) for k in range(8)], source="x", workers=3)
+    assert len(calls) >= 6
+    assert list((tmp_path / "s" / "shards").iterdir()) == []
+    assert ledger.summary()["samples"] == 0
