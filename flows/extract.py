@@ -34,7 +34,8 @@ from tasks.target.models import resolve_model
 
 
 @task(name="plan", cache_policy=NO_CACHE)
-def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str, aux_layer_ids):
+def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str, aux_layer_ids,
+              store_dtype: str = "bfloat16"):
     from transformers import AutoTokenizer
 
     log = get_run_logger()
@@ -44,7 +45,7 @@ def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str
     layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], aux_layer_ids)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     manifest = build_manifest(model_path, tokenizer, layers, arch, max_length=max_length, policy=policy,
-                              sources=[str(Path(dataset).resolve())])
+                              sources=[str(Path(dataset).resolve())], storage=store_dtype)
     ledger = open_store(Path(store), manifest)
     plan = extraction.plan_extraction(Path(dataset), tokenizer, ledger, max_length=max_length, policy=policy)
     log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; %s, aux layers: %s",
@@ -56,9 +57,10 @@ def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str
 
 
 @task(name="storage-preflight", cache_policy=NO_CACHE)
-def preflight_task(plan, store: str, dump_dir: str, hidden_size: int, in_flight_tokens: int) -> dict:
+def preflight_task(plan, store: str, dump_dir: str, hidden_size: int, in_flight_tokens: int,
+                   storage: str = "bfloat16") -> dict:
     estimate = extraction.storage_preflight(plan, Path(store), Path(dump_dir), hidden_size=hidden_size,
-                                            in_flight_tokens=in_flight_tokens)
+                                            in_flight_tokens=in_flight_tokens, storage=storage)
     text = (f"### Storage plan\n\n| | |\n|---|---|\n| tokens to capture | {estimate['tokens']:,} |\n"
             f"| bytes per token | {estimate['bytes_per_token']:,} |\n"
             f"| store needs | {estimate['store_bytes'] / 2**30:.3f} GiB of {estimate['store_free'] / 2**30:.1f} GiB free "
@@ -154,6 +156,7 @@ def extract_hidden_states(
     batch_retry_delay_s: Annotated[float, Field(description="first retry delay in seconds; doubles each retry, with jitter", ge=0)] = 5.0,
     max_server_restarts: Annotated[int, Field(description="relaunches of a crashed launched server", ge=0)] = 2,
     verify: Annotated[bool, Field(description="verify the store at the end")] = True,
+    store_dtype: params.StoreDtype = "bfloat16",
 ) -> dict:
     """Capture EAGLE-3 hidden states (3 aux layers + final) for every token of a
     dataset into a verified, sharded store."""
@@ -165,8 +168,8 @@ def extract_hidden_states(
     log_path = str(Path(store).parent / "logs" / "sglang-server.log")
 
     plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
-                                                       aux_layer_ids)
-    preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length)
+                                                       aux_layer_ids, store_dtype)
+    preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length, storage=store_dtype)
     server = None
     try:
         if plan.todo:

@@ -28,6 +28,9 @@ DumpDir = Annotated[Optional[str], Field(description="where the server writes ca
                                                      "under /dev/shm)")]
 MaxLength = Annotated[int, Field(description="longest sample in tokens", ge=1)]
 BatchSize = Annotated[int, Field(description="samples per batch task and per shard", ge=1)]
+StoreDtype = Annotated[Literal["bfloat16", "float8_e4m3fn"], Field(
+    description="how the store keeps hidden states: bfloat16, or float8_e4m3fn with a per-token scale (half the "
+                "bytes; readers still get bf16). Part of the store's identity")]
 
 # Training.
 DraftVocabSize = Annotated[int, Field(description="draft vocabulary: the N most frequent target tokens", ge=16)]

@@ -28,6 +28,7 @@ def run_hook(tmp_path, rids, lens, mode=Mode.EXTEND, **config):
     batch = SimpleNamespace(forward_mode=mode, rids=rids, extend_prefix_lens_cpu=[0] * len(rids),
                             extend_seq_lens_cpu=lens)
     hook(module, (ids, None, batch), (final, aux))
+    hook.writer.close(timeout=30)  # the files are written by the hook's background writer
     return final, aux
 
 

@@ -186,7 +186,8 @@ def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_
 
     monkeypatch.setattr(capture_client, "read_capture", tampering_read)
     result = extract_batch(server.url, server.config.dump_dir, tmp_path / "store", str(dataset), samples,
-                           aux_layer_ids=layers.sglang_ids, sample_attempts=3)
+                           aux_layer_ids=layers.sglang_ids, sample_attempts=3,
+                           dump_wait_s=0.5)  # the short dump never completes: don't wait the default for it
     assert calls["foreign"] == 1
     assert result.samples == 5 and result.quarantined == [samples[4].sample_id]
     assert result.retried == 2 + 1  # attempt 2: both; attempt 3: the short one

@@ -1,23 +1,43 @@
 """The store contract, checked with an independent reader: plain sqlite3 and
-the safetensors byte layout parsed by hand, not tasks.store's own reader."""
+the safetensors byte layout parsed by hand (FP8 decoded by hand too), not
+tasks.store's own reader."""
+import hashlib
 import json
 import sqlite3
 
 import numpy as np
 import pytest
 import torch
+import xxhash
+from safetensors.torch import save as safetensors_bytes
 
 from tasks.store.ledger import open_store
 from tasks.store.manifest import StoreError
 from tasks.store.reader import StoreReader
-from tasks.store.shards import FORMAT, write_shard
+from tasks.store.shards import FORMAT, FP8, write_shard
+from tasks.store.verification import verify_store
 
 H = 16
 MANIFEST = {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"}, "aux_layers": {"ids": [1, 3, 4]},
             "hidden_size": H, "dtype": "bfloat16", "max_length": 64, "max_length_policy": "truncate"}
 
 
-NUMPY = {"I32": np.int32, "U8": np.uint8, "I64": np.int64, "BF16": np.uint16}  # bf16 kept as raw bits
+NUMPY = {"I32": np.int32, "U8": np.uint8, "I64": np.int64, "BF16": np.uint16,  # bf16 kept as raw bits
+         "F8_E4M3": np.uint8, "F32": np.float32}  # e4m3 kept as raw bits: decode_e4m3
+
+
+def decode_e4m3(bits):
+    """OCP e4m3 ("fn"): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+    infinities, S.1111.111 is NaN."""
+    bits = bits.astype(np.int64)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exp, man = (bits >> 3) & 0xF, bits & 0x7
+    value = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7))
+    return np.where((exp == 15) & (man == 7), np.nan, sign * value)
+
+
+def bf16_to_float(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def load_raw(path):
@@ -98,3 +118,229 @@ def test_no_temp_files_and_shards_named_by_content(store, tmp_path):
     # The name and every sample checksum follow from the content. (The file's
     # own sha256 may not: safetensors orders header metadata by a hash map.)
     assert shard.name == again.name and rows == rows_again
+
+
+def sample_bytes(t, a, b, names):
+    return b"".join(t[n][a:b].tobytes() for n in names if n in t)
+
+
+def test_sample_checksums_and_shard_sha256_match_an_independent_hash(store):
+    """Format /2: per-sample xxh3_128 over ids, mask, aux, final as stored;
+    the ledger's sha256 is the whole file's."""
+    path, _ = store
+    db = sqlite3.connect(path / "ledger.sqlite")
+    for name, sha, size in db.execute("SELECT name, sha256, bytes FROM shards"):
+        data = (path / "shards" / f"{name}.safetensors").read_bytes()
+        assert hashlib.sha256(data).hexdigest() == sha and len(data) == size
+        t, _ = load_raw(path / "shards" / f"{name}.safetensors")
+        rows = db.execute("SELECT token_offset, num_tokens, checksum FROM samples WHERE shard=?", (name,)).fetchall()
+        for offset, n, checksum in rows:
+            raw = sample_bytes(t, offset, offset + n, ("input_ids", "loss_mask", "aux_hidden_states",
+                                                       "final_hidden_state"))
+            assert xxhash.xxh3_128(raw).hexdigest() == checksum
+
+
+def test_many_samples_over_many_workers_keep_batch_order(tmp_path):
+    ledger = open_store(tmp_path / "s", MANIFEST)
+    items = [item(k, 1 + (k * 7) % 23) for k in range(40)]
+    shard, rows = write_shard(tmp_path / "s", items, source="x", workers=4)
+    ledger.commit_shard(shard, rows)
+    t, meta = load_raw(tmp_path / "s" / "shards" / f"{shard.name}.safetensors")
+    assert json.loads(meta["sample_ids"]) == [it["sample_id"] for it in items]
+    assert [r["position"] for r in rows] == list(range(40))
+    for k, it in enumerate(items):
+        a, b = t["offsets"][k], t["offsets"][k + 1]
+        assert np.array_equal(t["input_ids"][a:b], it["input_ids"])
+        expect = it["aux_hidden_states"].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(t["aux_hidden_states"][a:b], expect), k
+    assert verify_store(tmp_path / "s", recheck_source=False, write_report=False).ok
+
+
+def test_a_sample_that_does_not_fit_the_shard_is_refused_and_nothing_is_left(tmp_path):
+    open_store(tmp_path / "s", MANIFEST)
+    bad = item(1, 4)
+    bad["final_hidden_state"] = bad["final_hidden_state"][:3]
+    with pytest.raises(ValueError, match="sample s001: shapes do not fit"):
+        write_shard(tmp_path / "s", [item(0, 5), bad], source="x")
+    assert list((tmp_path / "s" / "shards").iterdir()) == []
+
+
+def flip_byte(path, offset_from_end):
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_verification_names_a_flipped_byte(store):
+    path, _ = store
+    assert verify_store(path, recheck_source=False, write_report=False).ok
+    shard = sorted((path / "shards").iterdir())[0]
+    flip_byte(shard, 5)  # inside the last sample's final state
+    report = verify_store(path, recheck_source=False, write_report=False)
+    assert not report.ok
+    bad = report.samples[report.samples.status == "FAIL"]
+    assert len(bad) == 1 and "checksum differs" in bad.problems.iloc[0]
+    assert "sha256 differs" in report.files[report.files.status == "FAIL"].problems.iloc[0]
+
+
+# --- format /1, written the old way (safetensors.save, per-sample sha256) ---
+
+V1 = "eagle3-capture-store/1"
+
+
+def write_v1_shard(store, items, source):
+    """The /1 writer as it was: concatenated tensors through safetensors'
+    own save, sha256 over each sample's ids, mask, aux and final."""
+    from tasks.store.shards import ShardInfo, shard_name
+
+    ids = [torch.as_tensor(it["input_ids"], dtype=torch.int32) for it in items]
+    masks = [torch.as_tensor(it["loss_mask"], dtype=torch.uint8) for it in items]
+    aux = [it["aux_hidden_states"].to(torch.bfloat16) for it in items]
+    final = [it["final_hidden_state"].to(torch.bfloat16) for it in items]
+    offsets = np.concatenate([[0], np.cumsum([len(t) for t in ids])]).astype(np.int64)
+    sample_ids = [it["sample_id"] for it in items]
+    name = shard_name(sample_ids)
+    data = safetensors_bytes({"input_ids": torch.cat(ids), "loss_mask": torch.cat(masks),
+                              "aux_hidden_states": torch.cat(aux), "final_hidden_state": torch.cat(final),
+                              "offsets": torch.from_numpy(offsets)},
+                             metadata={"format": V1, "sample_ids": json.dumps(sample_ids)})
+    (store / "shards" / f"{name}.safetensors").write_bytes(data)
+    rows = []
+    for k, it in enumerate(items):
+        h = hashlib.sha256()
+        for part in (ids[k].numpy().astype("<i4"), masks[k].numpy(), aux[k].view(torch.int16).numpy(),
+                     final[k].view(torch.int16).numpy()):
+            h.update(part.tobytes())
+        rows.append({"sample_id": it["sample_id"], "source": source, "source_row": it["source_row"], "shard": name,
+                     "position": k, "token_offset": int(offsets[k]), "num_tokens": len(ids[k]),
+                     "num_loss_tokens": int(masks[k].sum()), "checksum": h.hexdigest()})
+    return ShardInfo(name, hashlib.sha256(data).hexdigest(), len(data), len(items), int(offsets[-1])), rows
+
+
+@pytest.fixture
+def v1_store(tmp_path):
+    ledger = open_store(tmp_path / "v1", {**MANIFEST, "format": V1})
+    items = [item(5, 6), item(6, 2)]
+    ledger.commit_shard(*write_v1_shard(tmp_path / "v1", items, "data.jsonl"))
+    return tmp_path / "v1", items
+
+
+def test_a_format_1_store_still_reads_and_verifies(v1_store):
+    path, items = v1_store
+    reader = StoreReader(path)
+    for i, it in enumerate(items):
+        assert torch.equal(reader[i]["aux_hidden_states"], it["aux_hidden_states"].to(torch.bfloat16))
+    assert verify_store(path, recheck_source=False, write_report=False).ok
+    flip_byte(sorted((path / "shards").iterdir())[0], 3)
+    report = verify_store(path, recheck_source=False, write_report=False)
+    assert "checksum differs" in " ".join(report.samples.problems)
+
+
+def test_a_format_1_store_is_not_added_to(v1_store):
+    path, _ = v1_store
+    with pytest.raises(StoreError, match="different format"):
+        open_store(path, MANIFEST)
+
+
+# --- FP8 storage ---
+
+@pytest.fixture
+def fp8_store(tmp_path):
+    ledger = open_store(tmp_path / "fp8", {**MANIFEST, "dtype": FP8})
+    items = [item(0, 5), item(1, 3)]
+    items[1]["aux_hidden_states"][1] *= 1e-3  # rows of very different magnitude
+    items[1]["final_hidden_state"][2] = 0  # an all-zero row
+    ledger.commit_shard(*write_shard(tmp_path / "fp8", items, source="data.jsonl", storage=FP8))
+    return tmp_path / "fp8", items
+
+
+def test_fp8_shard_decoded_by_hand_is_within_the_bound(fp8_store):
+    path, items = fp8_store
+    shard = next((path / "shards").iterdir())
+    t, meta = load_raw(shard)
+    assert meta["format"] == FORMAT
+    assert t["aux_hidden_states"].dtype == np.uint8 and t["aux_scale"].shape == (8, 3)
+    assert t["final_scale"].shape == (8,)
+    for k, it in enumerate(items):
+        a, b = t["offsets"][k], t["offsets"][k + 1]
+        for name, scale in (("aux_hidden_states", "aux_scale"), ("final_hidden_state", "final_scale")):
+            x = it[name].double().numpy()
+            got = decode_e4m3(t[name][a:b]) * t[scale][a:b][..., None]
+            amax = np.abs(x).max(axis=-1, keepdims=True)
+            assert np.allclose(t[scale][a:b][..., None], np.where(amax > 0, amax / 448, 1), rtol=1e-6)
+            assert (np.abs(got - x) <= 2.0 ** -4 * np.abs(x) + 2.0 ** -10 * amax / 448 + 1e-12).all(), name
+    db = sqlite3.connect(path / "ledger.sqlite")
+    for offset, n, checksum in db.execute("SELECT token_offset, num_tokens, checksum FROM samples"):
+        raw = sample_bytes(t, offset, offset + n, ("input_ids", "loss_mask", "aux_hidden_states",
+                                                   "final_hidden_state", "aux_scale", "final_scale"))
+        assert xxhash.xxh3_128(raw).hexdigest() == checksum
+
+
+def test_fp8_store_reads_back_as_bf16_and_verifies(fp8_store):
+    path, items = fp8_store
+    reader = StoreReader(path)
+    t, _ = load_raw(next((path / "shards").iterdir()))
+    for i, it in enumerate(items):
+        s = reader[i]
+        assert s["aux_hidden_states"].dtype == torch.bfloat16 and s["aux_hidden_states"].shape == (len(it["input_ids"]), 3, H)
+        a, b = t["offsets"][i], t["offsets"][i + 1]
+        by_hand = decode_e4m3(t["final_hidden_state"][a:b]) * t["final_scale"][a:b][..., None]
+        assert torch.equal(s["final_hidden_state"], torch.from_numpy(by_hand).float().to(torch.bfloat16))
+        x, y = it["aux_hidden_states"], s["aux_hidden_states"].float()
+        assert ((y - x).abs() <= 0.07 * x.abs() + 2.0 ** -9 * x.abs().amax(-1, keepdim=True)).all()
+    assert float(reader[1]["final_hidden_state"][2].abs().max()) == 0.0
+    assert verify_store(path, recheck_source=False, write_report=False).ok
+    shard = next((path / "shards").iterdir())
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x01  # inside the last token's final_scale
+    shard.write_bytes(bytes(data))
+    report = verify_store(path, recheck_source=False, write_report=False)
+    assert "checksum differs" in " ".join(report.samples.problems)
+
+
+def test_fp8_is_part_of_the_store_identity(fp8_store):
+    path, _ = fp8_store
+    with pytest.raises(StoreError, match="different dtype"):
+        open_store(path, MANIFEST)
+
+
+def test_verification_refuses_a_negative_fp8_scale_even_with_matching_hashes(fp8_store):
+    """A writer bug, not corruption: the hashes agree with the bytes, the
+    scales do not make sense."""
+    path, _ = fp8_store
+    shard = next((path / "shards").iterdir())
+    data = bytearray(shard.read_bytes())
+    data[-4:] = np.array([-1.0], dtype=np.float32).tobytes()  # the last token's final_scale
+    shard.write_bytes(bytes(data))
+    t, _ = load_raw(shard)
+    db = sqlite3.connect(path / "ledger.sqlite")
+    offset, n, sid = db.execute("SELECT token_offset, num_tokens, sample_id FROM samples ORDER BY token_offset DESC").fetchone()
+    raw = sample_bytes(t, offset, offset + n, ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state",
+                                               "aux_scale", "final_scale"))
+    with db:
+        db.execute("UPDATE samples SET checksum=? WHERE sample_id=?", (xxhash.xxh3_128(raw).hexdigest(), sid))
+        db.execute("UPDATE shards SET sha256=?", (hashlib.sha256(bytes(data)).hexdigest(),))
+    report = verify_store(path, recheck_source=False, write_report=False)
+    assert not report.ok
+    bad = report.samples[report.samples.status == "FAIL"]
+    assert list(bad.sample_id) == [sid] and bad.problems.iloc[0] == "FP8 scales not all finite and positive"
+
+
+def test_a_write_that_fails_midway_leaves_no_file_and_nothing_committed(tmp_path, monkeypatch):
+    import tasks.store.shards as shards
+
+    ledger = open_store(tmp_path / "s", MANIFEST)
+    real, calls = shards._pwrite, []
+
+    def disk_full_on_the_sixth_write(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 6:
+            raise OSError(28, "No space left on device (injected)")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(shards, "_pwrite", disk_full_on_the_sixth_write)
+    with pytest.raises(OSError, match="No space left"):
+        write_shard(tmp_path / "s", [item(k, 4 + k) for k in range(8)], source="x", workers=3)
+    assert len(calls) >= 6
+    assert list((tmp_path / "s" / "shards").iterdir()) == []
+    assert ledger.summary()["samples"] == 0

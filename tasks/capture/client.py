@@ -2,20 +2,35 @@
 back exactly that rid's dump and check it against what was sent.
 
 Nothing here looks at what else is in the dump directory: a capture is found
-by its rid alone, so any number of requests can be in flight at once.
+by its rid alone, so any number of requests can be in flight at once. Dumps
+are read and checked in a pool of threads (safetensors reads and torch's
+checks release the GIL), so the event loop keeps sending while they load.
 """
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import Executor, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import httpx
 
-from tasks.capture.dump import Capture, CaptureError, discard_rid, new_rid, read_capture, remove_capture
+from tasks.capture.dump import (
+    Capture, CaptureError, CaptureMissing, discard_rid, new_rid, read_capture, remove_capture,
+)
 from tasks.server.launch import ServerError, ssl_context
+from tasks.store.shards import default_workers
 
 T = TypeVar("T")
+
+# The hook hands dumps to a background writer (tasks/capture/writer.py), so
+# the HTTP response can arrive before the file is renamed into place. How
+# long to wait for it: the writer's queue is bounded (the forward blocks when
+# it is full), so a healthy one is at most a second or so behind; a dump
+# still missing after this is one the writer failed to write.
+DUMP_WAIT_S = 10.0
 
 
 def check_meta(meta: dict, rid: str, num_sent: int) -> None:
@@ -39,8 +54,11 @@ async def capture_one(
     *,
     tag: str = "",
     aux_layer_ids: Sequence[int] | None = None,
+    executor: Executor | None = None,
+    dump_wait_s: float = DUMP_WAIT_S,
 ) -> Capture:
-    """Prefill `input_ids` (no generation) and return its checked capture."""
+    """Prefill `input_ids` (no generation) and return its checked capture,
+    read in `executor` (the loop's default one if None)."""
     rid = new_rid(tag)
     response = await client.post(f"{url}/generate", json={
         "input_ids": [int(i) for i in input_ids],
@@ -49,14 +67,32 @@ async def capture_one(
     })
     if response.status_code != 200:
         raise CaptureError(f"rid {rid}: server answered HTTP {response.status_code}: {response.text[:300]}")
-    # The hook writes during the forward, so the dump exists once the
-    # response has arrived.
     try:
         check_meta(response.json()["meta_info"], rid, len(input_ids))
-        return read_capture(dump_dir, rid, input_ids, aux_layer_ids=aux_layer_ids)
+        read = partial(read_capture, dump_dir, rid, input_ids, aux_layer_ids=aux_layer_ids)
+        return await _read_when_written(read, dump_wait_s, executor)
     except CaptureError:
         discard_rid(dump_dir, rid)  # the retry uses a fresh rid; leave nothing behind
         raise
+
+
+async def _read_when_written(read: Callable[[], Capture], wait_s: float, executor: Executor | None) -> Capture:
+    """The server has answered, so the forward ran and the hook has queued
+    the dump, but its writer thread may not have renamed every chunk into
+    place yet: poll (short sleeps, growing to 50 ms) until the chain is whole
+    or `wait_s` has passed. Plain polling needs nothing from the filesystem
+    (no inotify), so it works on any dump dir, shared memory included."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + wait_s
+    delay = 0.001
+    while True:
+        try:
+            return await loop.run_in_executor(executor, read)
+        except CaptureMissing as e:
+            if time.monotonic() >= deadline:
+                raise CaptureMissing(f"{e} (waited {wait_s:.0f} s for the hook's writer)") from None
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def capture_many(
@@ -68,20 +104,27 @@ def capture_many(
     concurrency: int = 8,
     aux_layer_ids: Sequence[int] | None = None,
     timeout_s: float = 600.0,
+    read_workers: int | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    dump_wait_s: float = DUMP_WAIT_S,
 ) -> list[T | Exception]:
     """Capture every list of ids with at most `concurrency` requests in
     flight. `consume(i, capture)` runs as each capture arrives; the dump
     files are deleted after it returns. Returns, per input, what `consume`
-    returned or the exception that request ended with."""
+    returned or the exception that request ended with (in input order).
+    `read_workers` threads read and check dumps (default: one per core, at
+    most 8); `transport` replaces the network (benchmarks, tests)."""
 
-    async def run() -> list:
+    async def run(pool: Executor) -> list:
         limit = asyncio.Semaphore(concurrency)
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(timeout=timeout_s, limits=limits, verify=ssl_context()) as client:
+        extra = {"transport": transport} if transport is not None else {"verify": ssl_context()}
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits, **extra) as client:
 
             async def one(i: int, ids: Sequence[int]):
                 async with limit:
-                    capture = await capture_one(client, url, dump_dir, ids, tag=str(i), aux_layer_ids=aux_layer_ids)
+                    capture = await capture_one(client, url, dump_dir, ids, tag=str(i), aux_layer_ids=aux_layer_ids,
+                                                executor=pool, dump_wait_s=dump_wait_s)
                 try:
                     return consume(i, capture)
                 finally:
@@ -89,7 +132,8 @@ def capture_many(
 
             return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(id_lists)), return_exceptions=True)
 
-    return asyncio.run(run())
+    with ThreadPoolExecutor(max_workers=read_workers or default_workers(), thread_name_prefix="dump-read") as pool:
+        return asyncio.run(run(pool))
 
 
 def probe_capture(url: str, dump_dir: Path, *, num_tokens: int = 16, aux_layer_ids=None) -> dict:

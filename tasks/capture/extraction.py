@@ -15,12 +15,13 @@ from typing import Callable, Sequence
 
 import httpx
 
-from tasks.capture.client import capture_many, probe_capture
+from tasks.capture.client import DUMP_WAIT_S, capture_many, probe_capture
 from tasks.capture.dump import CaptureError, RID_PREFIX, TMP_PREFIX
 from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.server.launch import server_healthy
 from tasks.store.ledger import Ledger, open_ledger
-from tasks.store.shards import bytes_per_token, write_shard
+from tasks.store.manifest import read_manifest
+from tasks.store.shards import BF16, bytes_per_token, write_shard
 
 logger = logging.getLogger("eagle3.extract")
 
@@ -65,10 +66,11 @@ def plan_extraction(dataset: Path, tokenizer, ledger: Ledger, *, max_length: int
     return Plan(source, todo, len(samples) - len(todo), rejected, len(samples) + len(rejected))
 
 
-def storage_preflight(plan: Plan, store: Path, dump_dir: Path, *, hidden_size: int, in_flight_tokens: int) -> dict:
+def storage_preflight(plan: Plan, store: Path, dump_dir: Path, *, hidden_size: int, in_flight_tokens: int,
+                      storage: str = BF16) -> dict:
     """Bytes the plan will need where the store and the dump dir live; raise
     InsufficientSpace (needed, free, where) before any work if they cannot fit."""
-    per_token = bytes_per_token(hidden_size)
+    per_token = bytes_per_token(hidden_size, storage=storage)
     need_store = plan.todo_tokens * per_token
     # A dump holds the model dtype (at most fp32) plus int64 ids, only while in flight.
     need_dump = in_flight_tokens * ((3 + 1) * hidden_size * 4 + 8)
@@ -155,6 +157,9 @@ def extract_batch(
     concurrency: int = 8,
     sample_attempts: int = 3,
     on_server_down: Callable[[], None] | None = None,
+    store_workers: int | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    dump_wait_s: float = DUMP_WAIT_S,
 ) -> BatchResult:
     """Capture one batch, write it as one shard, commit it to the ledger.
 
@@ -163,7 +168,9 @@ def extract_batch(
     quarantined with the reason, and the rest of the batch is stored. If the
     server itself stops answering, ServerUnavailable is raised (after calling
     `on_server_down`, e.g. the run's supervisor relaunching it) so the task
-    is retried as a whole.
+    is retried as a whole. `store_workers` threads read the dumps back and
+    write the shard (default: one per core, at most 8); `transport` answers
+    the HTTP requests instead of a server (benchmarks).
     """
     t0 = time.perf_counter()
     ledger = open_ledger(store)
@@ -188,7 +195,8 @@ def extract_batch(
                     "final_hidden_state": capture.final_hidden_state}
 
         outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in pending], keep,
-                            concurrency=concurrency, aux_layer_ids=aux_layer_ids)
+                            concurrency=concurrency, aux_layer_ids=aux_layer_ids, read_workers=store_workers,
+                            transport=transport, dump_wait_s=dump_wait_s)
         down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
         if down and not server_healthy(url):
             if on_server_down is not None:
@@ -218,7 +226,9 @@ def extract_batch(
     items = [captured[s.sample_id] for s in samples if s.sample_id in captured]
     shard = None
     if items:
-        shard_info, rows = write_shard(store, items, source=source)
+        # The storage dtype is the store's, fixed in its manifest when it was created.
+        storage = read_manifest(store).get("dtype", BF16)
+        shard_info, rows = write_shard(store, items, source=source, storage=storage, workers=store_workers)
         ledger.commit_shard(shard_info, rows)
         shard = shard_info.name
     tokens = sum(len(it["input_ids"]) for it in items)

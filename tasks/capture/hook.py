@@ -6,7 +6,9 @@ decoder stack (`model` for LlamaModel and its kin). In capture mode
 `(final_hidden, [aux_0, aux_1, aux_2])` over the flat token axis of a batch;
 `forward_batch.rids` and `extend_{prefix,seq}_lens_cpu` say which tokens
 belong to which request. Each prefill piece of a request the pipeline issued
-is written by `tasks.capture.dump.write_chunk`, keyed by its rid.
+is handed to a background writer (`tasks.capture.writer`), which writes it
+with `tasks.capture.dump.write_chunk`, keyed by its rid, while the next batch
+runs.
 
 The hook must never take the server down: a failure is logged and the
 request simply has no dump, which the pipeline detects and retries.
@@ -16,7 +18,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tasks.capture.dump import RID_PREFIX, is_safe_rid, write_chunk
+from tasks.capture.dump import RID_PREFIX, is_safe_rid
+from tasks.capture.writer import DEFAULT_MAX_PENDING_BYTES, DumpWriter
 from tasks.target.layers import FINAL_STATE_NORM
 
 logger = logging.getLogger("eagle3.capture_hook")
@@ -40,7 +43,9 @@ def make_capture_hook(config: dict):
 
     config: `dump_dir` (required), `rid_prefix` (rids to capture; default
     RID_PREFIX), `capture_all` (also capture rids the pipeline did not issue,
-    such as SGLang's health checks; unsafe rids are refused regardless).
+    such as SGLang's health checks; unsafe rids are refused regardless),
+    `max_pending_bytes` (copies waiting for the writer before the forward
+    blocks; default 1 GiB). The hook's `writer` attribute is its DumpWriter.
     """
     dump_dir = Path(config["dump_dir"])
     dump_dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +55,7 @@ def make_capture_hook(config: dict):
     # all-reduce; rank 0 alone writes so each token is stored once.
     if _tensor_parallel_rank() != 0:
         return lambda module, args, output: None
+    writer = DumpWriter(dump_dir, max_pending_bytes=int(config.get("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES)))
 
     def wanted(rid) -> bool:
         if not isinstance(rid, str) or not (capture_all or rid.startswith(prefix)):
@@ -88,17 +94,12 @@ def make_capture_hook(config: dict):
             if wanted(rid):
                 sl = slice(offset, offset + seq_len)
                 try:
-                    write_chunk(
-                        dump_dir, rid, int(prefix_len),
-                        ids[sl].detach().to("cpu"),
-                        aux[sl].detach().to("cpu").clone(),
-                        final[sl].detach().to("cpu").clone(),
-                        aux_layer_ids, FINAL_STATE_NORM,
-                    )
+                    writer.submit(rid, int(prefix_len), ids[sl], aux[sl], final[sl], aux_layer_ids, FINAL_STATE_NORM)
                 except Exception:
-                    logger.exception("capture hook: writing rid %s failed; it has no dump", rid)
+                    logger.exception("capture hook: handing rid %s to the writer failed; it has no dump", rid)
             offset += seq_len
 
+    hook.writer = writer
     return hook
 
 

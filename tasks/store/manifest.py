@@ -3,11 +3,15 @@
     <store>/manifest.json     target (name, config hash, architecture),
                               tokenizer and chat-template hashes, aux layer ids
                               in both conventions, final state post-norm,
-                              hidden size, dtype, max length and policy,
-                              SGLang version, sources
+                              hidden size, dtype (the storage dtype of the hidden
+                              states: bfloat16, or float8_e4m3fn with per-token
+                              scales; see tasks/store/shards.py), max length and
+                              policy, SGLang version, sources
 
 Two runs may write into the same store only if the keys in IDENTITY_KEYS are
-equal.
+equal: the format and the storage dtype among them, so one store never mixes
+bf16 and FP8 shards, and a store of an older format is read and verified but
+not added to.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from tasks.store.shards import FORMAT, file_sha256
+from tasks.store.shards import BF16, FORMAT, STORAGE_DTYPES, file_sha256
 from tasks.target.architectures import Architecture
 
 # What must be equal for two runs to write into the same store.
@@ -30,11 +34,14 @@ class StoreError(RuntimeError):
 
 
 def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Architecture, *, max_length: int,
-                   policy: str, sources: Sequence[str]) -> dict:
+                   policy: str, sources: Sequence[str], storage: str = BF16) -> dict:
     """What produced the data. The keys in IDENTITY_KEYS must match for a run
-    to add to an existing store."""
+    to add to an existing store. `storage`: bfloat16 (default) or
+    float8_e4m3fn (half the bytes; tasks/store/fp8.py)."""
     from importlib.metadata import version
 
+    if storage not in STORAGE_DTYPES:
+        raise StoreError(f"storage dtype {storage!r} is not supported: choose one of {', '.join(STORAGE_DTYPES)}")
     model_path = Path(model_path)
     config = json.loads((model_path / "config.json").read_text())
     sizes = architecture.sizes(config)
@@ -49,7 +56,7 @@ def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Archit
                       "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()},
         "aux_layers": aux_layers.as_record(),
         "hidden_size": sizes["hidden_size"],
-        "dtype": "bfloat16",
+        "dtype": storage,
         "max_length": max_length,
         "max_length_policy": policy,
         "sglang_version": version("sglang"),

@@ -10,12 +10,14 @@ from safetensors import safe_open
 
 from tasks.store.ledger import open_ledger
 from tasks.store.manifest import read_manifest
-from tasks.store.shards import shard_path
+from tasks.store import fp8
+from tasks.store.shards import FP8, shard_path
 
 
 class StoreReader:
     """`reader[i]` reads only sample i's slices (safetensors maps the file;
-    nothing else is loaded)."""
+    nothing else is loaded). Hidden states come back as bf16 whatever the
+    store keeps: an FP8 store's values are scaled back here."""
 
     def __init__(self, store: Path, *, max_open_shards: int = 64):
         self.store = Path(store)
@@ -29,6 +31,7 @@ class StoreReader:
         self._open: OrderedDict[str, object] = OrderedDict()
         self._max_open = max_open_shards
         self._lock = threading.Lock()
+        self._fp8 = self.manifest.get("dtype") == FP8
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -46,10 +49,14 @@ class StoreReader:
     def __getitem__(self, i: int) -> dict:
         f = self._handle(self._shards[i])
         a, b = int(self._offsets[i]), int(self._offsets[i] + self.num_tokens[i])
-        return {
+        out = {
             "sample_id": self.sample_ids[i],
             "input_ids": f.get_slice("input_ids")[a:b],
             "loss_mask": f.get_slice("loss_mask")[a:b],
             "aux_hidden_states": f.get_slice("aux_hidden_states")[a:b],
             "final_hidden_state": f.get_slice("final_hidden_state")[a:b],
         }
+        if self._fp8:
+            out["aux_hidden_states"] = fp8.dequantize(out["aux_hidden_states"], f.get_slice("aux_scale")[a:b])
+            out["final_hidden_state"] = fp8.dequantize(out["final_hidden_state"], f.get_slice("final_scale")[a:b])
+        return out

@@ -1,11 +1,14 @@
 """Verify a store: every shard file and every sample, against the ledger and
 against a fresh tokenisation of the source data.
 
-Per file: present, size and sha256 as recorded, readable, the tensors the
-contract names with their dtypes and shapes, offsets consistent, the sample
-list equal to the ledger's. Per sample: tokens recounted from the file equal
-the index and a fresh tokenisation of its source row, loss tokens recounted,
-checksum, finiteness. Files in shards/ that the ledger does not name are
+Per file: present, size and sha256 as recorded, readable, a format this
+version reads and the manifest's, the tensors the contract names (for that
+format and the store's storage dtype: FP8 scales included) with their dtypes
+and shapes, offsets consistent, the sample list equal to the ledger's. Per
+sample: tokens recounted from the file equal the index and a fresh
+tokenisation of its source row, loss tokens recounted, checksum (by the hash
+the shard's format names), finiteness (FP8: of the stored values and of the
+scales, which must also be positive). Files in shards/ that the ledger does not name are
 reported as orphans (a killed run's leftovers) and never trusted.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from safetensors import safe_open
 from tasks.data.dataset import prepare_samples
 from tasks.store.ledger import open_ledger
 from tasks.store.manifest import read_manifest
-from tasks.store.shards import FORMAT, SHARD_DTYPES, file_sha256, sample_checksum, shard_path
+from tasks.store.shards import BF16, FORMAT_V1, file_sha256, sample_checksum, shard_dtypes, shard_path, shard_shapes
 
 
 @dataclass
@@ -65,11 +68,12 @@ def verify_store(store: Path, *, recheck_source: bool = True, write_report: bool
     samples = ledger.samples()
     fresh = _fresh_samples(manifest, sorted(samples.source.unique())) if recheck_source else {}
     hidden = manifest["hidden_size"]
+    store_format, storage = manifest.get("format", FORMAT_V1), manifest.get("dtype", BF16)
     file_rows, sample_rows = [], []
 
     for shard in shards.itertuples():
         mine = samples[samples.shard == shard.name]
-        problems, per_sample = _check_shard(store, shard, mine, hidden, fresh)
+        problems, per_sample = _check_shard(store, shard, mine, hidden, fresh, store_format, storage)
         file_rows.append({"shard": shard.name, "status": "FAIL" if problems or any(per_sample.values()) else "OK",
                           "samples": len(mine), "tokens": int(mine.num_tokens.sum()), "bytes": int(shard.bytes),
                           "problems": "; ".join(problems)})
@@ -96,7 +100,8 @@ def verify_store(store: Path, *, recheck_source: bool = True, write_report: bool
     return report
 
 
-def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, fresh: dict) -> tuple[list[str], dict]:
+def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, fresh: dict, store_format: str,
+                 storage: str) -> tuple[list[str], dict]:
     path = shard_path(store, shard.name)
     per_sample: dict[str, list[str]] = {sid: [] for sid in mine.sample_id}
     if not path.exists():
@@ -110,19 +115,24 @@ def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, fresh: dic
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            t = {k: f.get_tensor(k) for k in SHARD_DTYPES}
+            fmt = meta.get("format")
+            if fmt != store_format:
+                return problems + [f"format {fmt!r}, but the store's manifest says {store_format!r}"], per_sample
+            dtypes = shard_dtypes(storage, fmt)
+            missing = sorted(set(dtypes) - set(f.keys()))
+            if missing:
+                return problems + [f"tensors {missing} missing (a {fmt} {storage} shard has {list(dtypes)})"], per_sample
+            t = {k: f.get_tensor(k) for k in dtypes}
     except Exception as e:
-        return problems + [f"unreadable as safetensors: {e}"], per_sample
-    if meta.get("format") != FORMAT:
-        problems.append(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-    for k, dtype in SHARD_DTYPES.items():
+        return problems + [f"unreadable as a store shard: {e}"], per_sample
+    for k, dtype in dtypes.items():
         if t[k].dtype != dtype:
             problems.append(f"{k} is {t[k].dtype}, expected {dtype}")
     n_tok, off = t["input_ids"].shape[0], t["offsets"]
-    shapes = {"loss_mask": (n_tok,), "aux_hidden_states": (n_tok, 3, hidden), "final_hidden_state": (n_tok, hidden)}
-    for k, shape in shapes.items():
-        if tuple(t[k].shape) != shape:
-            problems.append(f"{k} shape {tuple(t[k].shape)}, expected {shape}")
+    expected = shard_shapes(n_tok, off.numel() - 1, 3, hidden)
+    for k in dtypes:
+        if k not in ("input_ids", "offsets") and tuple(t[k].shape) != expected[k]:
+            problems.append(f"{k} shape {tuple(t[k].shape)}, expected {expected[k]}")
     if off.numel() == 0 or off[0] != 0 or off[-1] != n_tok or (off[1:] < off[:-1]).any():
         problems.append(f"offsets inconsistent with {n_tok} tokens")
     ids_in_file = json.loads(meta.get("sample_ids", "[]"))
@@ -145,13 +155,18 @@ def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, fresh: dic
             p.append(f"recounted {b - a} tokens in the file, index says {s.num_tokens}")
         if a != s.token_offset:
             p.append(f"starts at token {a} in the file, index says {s.token_offset}")
-        ids, mask, aux, final = (t[n][a:b] for n in ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state"))
+        mine = {k: t[k][a:b] for k in dtypes if k != "offsets"}
+        ids, mask = mine["input_ids"], mine["loss_mask"]
         if int(mask.sum()) != s.num_loss_tokens:
             p.append(f"recounted {int(mask.sum())} loss tokens, index says {s.num_loss_tokens}")
-        if sample_checksum(ids, mask, aux, final) != s.checksum:
+        if sample_checksum(mine, fmt) != s.checksum:
             p.append("checksum differs")
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+        values = [mine["aux_hidden_states"], mine["final_hidden_state"]]
+        if not all(bool(torch.isfinite(v.float()).all()) for v in values):
             p.append("non-finite values")
+        scales = [mine[k] for k in ("aux_scale", "final_scale") if k in mine]
+        if not all(bool((torch.isfinite(v) & (v > 0)).all()) for v in scales):
+            p.append("FP8 scales not all finite and positive")
         src = fresh.get(s.source) if fresh else None
         if isinstance(src, Exception):
             p.append(f"source unreadable: {src}")
