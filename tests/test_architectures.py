@@ -1,0 +1,108 @@
+"""Capture across architectures: the table's per-class knowledge, and a real
+SGLang CPU server per architecture whose captures equal an independent HF
+transformers forward, with the manifest's layer ids naming the right
+layers."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tasks.capture.client import capture_many
+from tasks.server.cpu_shim import gpu_present, resolve_dtype
+from tasks.server.launch import ServerConfig, build_command, hook_spec, launch_server
+from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \
+    architecture_of
+from tasks.target.layers import AuxLayers
+from tasks.target.models import TINY_QWEN3, TINY_QWEN3_MOE, ensure_model
+from tasks.target.reference import compare_with_reference, load_reference_model, reference_states
+from tests.conftest import ARTIFACTS
+
+
+def test_layer_ids_mean_the_output_of_layer_i_on_every_architecture():
+    # SGLang's classes turn explicit ids into layers_to_capture (capture
+    # entering layer j = output of layer j - 1) differently; what we pass must
+    # give layers_to_capture == [i + 1 for i in ours] on each.
+    def llama_rule(passed):  # models/llama.py, qwen3.py, glm4_moe.py, gpt_oss.py
+        return [v + 1 for v in passed]
+
+    def deepseek_rule(passed):  # models/deepseek_v2.py set_eagle3_layers_to_capture
+        return [v + 1 for v in passed] if passed[0] == 1 else list(passed)
+
+    for ours in ([1, 3, 4], [2, 5, 6], [1, 14, 26], [3, 4, 5]):
+        want = [i + 1 for i in ours]
+        assert llama_rule(LLAMA.sglang_layer_ids(ours)) == want
+        assert deepseek_rule(DEEPSEEK_V3.sglang_layer_ids(ours)) == want
+        assert deepseek_rule(KIMI_K25.sglang_layer_ids(ours)) == want
+    with pytest.raises(ValueError, match="output of layer 0"):
+        DEEPSEEK_V3.sglang_layer_ids([0, 3, 4])
+
+
+def test_kimi_sizes_come_from_text_config_and_its_stack_is_the_language_model():
+    config = {"architectures": ["KimiK25ForConditionalGeneration"],
+              "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840},
+              "vision_config": {"hidden_size": 1152}}
+    arch = architecture_of(config)
+    assert arch is KIMI_K25 and arch.sizes(config)["hidden_size"] == 7168
+    assert arch.decoder_stack == "language_model.model"
+    assert arch.embed_weight.startswith("language_model.")
+    with pytest.raises(UnsupportedArchitecture, match="supported:"):
+        architecture_of({"architectures": ["SomethingElseForCausalLM"]})
+
+
+def test_the_capture_hooks_target_the_stack_and_its_first_layer(tmp_path):
+    cfg = ServerConfig(model_path="m", dump_dir=tmp_path, capture_module="language_model.model")
+    targets = [spec["target_modules"] for spec in hook_spec(cfg)]
+    assert targets == [["language_model.model.layers.0"], ["language_model.model"]]
+
+
+@pytest.mark.parametrize("flag", ["--enable-two-batch-overlap", "--attn-cp-size=2"])
+def test_flags_that_break_capture_are_refused(tmp_path, flag):
+    cfg = ServerConfig(model_path="m", dump_dir=tmp_path, capture_module="model", extra_args=(flag,))
+    with pytest.raises(ValueError, match="not supported on a capture server"):
+        build_command(cfg, 1234, cpu=True)
+
+
+@pytest.mark.server
+def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
+    from tasks.server.launch import ServerError
+
+    cfg = ServerConfig(model_path=str(tiny_model), dump_dir=tmp_path / "dumps", max_total_tokens=4096,
+                       capture_module="no_such_module")
+    with pytest.raises(ServerError, match="attached to no module"):
+        launch_server(cfg, tmp_path / "server.log", timeout_s=600)
+
+
+def server_dtype() -> torch.dtype:
+    dtype = resolve_dtype("auto", cpu=not gpu_present())
+    return torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_MOE])
+def test_captures_equal_hf_on_each_architecture(name, tmp_path):
+    model = ensure_model(name)
+    config = json.loads((model / "config.json").read_text())
+    arch = architecture_of(config)
+    assert arch is ARCHITECTURES[config["architectures"][0]]
+    layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], [2, 4, 5])  # not the default set
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 70, 300)]  # 300 > chunk: two forwards
+    cfg = ServerConfig(model_path=str(model), dump_dir=tmp_path / "dumps", max_total_tokens=8192,
+                       chunked_prefill_size=256, aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids),
+                       capture_module=arch.decoder_stack)
+    reference = load_reference_model(str(model), server_dtype())
+
+    def check(i, capture):
+        assert capture.aux_layer_ids == layers.sglang_ids  # what the hook saw SGLang capture
+        ref_aux, ref_final = reference_states(reference, prompts[i], layers)
+        return compare_with_reference(capture, ref_aux, ref_final)
+
+    with launch_server(cfg, ARTIFACTS / f"{name}-server.log", timeout_s=600) as server:
+        results = capture_many(server.url, cfg.dump_dir, prompts, check, concurrency=3,
+                               aux_layer_ids=layers.sglang_ids)
+    for n, result in zip((5, 70, 300), results):
+        assert not isinstance(result, Exception), f"{name}, {n} tokens: {result!r}"
+        assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (name, n, result)
