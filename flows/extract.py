@@ -27,6 +27,7 @@ from tasks.paths import default_dump_root
 from tasks.server.launch import ServerConfig
 from tasks.server.supervisor import ServerSupervisor
 from tasks.store.ledger import open_ledger, open_store
+from tasks.store.lock import hold_lock
 from tasks.store.manifest import build_manifest
 from tasks.target.architectures import Architecture, architecture_of
 from tasks.target.layers import AuxLayers
@@ -164,35 +165,38 @@ def extract_hidden_states(
     dump_dir = str(dump_dir or default_dump_root() / f"store-{hashlib.sha256(store.encode()).hexdigest()[:12]}")
     log_path = str(Path(store).parent / "logs" / "sglang-server.log")
 
-    plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
-                                                       aux_layer_ids)
-    preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length)
-    server = None
-    try:
-        if plan.todo:
-            server = launch_task(model_path, dump_dir, arch, layers, server_url, tp_size, max_total_tokens,
-                                 chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
-            warm_up_task(server.url, dump_dir, layers)
-            reset_dump_dir_task(dump_dir)
-            batch_task = extract_batch_task.with_options(
-                retries=batch_retries, retry_jitter_factor=0.5,
-                retry_delay_seconds=exponential_backoff(backoff_factor=batch_retry_delay_s) if batch_retry_delay_s else 0)
-            failures = _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
-                                    sample_attempts)
-            if failures:
-                raise RuntimeError(f"{len(failures)} batches failed after their retries: "
-                                   + "; ".join(failures[:5]) + " (rerun the flow: stored batches are kept)")
-        else:
-            log.info("nothing to capture: every sample of %s is already stored", dataset)
-    finally:
-        if server is not None:
-            stop_task(server)
-    summary = open_ledger(Path(store)).summary()
-    result = {"store": store, **summary}
-    if verify:
-        report = verify_task(store)
-        result["verification"] = report
-    return result
+    # The whole run holds the store: a second run would plan the same samples
+    # and race this one for the same shard names and ledger rows.
+    with hold_lock(Path(store), f"extract_hidden_states of {dataset}"):
+        plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
+                                                           aux_layer_ids)
+        preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length)
+        server = None
+        try:
+            if plan.todo:
+                server = launch_task(model_path, dump_dir, arch, layers, server_url, tp_size, max_total_tokens,
+                                     chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
+                warm_up_task(server.url, dump_dir, layers)
+                reset_dump_dir_task(dump_dir)
+                batch_task = extract_batch_task.with_options(
+                    retries=batch_retries, retry_jitter_factor=0.5,
+                    retry_delay_seconds=exponential_backoff(backoff_factor=batch_retry_delay_s) if batch_retry_delay_s else 0)
+                failures = _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
+                                        sample_attempts)
+                if failures:
+                    raise RuntimeError(f"{len(failures)} batches failed after their retries: "
+                                       + "; ".join(failures[:5]) + " (rerun the flow: stored batches are kept)")
+            else:
+                log.info("nothing to capture: every sample of %s is already stored", dataset)
+        finally:
+            if server is not None:
+                stop_task(server)
+        summary = open_ledger(Path(store)).summary()
+        result = {"store": store, **summary}
+        if verify:
+            report = verify_task(store)
+            result["verification"] = report
+        return result
 
 
 def _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,

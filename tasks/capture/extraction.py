@@ -20,7 +20,7 @@ from tasks.capture.dump import CaptureError, RID_PREFIX, TMP_PREFIX
 from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.server.launch import server_healthy
 from tasks.store.ledger import Ledger, open_ledger
-from tasks.store.shards import bytes_per_token, write_shard
+from tasks.store.shards import ShardExists, bytes_per_token, remove_uncommitted, write_shard
 
 logger = logging.getLogger("eagle3.extract")
 
@@ -218,7 +218,15 @@ def extract_batch(
     items = [captured[s.sample_id] for s in samples if s.sample_id in captured]
     shard = None
     if items:
-        shard_info, rows = write_shard(store, items, source=source)
+        try:
+            shard_info, rows = write_shard(store, items, source=source)
+        except ShardExists as e:
+            if ledger.has_shard(e.name):
+                raise
+            # An interrupted run wrote this batch but never committed it.
+            logger.warning("replacing %s: left uncommitted by an interrupted run", e.path)
+            remove_uncommitted(store, e.name)
+            shard_info, rows = write_shard(store, items, source=source)
         ledger.commit_shard(shard_info, rows)
         shard = shard_info.name
     tokens = sum(len(it["input_ids"]) for it in items)

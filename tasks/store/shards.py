@@ -11,7 +11,8 @@ A shard packs whole samples along the token axis, without padding:
     offsets             int64 [S + 1]     sample s = tokens offsets[s]:offsets[s+1]
 
 with metadata `format`, `sample_ids` (JSON list, shard order). Shards are
-written to a temp name, fsynced and renamed; a shard counts only once the
+written to a temp name, fsynced and linked to their final name (never
+over an existing file: a committed shard is never replaced); a shard counts only once the
 ledger has committed it (tasks/store/ledger.py), so a killed run leaves
 nothing a rerun would trust.
 
@@ -83,6 +84,58 @@ def shard_path(store: Path, name: str) -> Path:
     return Path(store) / "shards" / f"{name}.safetensors"
 
 
+class ShardExists(RuntimeError):
+    """A shard of that name, with other bytes, is already in the store."""
+
+    def __init__(self, name: str, path: Path):
+        self.name, self.path = name, path
+        super().__init__(f"{path} already exists with other content; a shard in the store is never replaced. "
+                         f"If the ledger has not committed it, it is an interrupted run's leftover: "
+                         f"remove_uncommitted() it and write again")
+
+
+def _link_new(tmp: Path, path: Path, sha256: str) -> str:
+    """Give the temp file its final name without ever replacing a file there:
+    a committed shard must not change under its ledger entry. Returns the
+    sha256 of the file now at `path` (an existing one with the same content
+    is kept: safetensors orders header metadata by a hash map, so equal
+    content need not mean equal bytes)."""
+    try:
+        os.link(tmp, path)
+        return sha256
+    except FileExistsError:
+        existing = file_sha256(path)
+        if existing != sha256 and not _same_content(path, tmp):
+            raise ShardExists(path.name.removesuffix(".safetensors"), path) from None
+        return existing
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    try:
+        if _metadata(a) != _metadata(b):
+            return False
+        ta, tb = load_file(a), load_file(b)
+    except Exception:  # an unreadable file is not the same content
+        return False
+    return ta.keys() == tb.keys() and all(ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def _metadata(path: Path) -> dict:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)).get("__metadata__", {})
+
+
+def remove_uncommitted(store: Path, name: str) -> None:
+    """Remove a shard file the ledger does not name (the caller checks
+    that): what an interrupted run left under a name this run needs."""
+    shard_path(store, name).unlink(missing_ok=True)
+
+
 def write_shard(store: Path, items: list[dict], *, source: str) -> tuple[ShardInfo, list[dict]]:
     """Pack samples into one shard, durably. items: sample_id, source_row,
     input_ids, loss_mask, aux_hidden_states [n,3,H], final_hidden_state [n,H].
@@ -111,13 +164,13 @@ def write_shard(store: Path, items: list[dict], *, source: str) -> tuple[ShardIn
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    sha256 = _link_new(tmp, path, hashlib.sha256(data).hexdigest())
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself survives a crash
     finally:
         os.close(dir_fd)
-    shard = ShardInfo(name, hashlib.sha256(data).hexdigest(), len(data), len(items), int(offsets[-1]))
+    shard = ShardInfo(name, sha256, path.stat().st_size, len(items), int(offsets[-1]))
     rows = [
         {
             "sample_id": it["sample_id"], "source": source, "source_row": int(it["source_row"]),
