@@ -119,7 +119,8 @@ def test_verification_names_a_sample_whose_source_changed(small_store, tmp_path)
     with sqlite3.connect(store / "ledger.sqlite") as db:
         db.execute("UPDATE samples SET source=?", (str(edited),))
     report = verify_store(store)
-    failing = report.samples[report.samples.status == "FAIL"]
+    failing = report.samples[report.samples.status != "OK"]
+    assert not report.ok and list(failing.status) == ["GONE"]
     assert list(failing.source_row) == [3] and "source changed" in failing.problems.iloc[0]
 
 

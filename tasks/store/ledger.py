@@ -50,6 +50,12 @@ class Ledger(abc.ABC):
         return name in set(self.shards().name)
 
     @abc.abstractmethod
+    def replace_shard(self, old: str, new: ShardInfo | None, rows: list[dict]) -> None:
+        """In one transaction: drop shard `old` and its samples, commit `new`
+        (None: nothing) with rows. Only pruning (tasks/store/prune.py) does
+        this, under the store's lock; commit_shard never replaces."""
+
+    @abc.abstractmethod
     def quarantine(self, rows: list[dict]) -> None:
         """rows: source, source_row, sample_id (or None), reason, attempts."""
 
@@ -132,6 +138,18 @@ class SqliteLedger(Ledger):
                                  f"this store?)") from None
             db.executemany("DELETE FROM quarantine WHERE source=? AND source_row=?",
                            [(r["source"], r["source_row"]) for r in rows])
+
+    def replace_shard(self, old: str, new: ShardInfo | None, rows: list[dict]) -> None:
+        with closing(self._connect()) as db, db:
+            db.execute("DELETE FROM samples WHERE shard=?", (old,))
+            if db.execute("DELETE FROM shards WHERE name=?", (old,)).rowcount != 1:
+                raise StoreError(f"shard {old} is not committed in {self.path}")
+            if new is not None:
+                db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
+                           (new.name, new.sha256, new.bytes, new.num_samples, new.num_tokens, time.time()))
+                db.executemany(
+                    "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
+                    ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
 
     def quarantine(self, rows: list[dict]) -> None:
         with closing(self._connect()) as db, db:
