@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from tasks.data.dataset import prepare_samples, sample_id
 from tasks.store.ledger import open_ledger
-from tasks.store.manifest import read_manifest
+from tasks.store.manifest import read_manifest, write_json_atomic
 from tasks.store.shards import FORMAT, SHARD_DTYPES, file_sha256, sample_checksum, shard_path
 
 
@@ -243,7 +243,7 @@ def _write_report(store: Path, report: VerifyReport) -> dict:
                "gone_samples": int((report.samples.status == "GONE").sum()),
                "source_missing_samples": int((report.samples.status == "SOURCE_MISSING").sum()),
                "tokens": int(report.samples.tokens.sum()) if len(report.samples) else 0, **paths}
-    (out / "latest.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(out / "latest.json", summary)  # training trusts it: never torn
     paths["summary_report"] = str(out / "latest.json")
     return paths
 
