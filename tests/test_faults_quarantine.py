@@ -1,18 +1,25 @@
 """Mass quarantine: when every capture fails, the run stops with a reason
 instead of ending Completed with nothing stored. The fault is real: an HTTP
 server that answers /generate like SGLang but whose capture hook writes no
-dump, so every capture comes back missing."""
+dump, so every capture comes back missing. The same server writing dumps
+runs a batch end to end over a killed run's uncommitted shard."""
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+import torch
 
+from tasks.capture.dump import write_chunk
 from tasks.capture.extraction import FailureGuard, TooManyFailures, extract_batch
 from tasks.data.dataset import Sample, sample_id
 from tasks.store.ledger import open_ledger, open_store
+from tasks.store.shards import shard_path, write_shard
+from tasks.store.verification import verify_store
 from tests.test_store import MANIFEST
+
+H = 16
 
 
 class NoDumpServer(BaseHTTPRequestHandler):
@@ -20,8 +27,12 @@ class NoDumpServer(BaseHTTPRequestHandler):
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
 
+    def on_generate(self, body):
+        pass  # the hook writes nothing
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.on_generate(body)
         out = json.dumps({"meta_info": {"id": body["rid"], "prompt_tokens": len(body["input_ids"]),
                                         "cached_tokens": 0}}).encode()
         self.send_response(200)
@@ -120,3 +131,43 @@ def test_the_flow_fails_when_every_capture_fails(capture_server, prefect_api, tm
     assert state.is_failed() and "captures in a row failed" in state.message
     ledger = open_ledger(tmp_path / "store")
     assert ledger.summary()["samples"] == 0 and ledger.summary()["quarantined"] >= 6
+
+
+class DumpingServer(NoDumpServer):
+    """Answers like SGLang and writes the rid's dump as the capture hook
+    does (random states): extraction end to end, without a model."""
+
+    dump_dir = None
+
+    def on_generate(self, body):
+        n = len(body["input_ids"])
+        write_chunk(self.dump_dir, body["rid"], 0, torch.tensor(body["input_ids"]), torch.randn(n, 3, H),
+                    torch.randn(n, H), [1, 3, 4], "post-norm")
+
+
+
+def test_a_killed_runs_uncommitted_shard_is_replaced_and_committed(tmp_path, caplog):
+    store, dump_dir = tmp_path / "store", tmp_path / "dumps"
+    dump_dir.mkdir()
+    open_store(store, {**MANIFEST, "hidden_size": H})
+    batch = samples(3)
+    # The run before was killed after writing this batch's shard, before committing it.
+    leftover, _ = write_shard(store, [{"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
+                                       "loss_mask": s.loss_mask, "aux_hidden_states": torch.zeros(4, 3, H),
+                                       "final_hidden_state": torch.zeros(4, H)} for s in batch], source="data.jsonl")
+    DumpingServer.dump_dir = dump_dir
+    server = ThreadingHTTPServer(("127.0.0.1", 0), DumpingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with caplog.at_level("WARNING", logger="eagle3.extract"):
+            result = extract_batch(f"http://127.0.0.1:{server.server_address[1]}", dump_dir, store, "data.jsonl",
+                                   batch, aux_layer_ids=[1, 3, 4], guard=FailureGuard())
+    finally:
+        server.shutdown()
+    assert result.samples == 3 and result.shard == leftover.name
+    assert "left uncommitted by an interrupted run" in caplog.text
+    ledger = open_ledger(store)
+    assert ledger.has_shard(leftover.name) and ledger.summary()["samples"] == 3
+    assert ledger.shards().sha256.iloc[0] != leftover.sha256  # the new capture, not the zeros
+    assert verify_store(store, recheck_source=False, write_report=False).ok
+    assert shard_path(store, leftover.name).exists() and not list(dump_dir.iterdir())
