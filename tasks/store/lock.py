@@ -118,6 +118,9 @@ def _acquire(fd: int, directory: Path, purpose: str, break_foreign: bool) -> dic
     except BlockingIOError:
         raise LockHeld(f"{directory} is in use by another run: {describe(read_holder(directory))}. "
                        f"Wait for it to finish or stop it; two runs must not write one directory") from None
+    except OSError as e:  # ENOLCK and kin: a filesystem that cannot lock
+        raise LockHeld(f"cannot lock {lock_path(directory)} ({e}): this filesystem does not support locks; "
+                       f"put the store or out_dir on a local or POSIX filesystem") from e
     previous = read_holder(directory)
     if previous:
         if previous.get("host") != _this_host() and not break_foreign:
