@@ -6,6 +6,8 @@ one set of parameters.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -50,8 +52,26 @@ def regenerate_task(dataset: str, model: str, out_path: str, max_new_tokens: int
     return str(out)
 
 
+def holding_run_dir(fn):
+    """Hold the run's store and train dir for the whole pipeline, so no other
+    run writes them between extraction, verification and training; the
+    extract and train subflows re-enter these locks."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        run_dir = Path(bound.arguments["run_dir"]).resolve()
+        with hold_lock(run_dir / "store", "eagle3_pipeline"), hold_lock(run_dir / "train", "eagle3_pipeline"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @flow(name="eagle3_pipeline")
 @described
+@holding_run_dir
 def eagle3_pipeline(
     dataset: params.Dataset = params.DEFAULT_DATASET,
     model: params.Model = params.DEFAULT_MODEL,
@@ -76,34 +96,31 @@ def eagle3_pipeline(
     log = get_run_logger()
     run = Path(run_dir).resolve()
     store, train_dir = str(run / "store"), str(run / "train")
-    # Held for the whole pipeline, so no other run writes the store between
-    # extraction, verification and training; the subflows re-enter these locks.
-    with hold_lock(Path(store), "eagle3_pipeline"), hold_lock(Path(train_dir), "eagle3_pipeline"):
-        if regenerate:
-            dataset = regenerate_task(dataset, model, str(run / "regenerated.jsonl"), regenerate_max_tokens)
-        extract_hidden_states(dataset=dataset, model=model, store=store, server_url=server_url, dump_dir=dump_dir,
-                              max_length=max_length, batch_size=batch_size, verify=False)
-        verify_store(store=store)
-        trained = train_drafter(store=store, out_dir=train_dir, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
-                                epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, serve_steps=serve_steps,
-                                devices=devices)
-        served = serve_check(drafter_dir=trained["drafter_dir"], store=store, target=trained["target"],
-                             num_prompts=serve_prompts, max_new_tokens=serve_new_tokens, num_steps=serve_steps,
-                             num_draft_tokens=serve_steps + 1)
-        held = trained["heldout"]
-        summary = {
-            "store": store, "drafter_dir": trained["drafter_dir"],
-            "heldout_tau": held["tau"], f"heldout_tau@{serve_steps}": held[f"tau@{serve_steps}"],
-            "untrained_tau": trained["untrained"]["tau"],
-            "sglang_accept_length": served["spec_accept_length"], "sglang_accept_rate": served["spec_accept_rate"],
-            "speedup": served["speedup"], "plain_tokens_per_s": served["plain_tokens_per_s"],
-            "spec_tokens_per_s": served["spec_tokens_per_s"], "outputs_equal": served["outputs_equal"],
-        }
-        log.info("drafter %s: held-out tau %.2f (tau@%d %.2f; untrained %.2f); SGLang accept length %.2f, "
-                 "speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], serve_steps,
-                 held[f"tau@{serve_steps}"], summary["untrained_tau"], served["spec_accept_length"] or 0.0,
-                 served["speedup"], served["outputs_equal"])
-        return summary
+    if regenerate:
+        dataset = regenerate_task(dataset, model, str(run / "regenerated.jsonl"), regenerate_max_tokens)
+    extract_hidden_states(dataset=dataset, model=model, store=store, server_url=server_url, dump_dir=dump_dir,
+                          max_length=max_length, batch_size=batch_size, verify=False)
+    verify_store(store=store)
+    trained = train_drafter(store=store, out_dir=train_dir, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
+                            epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, serve_steps=serve_steps,
+                            devices=devices)
+    served = serve_check(drafter_dir=trained["drafter_dir"], store=store, target=trained["target"],
+                         num_prompts=serve_prompts, max_new_tokens=serve_new_tokens, num_steps=serve_steps,
+                         num_draft_tokens=serve_steps + 1)
+    held = trained["heldout"]
+    summary = {
+        "store": store, "drafter_dir": trained["drafter_dir"],
+        "heldout_tau": held["tau"], f"heldout_tau@{serve_steps}": held[f"tau@{serve_steps}"],
+        "untrained_tau": trained["untrained"]["tau"],
+        "sglang_accept_length": served["spec_accept_length"], "sglang_accept_rate": served["spec_accept_rate"],
+        "speedup": served["speedup"], "plain_tokens_per_s": served["plain_tokens_per_s"],
+        "spec_tokens_per_s": served["spec_tokens_per_s"], "outputs_equal": served["outputs_equal"],
+    }
+    log.info("drafter %s: held-out tau %.2f (tau@%d %.2f; untrained %.2f); SGLang accept length %.2f, "
+             "speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], serve_steps,
+             held[f"tau@{serve_steps}"], summary["untrained_tau"], served["spec_accept_length"] or 0.0,
+             served["speedup"], served["outputs_equal"])
+    return summary
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def test_a_live_holder_is_named_and_a_second_run_refused(tmp_path, holder):
     assert read_holder(store)["pid"] == proc.pid
 
 
-def test_the_extract_and_train_flows_refuse_a_held_directory(tmp_path, holder):
+def test_the_extract_train_and_pipeline_flows_refuse_a_held_directory(tmp_path, holder):
     from flows.extract import extract_hidden_states
     from flows.train import train_drafter
     from prefect.logging import disable_run_logger
@@ -80,6 +80,13 @@ def test_the_extract_and_train_flows_refuse_a_held_directory(tmp_path, holder):
     proc = holder(out_dir)
     with pytest.raises(LockHeld, match=f"pid {proc.pid}"), disable_run_logger():
         train_drafter.fn(store=str(store), out_dir=str(out_dir))
+    # The pipeline holds both for its whole run: refused on either.
+    from flows.pipeline import eagle3_pipeline
+
+    proc = holder(tmp_path / "run" / "train")
+    with pytest.raises(LockHeld, match=f"pid {proc.pid}"), disable_run_logger():
+        eagle3_pipeline.fn(run_dir=str(tmp_path / "run"))
+    assert read_holder(tmp_path / "run" / "store") is None  # released on the way out
 
 
 def test_a_sigkilled_holder_is_taken_over(tmp_path, holder, caplog):
