@@ -108,6 +108,17 @@ def test_a_removed_row_is_gone_and_pruning_keeps_every_other_sample_intact(built
     assert len(list((store / "shards").glob("shard-*.safetensors"))) == 2  # the old file is gone
 
 
+def test_an_edited_row_is_gone_and_says_what_the_row_gives_now(built):
+    store, dataset, rows = built
+    edited = json.loads(json.dumps(rows[3]))
+    edited["messages"][-1]["content"] += " (edited)"
+    write_jsonl(dataset, rows[:3] + [edited] + rows[4:])
+    report = verify_store(store)
+    bad = report.samples[report.samples.status != "OK"]
+    assert not report.ok and list(bad.status) == ["GONE"] and list(bad.source_row) == [3]
+    assert "source changed: row 3 now gives sample" in bad.problems.iloc[0]
+
+
 def test_pruning_refuses_to_copy_a_corrupt_sample_into_a_new_shard(built):
     store, dataset, rows = built
     db = sqlite3.connect(store / "ledger.sqlite")
