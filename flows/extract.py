@@ -27,6 +27,7 @@ from tasks.paths import default_dump_root
 from tasks.server.launch import ServerConfig
 from tasks.server.supervisor import ServerSupervisor
 from tasks.store.ledger import open_ledger, open_store
+from tasks.store.lock import hold_lock
 from tasks.store.manifest import build_manifest
 from tasks.target.architectures import Architecture, architecture_of
 from tasks.target.layers import AuxLayers
@@ -108,14 +109,22 @@ def reset_dump_dir_task(dump_dir: str) -> int:
 
 # Retries and their delays are flow parameters (see _extract_all): these are
 # the defaults for a direct call.
+def _worth_retrying(task, task_run, state) -> bool:
+    # A run stopped for failing captures wholesale stays stopped.
+    return not isinstance(getattr(state, "data", None), extraction.TooManyFailures)
+
+
 @task(name="extract-batch", cache_policy=NO_CACHE, retries=3,
-      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5)
+      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5,
+      retry_condition_fn=_worth_retrying)
 def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: str, store: str, source: str,
-                       layers: AuxLayers, concurrency: int, sample_attempts: int) -> dict:
+                       layers: AuxLayers, concurrency: int, sample_attempts: int,
+                       guard: extraction.FailureGuard | None = None) -> dict:
     log = get_run_logger()
     result = extraction.extract_batch(server.url, Path(dump_dir), Path(store), source, batch,
                                       aux_layer_ids=layers.sglang_ids, concurrency=concurrency,
-                                      sample_attempts=sample_attempts, on_server_down=server.recover)
+                                      sample_attempts=sample_attempts, on_server_down=server.recover,
+                                      guard=guard)
     server.forward_log(log)
     log.info("batch of %d: stored %d samples, %d tokens in %.1f s (%.0f tok/s) -> %s; retried %d, quarantined %d",
              len(batch), result.samples, result.tokens, result.seconds, result.tokens_per_s, result.shard,
@@ -155,6 +164,8 @@ def extract_hidden_states(
     batch_retries: Annotated[int, Field(description="retries of a failed batch task (server or network faults)", ge=0)] = 3,
     batch_retry_delay_s: Annotated[float, Field(description="first retry delay in seconds; doubles each retry, with jitter", ge=0)] = 5.0,
     max_server_restarts: Annotated[int, Field(description="relaunches of a crashed launched server", ge=0)] = 2,
+    max_quarantine_ratio: Annotated[float, Field(description="fail the run when more than this share of the samples tried fail their capture", ge=0, le=1)] = 0.05,
+    max_consecutive_failures: Annotated[int, Field(description="fail the run after this many failed captures in a row", ge=1)] = 20,
     verify: Annotated[bool, Field(description="verify the store at the end")] = True,
     store_dtype: params.StoreDtype = "bfloat16",
 ) -> dict:
@@ -167,39 +178,47 @@ def extract_hidden_states(
     dump_dir = str(dump_dir or default_dump_root() / f"store-{hashlib.sha256(store.encode()).hexdigest()[:12]}")
     log_path = str(Path(store).parent / "logs" / "sglang-server.log")
 
-    plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
-                                                       aux_layer_ids, store_dtype)
-    preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length, storage=store_dtype)
-    server = None
-    try:
-        if plan.todo:
-            server = launch_task(model_path, dump_dir, arch, layers, server_url, tp_size, max_total_tokens,
-                                 chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
-            warm_up_task(server.url, dump_dir, layers)
-            reset_dump_dir_task(dump_dir)
-            batch_task = extract_batch_task.with_options(
-                retries=batch_retries, retry_jitter_factor=0.5,
-                retry_delay_seconds=exponential_backoff(backoff_factor=batch_retry_delay_s) if batch_retry_delay_s else 0)
-            failures = _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
-                                    sample_attempts)
-            if failures:
-                raise RuntimeError(f"{len(failures)} batches failed after their retries: "
-                                   + "; ".join(failures[:5]) + " (rerun the flow: stored batches are kept)")
-        else:
-            log.info("nothing to capture: every sample of %s is already stored", dataset)
-    finally:
-        if server is not None:
-            stop_task(server)
-    summary = open_ledger(Path(store)).summary()
-    result = {"store": store, **summary}
-    if verify:
-        report = verify_task(store)
-        result["verification"] = report
-    return result
+    # The whole run holds the store: a second run would plan the same samples
+    # and race this one for the same shard names and ledger rows.
+    with hold_lock(Path(store), f"extract_hidden_states of {dataset}"):
+        plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
+                                                           aux_layer_ids, store_dtype)
+        preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length,
+                       storage=store_dtype)
+        server = None
+        try:
+            if plan.todo:
+                server = launch_task(model_path, dump_dir, arch, layers, server_url, tp_size, max_total_tokens,
+                                     chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
+                warm_up_task(server.url, dump_dir, layers)
+                reset_dump_dir_task(dump_dir)
+                batch_task = extract_batch_task.with_options(
+                    retries=batch_retries, retry_jitter_factor=0.5,
+                    retry_delay_seconds=exponential_backoff(backoff_factor=batch_retry_delay_s) if batch_retry_delay_s else 0)
+                guard = extraction.FailureGuard(max_ratio=max_quarantine_ratio,
+                                                max_consecutive=max_consecutive_failures)
+                failures = _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
+                                        sample_attempts, guard)
+                guard.check()  # this reason first: the batches it stopped are its consequence
+                if failures:
+                    raise RuntimeError(f"{len(failures)} batches failed after their retries: "
+                                       + "; ".join(failures[:5]) + " (rerun the flow: stored batches are kept)")
+                guard.finish()
+            else:
+                log.info("nothing to capture: every sample of %s is already stored", dataset)
+        finally:
+            if server is not None:
+                stop_task(server)
+        summary = open_ledger(Path(store)).summary()
+        result = {"store": store, **summary}
+        if verify:
+            report = verify_task(store)
+            result["verification"] = report
+        return result
 
 
 def _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
-                 sample_attempts) -> list[str]:
+                 sample_attempts, guard) -> list[str]:
     log = get_run_logger()
     batches = plan.batches(batch_size)
     meter = extraction.ProgressMeter(open_ledger(Path(store)), plan.todo_tokens, len(plan.todo))
@@ -208,7 +227,7 @@ def _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, 
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), batch_size)
     futures = batch_task.map(batches, unmapped(server), unmapped(dump_dir), unmapped(store),
                                      unmapped(plan.source), unmapped(layers), unmapped(concurrency),
-                                     unmapped(sample_attempts))
+                                     unmapped(sample_attempts), unmapped(guard))
     failures = []
     for future in as_completed(futures):
         try:

@@ -6,6 +6,8 @@ one set of parameters.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,6 +23,7 @@ from flows.train import train_drafter
 from flows.verify import verify_store
 from tasks.data import regeneration
 from tasks.server.launch import ServerConfig, launch_server
+from tasks.store.lock import hold_lock
 from tasks.target.models import resolve_model
 
 
@@ -49,8 +52,26 @@ def regenerate_task(dataset: str, model: str, out_path: str, max_new_tokens: int
     return str(out)
 
 
+def holding_run_dir(fn):
+    """Hold the run's store and train dir for the whole pipeline, so no other
+    run writes them between extraction, verification and training; the
+    extract and train subflows re-enter these locks."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        run_dir = Path(bound.arguments["run_dir"]).resolve()
+        with hold_lock(run_dir / "store", "eagle3_pipeline"), hold_lock(run_dir / "train", "eagle3_pipeline"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @flow(name="eagle3_pipeline")
 @described
+@holding_run_dir
 def eagle3_pipeline(
     dataset: params.Dataset = params.DEFAULT_DATASET,
     model: params.Model = params.DEFAULT_MODEL,

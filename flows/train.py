@@ -17,6 +17,7 @@ from pydantic import Field
 from flows import params
 from flows.artifacts import artifact_key
 from flows.cli import described
+from tasks.store.lock import hold_lock
 from tasks.store.verification import require_verified
 from tasks.train.export import export_weights, load_exported
 from tasks.train.launch import launch_distributed
@@ -108,10 +109,12 @@ def train_drafter(
         tokens_per_batch=tokens_per_batch, heldout_fraction=heldout_fraction, serve_steps=serve_steps,
         devices=devices, precision=precision, vocab_positions=vocab_positions, checkpoint_every=checkpoint_every,
         seed=seed)
-    check_verified_task(cfg.store)
-    result = train_task(cfg)
-    check_export_task(result.drafter_dir, cfg.out_dir, result.target)
-    metrics_artifacts_task(result, cfg.out_dir)
+    # One run per out_dir: two would interleave checkpoints and exports.
+    with hold_lock(Path(cfg.out_dir), f"train_drafter on {cfg.store}"):
+        check_verified_task(cfg.store)
+        result = train_task(cfg)
+        check_export_task(result.drafter_dir, cfg.out_dir, result.target)
+        metrics_artifacts_task(result, cfg.out_dir)
     return {"drafter_dir": result.drafter_dir, "target": result.target, "steps": result.steps,
             "heldout": result.final, "untrained": result.history[0], "out_dir": cfg.out_dir}
 

@@ -14,6 +14,7 @@ from pydantic import Field
 
 from flows.artifacts import artifact_key
 from flows.cli import described
+from tasks.store.prune import prune_gone
 from tasks.store.verification import verify_store as verify_plain
 
 
@@ -32,9 +33,10 @@ def verify_task(store: str, recheck_source: bool = True) -> dict:
         level = log.info if row.status == "OK" else log.warning
         level("%s %s: %d samples, %d tokens%s", row.status, row.shard, row.samples, row.tokens,
               f" — {row.problems}" if row.problems else "")
-    failed = report.samples[report.samples.status == "FAIL"]
+    failed = report.samples[report.samples.status != "OK"]
     for row in failed.head(50).itertuples():
-        log.error("sample %s (row %d) in %s: %s", row.sample_id, row.source_row, row.shard, row.problems)
+        level = log.warning if row.status == "SOURCE_MISSING" else log.error
+        level("%s sample %s (row %d) in %s: %s", row.status, row.sample_id, row.source_row, row.shard, row.problems)
     log.info("verification %s: %d files, %d samples, %d tokens; report: %s",
              "passed" if report.ok else "FAILED", len(files), len(report.samples),
              int(report.samples.tokens.sum()) if len(report.samples) else 0, report.paths.get("summary_report"))
@@ -44,13 +46,24 @@ def verify_task(store: str, recheck_source: bool = True) -> dict:
     return {"ok": True, "files": len(files), "samples": len(report.samples), **report.paths}
 
 
+@task(name="prune-gone", cache_policy=NO_CACHE)
+def prune_gone_task(store: str) -> dict:
+    result = prune_gone(Path(store))
+    get_run_logger().info("pruned %d samples whose source rows are gone (%d shards rewritten, %d removed)",
+                          result["pruned"], result["rewritten"], result["removed"])
+    return result
+
+
 @flow(name="verify_store")
 @described
 def verify_store(
     store: Annotated[str, Field(description="store directory to verify")] = "runs/demo/store",
-    recheck_source: Annotated[bool, Field(description="also re-tokenise each sample's source row and compare")] = True,
+    recheck_source: Annotated[bool, Field(description="also re-tokenise the sources and find each sample in them (by content)")] = True,
+    prune_gone: Annotated[bool, Field(description="first remove the samples no source row gives any more (rows removed or edited)")] = False,
 ) -> dict:
     """Verify a store: per file and per sample, against its ledger and its sources."""
+    if prune_gone:
+        prune_gone_task(store)
     return verify_task(store, recheck_source)
 
 

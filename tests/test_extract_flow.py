@@ -118,8 +118,13 @@ def test_verification_names_a_sample_whose_source_changed(small_store, tmp_path)
     edited = write_jsonl(tmp_path / "edited.jsonl", rows)
     with sqlite3.connect(store / "ledger.sqlite") as db:
         db.execute("UPDATE samples SET source=?", (str(edited),))
+    # The edited copy is the store's only source (samples are found by
+    # content in any of them, and the original still holds row 3 as stored).
+    manifest = json.loads((store / "manifest.json").read_text())
+    (store / "manifest.json").write_text(json.dumps({**manifest, "sources": [str(edited)]}))
     report = verify_store(store)
-    failing = report.samples[report.samples.status == "FAIL"]
+    failing = report.samples[report.samples.status != "OK"]
+    assert not report.ok and list(failing.status) == ["GONE"]
     assert list(failing.source_row) == [3] and "source changed" in failing.problems.iloc[0]
 
 

@@ -344,3 +344,64 @@ def test_a_write_that_fails_midway_leaves_no_file_and_nothing_committed(tmp_path
     assert len(calls) >= 6
     assert list((tmp_path / "s" / "shards").iterdir()) == []
     assert ledger.summary()["samples"] == 0
+
+
+# --- pruning and re-linking keep the stored bytes (FP8, format 1) ---
+
+def _stored_samples(path):
+    """sample_id -> (checksum, each tensor's raw bytes), from the files by hand."""
+    db = sqlite3.connect(path / "ledger.sqlite")
+    rows = db.execute("SELECT sample_id, shard, token_offset, num_tokens, checksum FROM samples").fetchall()
+    db.close()
+    out = {}
+    for sid, shard, a, n, checksum in rows:
+        t, meta = load_raw(path / "shards" / f"{shard}.safetensors")
+        out[sid] = (meta["format"], checksum,
+                    {k: v[a:a + n].tobytes() for k, v in t.items() if k != "offsets"})
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["fp8_store", "v1_store"])
+def test_pruning_copies_the_kept_samples_stored_bytes(fixture, request):
+    from tasks.store.prune import prune_samples
+
+    path, items = request.getfixturevalue(fixture)
+    before = _stored_samples(path)
+    result = prune_samples(path, [items[0]["sample_id"]])
+    assert result["pruned"] == 1 and result["rewritten"] == 1
+    after = _stored_samples(path)
+    assert after == {k: v for k, v in before.items() if k != items[0]["sample_id"]}
+    report = verify_store(path, recheck_source=False, write_report=False)
+    assert report.ok, report.failures()
+
+
+def test_an_fp8_shard_written_again_is_kept_not_refused(fp8_store, tmp_path):
+    path, items = fp8_store
+    shard = next((path / "shards").iterdir())
+    before = shard.read_bytes()
+    info, _ = write_shard(path, items, source="data.jsonl", storage=FP8)  # same samples, same name
+    assert shard.read_bytes() == before and info.sha256 == hashlib.sha256(before).hexdigest()
+    assert [p.name for p in (path / "shards").iterdir()] == [shard.name]
+
+
+def test_an_fp8_shard_with_other_header_bytes_but_equal_tensors_is_kept_and_other_tensors_refused(fp8_store):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tasks.store.shards import ShardExists
+
+    path, items = fp8_store
+    shard = next((path / "shards").iterdir())
+    with safe_open(str(shard), framework="pt") as f:
+        meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(t, str(shard), metadata=meta)  # safetensors' own layout: other bytes, same content
+    same = shard.read_bytes()
+    info, _ = write_shard(path, items, source="data.jsonl", storage=FP8)
+    assert shard.read_bytes() == same and info.sha256 == hashlib.sha256(same).hexdigest()
+    t["aux_scale"] = t["aux_scale"] * 2
+    save_file(t, str(shard), metadata=meta)
+    changed = shard.read_bytes()
+    with pytest.raises(ShardExists):
+        write_shard(path, items, source="data.jsonl", storage=FP8)
+    assert shard.read_bytes() == changed
+    assert [p.name for p in (path / "shards").iterdir()] == [shard.name]  # no temp file left

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.server.launch import server_healthy
 from tasks.store.ledger import Ledger, open_ledger
 from tasks.store.manifest import read_manifest
-from tasks.store.shards import BF16, bytes_per_token, write_shard
+from tasks.store.shards import BF16, ShardExists, bytes_per_token, remove_uncommitted, write_shard
 
 logger = logging.getLogger("eagle3.extract")
 
@@ -128,6 +129,66 @@ def warm_up(url: str, dump_dir: Path, *, aux_layer_ids: Sequence[int], requests:
     return summary
 
 
+class TooManyFailures(RuntimeError):
+    """So many captures failed that the run is not storing a dataset but
+    quarantining it: something is wrong with the server or the capture."""
+
+
+class FailureGuard:
+    """Counts capture outcomes across the batches of one run (from any
+    thread) and stops the run when captures fail wholesale: after
+    `max_consecutive` failed samples in a row, or when more than `max_ratio`
+    of the samples tried so far failed (judged once `min_samples` were tried,
+    and at the end of the run over everything). Without it, a run whose every
+    capture fails ends Completed with nothing stored."""
+
+    def __init__(self, *, max_ratio: float = 0.05, max_consecutive: int = 20, min_samples: int = 100):
+        self.max_ratio, self.max_consecutive, self.min_samples = max_ratio, max_consecutive, min_samples
+        self.stored = self.failed = self.streak = 0
+        self.last_reason = ""
+        self.tripped: str | None = None
+        self._mutex = threading.Lock()
+
+    def check(self) -> None:
+        """Raise TooManyFailures if the run was already stopped."""
+        if self.tripped:
+            raise TooManyFailures(self.tripped)
+
+    def record(self, outcomes: Sequence[bool], reason: str = "") -> None:
+        """outcomes: per sample, in order, whether it was captured."""
+        with self._mutex:
+            for ok in outcomes:
+                self.stored += ok
+                self.failed += not ok
+                self.streak = 0 if ok else self.streak + 1
+                if self.streak >= self.max_consecutive and not self.tripped:
+                    self.tripped = self._message(f"{self.streak} captures in a row failed")
+            if reason:
+                self.last_reason = reason
+            if not self.tripped and self.stored + self.failed >= self.min_samples:
+                self.tripped = self._ratio_exceeded()
+        self.check()
+
+    def finish(self) -> None:
+        """The ratio over the whole run, however few samples it had."""
+        with self._mutex:
+            self.tripped = self.tripped or self._ratio_exceeded()
+        self.check()
+
+    def _ratio_exceeded(self) -> str | None:
+        tried = self.stored + self.failed
+        if tried and self.failed / tried > self.max_ratio:
+            return self._message(f"{self.failed} of {tried} samples tried failed their capture "
+                                 f"({self.failed / tried:.0%} > {self.max_ratio:.0%} allowed)")
+        return None
+
+    def _message(self, what: str) -> str:
+        return (f"{what}; stopping the run (last error: {self.last_reason or 'unknown'}). The {self.stored} "
+                f"samples stored are kept and the failed ones are quarantined; fix the server or capture "
+                f"problem and rerun, which retries them (limits: max_quarantine_ratio={self.max_ratio}, "
+                f"max_consecutive_failures={self.max_consecutive})")
+
+
 @dataclass
 class BatchResult:
     shard: str | None
@@ -160,6 +221,7 @@ def extract_batch(
     store_workers: int | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     dump_wait_s: float = DUMP_WAIT_S,
+    guard: FailureGuard | None = None,
 ) -> BatchResult:
     """Capture one batch, write it as one shard, commit it to the ledger.
 
@@ -170,8 +232,13 @@ def extract_batch(
     `on_server_down`, e.g. the run's supervisor relaunching it) so the task
     is retried as a whole. `store_workers` threads read the dumps back and
     write the shard (default: one per core, at most 8); `transport` answers
-    the HTTP requests instead of a server (benchmarks).
+    the HTTP requests instead of a server (benchmarks). With a `guard`, the
+    batch does not start once the run has been stopped, and records its
+    outcomes after committing what it captured (raising TooManyFailures if
+    the run must stop).
     """
+    if guard is not None:
+        guard.check()
     t0 = time.perf_counter()
     ledger = open_ledger(store)
     stored = ledger.stored_ids()
@@ -228,10 +295,22 @@ def extract_batch(
     if items:
         # The storage dtype is the store's, fixed in its manifest when it was created.
         storage = read_manifest(store).get("dtype", BF16)
-        shard_info, rows = write_shard(store, items, source=source, storage=storage, workers=store_workers)
+        try:
+            shard_info, rows = write_shard(store, items, source=source, storage=storage, workers=store_workers)
+        except ShardExists as e:
+            if ledger.has_shard(e.name):
+                raise
+            # An interrupted run wrote this batch but never committed it.
+            logger.warning("replacing %s: left uncommitted by an interrupted run", e.path)
+            remove_uncommitted(store, e.name)
+            shard_info, rows = write_shard(store, items, source=source, storage=storage, workers=store_workers)
         ledger.commit_shard(shard_info, rows)
         shard = shard_info.name
     tokens = sum(len(it["input_ids"]) for it in items)
+    if guard is not None:
+        failed_ids = set(quarantined)
+        guard.record([s.sample_id not in failed_ids for s in samples if s.sample_id not in stored],
+                     errors[quarantined[-1]] if quarantined else "")
     return BatchResult(shard, len(items), tokens, time.perf_counter() - t0, quarantined, retried)
 
 

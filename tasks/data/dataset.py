@@ -5,6 +5,7 @@ Accepted files: JSONL, JSON (a list of rows) or Parquet. Accepted rows:
 - ShareGPT `conversations`: [{"from": "system"|"human"|"gpt", "value": ...}]
 - plain `text` (every token is a loss token)
 - pre-tokenised `input_ids`, with an optional `loss_mask` of 0/1
+  (absent or null: every token; anything else must be one 0/1 per id)
 
 Conversations go through the target tokenizer's own chat template; the loss
 mask covers assistant tokens only. A row that cannot be used is returned as a
@@ -57,39 +58,148 @@ def sample_id(input_ids, loss_mask) -> str:
     return h.hexdigest()[:32]
 
 
-def read_rows(path: Path) -> Iterator[tuple[int, dict | Rejected]]:
-    """(row index, row) pairs; a line that is not a JSON object is yielded as
-    Rejected and reading goes on."""
+# A row larger than this is refused, not read: one runaway line (a file
+# without newlines, a pasted binary) must not take the machine's memory.
+MAX_ROW_BYTES = 64 << 20
+_CHUNK = 1 << 20
+
+
+def read_rows(path: Path, *, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, dict | Rejected]]:
+    """(row index, row) pairs, streamed; a line that cannot be a row (not
+    UTF-8, not JSON, nested too deeply, over `max_row_bytes`) is yielded as
+    Rejected with the reason and reading goes on."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset {path} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pandas as pd
+        import pyarrow.parquet as pq
 
-        for i, row in enumerate(pd.read_parquet(path).to_dict("records")):
-            yield i, {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in row.items()}
+        i = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield i, row
+                i += 1
     elif suffix == ".json":
-        rows = json.loads(path.read_text())
-        if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json dataset must be a list of rows")
-        yield from enumerate(rows)
+        yield from _json_array_rows(path, max_row_bytes)
     elif suffix in (".jsonl", ".ndjson"):
-        with open(path) as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    yield i, Rejected(i, "empty line")
-                    continue
-                try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield i, Rejected(i, f"bad JSON on line {i + 1}: {e.msg} at column {e.colno}")
+        yield from _jsonl_rows(path, max_row_bytes)
     else:
         raise ValueError(f"{path}: unknown dataset format {suffix!r}; use .jsonl, .json or .parquet")
 
 
-def to_messages(row: dict) -> list[dict]:
-    """OpenAI-style messages of a conversation row; ValueError says why not."""
+def _parse(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"bad JSON {where}: {e.msg} at column {e.colno}"
+    except RecursionError:
+        return f"JSON nested too deeply {where}"
+
+
+def _jsonl_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, dict | Rejected]]:
+    with open(path, "rb") as f:
+        i = 0
+        while True:
+            raw = f.readline(max_row_bytes + 1)
+            if not raw:
+                return
+            where = f"on line {i + 1}"
+            if len(raw) > max_row_bytes and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the line, unread
+                    raw = f.readline(_CHUNK)
+                yield i, Rejected(i, f"line {i + 1} is longer than {max_row_bytes:,} bytes; not read")
+            else:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield i, Rejected(i, f"not UTF-8 {where}: byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+                else:
+                    if not text.strip():
+                        yield i, Rejected(i, "empty line")
+                    else:
+                        row = _parse(text, where)
+                        yield i, Rejected(i, row) if isinstance(row, str) else row
+            i += 1
+
+
+def _json_array_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, dict | Rejected]]:
+    """The elements of a top-level JSON array, one at a time. A fault in the
+    array itself (not UTF-8, malformed) stops reading with a ValueError: past
+    it there is no telling where the next row starts."""
+    import codecs
+
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    buf, pos, read, eof, i = "", 0, 0, False, 0
+
+    def more() -> bool:
+        nonlocal buf, pos, read, eof
+        if eof:
+            return False
+        chunk = f.read(_CHUNK)
+        eof = not chunk
+        try:
+            text = utf8.decode(chunk, final=eof)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 at byte offset {read + e.start}; fix the file, or convert it "
+                             f"to JSONL, where a bad line loses only that line") from None
+        read += len(chunk)
+        buf = buf[pos:] + text
+        pos = 0
+        return True
+
+    def skip_ws() -> str:
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or not more():
+                return buf[pos] if pos < len(buf) else ""
+
+    with open(path, "rb") as f:
+        if skip_ws() != "[":
+            raise ValueError(f"{path}: a .json dataset must be a list of rows")
+        pos += 1
+        if skip_ws() == "]":
+            return
+        while True:
+            skip_ws()
+            while True:
+                try:
+                    row, end = decoder.raw_decode(buf, pos)
+                    if end < len(buf) or eof:
+                        break
+                    # A value ending exactly at the buffer's end may go on
+                    # in the next chunk (a number, a literal): read on.
+                    if not more():
+                        break
+                    continue
+                except RecursionError:
+                    raise ValueError(f"{path}: row {i} is nested too deeply") from None
+                except json.JSONDecodeError as e:
+                    if len(buf) - pos > max_row_bytes:
+                        raise ValueError(f"{path}: row {i} is longer than {max_row_bytes:,} bytes") from None
+                    if not more():
+                        raise ValueError(f"{path}: bad JSON in row {i}: {e.msg}") from None
+            if end - pos > max_row_bytes // 4 and len(buf[pos:end].encode()) > max_row_bytes:
+                raise ValueError(f"{path}: row {i} is longer than {max_row_bytes:,} bytes")
+            pos = end
+            yield i, row
+            i += 1
+            sep = skip_ws()
+            pos += 1
+            if sep == "]":
+                return
+            if sep != ",":
+                raise ValueError(f"{path}: expected ',' or ']' after row {i - 1}, found {sep or 'the end'!r}")
+
+
+def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
+    """OpenAI-style messages of a conversation row; ValueError says why not.
+    An assistant turn's `tool_calls` are kept when `tool_calls` (the chat
+    template renders them), else the row is refused: dropping them would
+    train on a conversation that never happened."""
     if "messages" in row:
         raw = row["messages"]
         key_role, key_text, roles = "role", "content", {r: r for r in ROLES}
@@ -101,15 +211,26 @@ def to_messages(row: dict) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise ValueError("empty conversation")
     messages = []
-    for turn in raw:
-        if not isinstance(turn, dict) or key_role not in turn or key_text not in turn:
+    for k, turn in enumerate(raw):
+        calls = turn.get("tool_calls") if isinstance(turn, dict) else None
+        if not isinstance(turn, dict) or key_role not in turn or (key_text not in turn and not calls):
             raise ValueError(f"turn {turn!r:.80} lacks '{key_role}' or '{key_text}'")
         role = roles.get(turn[key_role])
         if role is None:
             raise ValueError(f"unknown role {turn[key_role]!r} (known: {sorted(roles)})")
-        if not isinstance(turn[key_text], str):
+        text = turn.get(key_text)
+        if calls:
+            if not tool_calls:
+                raise ValueError(f"{role} turn {k} has tool_calls, which this tokenizer's chat template does "
+                                 f"not render; use a template that renders tool calls, or drop the row")
+            if text is None:
+                text = ""
+        if not isinstance(text, str):
             raise ValueError(f"{role} turn content is not a string")
-        messages.append({"role": role, "content": turn[key_text]})
+        message = {"role": role, "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        messages.append(message)
     return messages
 
 
@@ -148,18 +269,30 @@ def tokenize_row(tokenizer, row: dict) -> tuple[list[int], list[int]]:
         raise ValueError(f"row is a {type(row).__name__}, not an object")
     if "input_ids" in row:
         ids = row["input_ids"]
-        mask = row.get("loss_mask") or [1] * len(ids)
-        if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < len(tokenizer) for i in ids):
-            raise ValueError(f"input_ids must be a list of token ids in [0, {len(tokenizer)})")
-        if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-            raise ValueError("loss_mask must be 0/1 values, one per input id")
-        return list(ids), [int(m) for m in mask]
+        # bool is an int in Python: true/false are not token ids (nor mask values).
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < len(tokenizer) for i in ids):
+            raise ValueError(f"input_ids must be a list of integer token ids in [0, {len(tokenizer)})")
+        mask = row.get("loss_mask")
+        if mask is None:  # absent: every token is a loss token
+            mask = [1] * len(ids)
+        if not isinstance(mask, list):
+            raise ValueError(f"loss_mask must be a list of 0/1, one per input id, not {mask!r:.40}")
+        if len(mask) != len(ids):
+            raise ValueError(f"loss_mask has {len(mask)} values for {len(ids)} input ids")
+        if not all(type(m) is int and m in (0, 1) for m in mask):
+            raise ValueError("loss_mask values must be the integers 0 or 1")
+        return list(ids), list(mask)
     if "text" in row and "messages" not in row and "conversations" not in row:
         if not isinstance(row["text"], str):
             raise ValueError("text is not a string")
         ids = list(tokenizer(row["text"])["input_ids"])
         return ids, [1] * len(ids)
-    return tokenize_conversation(tokenizer, to_messages(row))
+    return tokenize_conversation(tokenizer, to_messages(row, tool_calls=renders_tool_calls(tokenizer)))
+
+
+def renders_tool_calls(tokenizer) -> bool:
+    """Whether the chat template looks at an assistant turn's tool_calls."""
+    return "tool_calls" in (tokenizer.chat_template or "")
 
 
 def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "truncate") -> tuple[list[Sample], list[Rejected]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tasks.store.manifest import create_or_check
+from tasks.store.manifest import StoreError, create_or_check
 from tasks.store.shards import ShardInfo
 
 SHARD_COLUMNS = ["name", "sha256", "bytes", "num_samples", "num_tokens", "created"]
@@ -45,6 +45,15 @@ class Ledger(abc.ABC):
     def commit_shard(self, shard: ShardInfo, rows: list[dict]) -> None:
         """In one transaction: the shard, its samples (rows as made by
         `write_shard`), and the end of any quarantine of their source rows."""
+
+    def has_shard(self, name: str) -> bool:
+        return name in set(self.shards().name)
+
+    @abc.abstractmethod
+    def replace_shard(self, old: str, new: ShardInfo | None, rows: list[dict]) -> None:
+        """In one transaction: drop shard `old` and its samples, commit `new`
+        (None: nothing) with rows. Only pruning (tasks/store/prune.py) does
+        this, under the store's lock; commit_shard never replaces."""
 
     @abc.abstractmethod
     def quarantine(self, rows: list[dict]) -> None:
@@ -116,13 +125,31 @@ class SqliteLedger(Ledger):
 
     def commit_shard(self, shard: ShardInfo, rows: list[dict]) -> None:
         with closing(self._connect()) as db, db:
-            db.execute("INSERT OR REPLACE INTO shards VALUES (?,?,?,?,?,?)",
-                       (shard.name, shard.sha256, shard.bytes, shard.num_samples, shard.num_tokens, time.time()))
-            db.executemany(
-                "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
-                ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
+            try:
+                db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
+                           (shard.name, shard.sha256, shard.bytes, shard.num_samples, shard.num_tokens, time.time()))
+                db.executemany(
+                    "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
+                    ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
+            except sqlite3.IntegrityError as e:
+                # Plain INSERTs: what is committed stays as committed.
+                raise StoreError(f"cannot commit shard {shard.name} to {self.path}: {e} (already committed; "
+                                 f"a committed shard or sample is never replaced; is another run writing "
+                                 f"this store?)") from None
             db.executemany("DELETE FROM quarantine WHERE source=? AND source_row=?",
                            [(r["source"], r["source_row"]) for r in rows])
+
+    def replace_shard(self, old: str, new: ShardInfo | None, rows: list[dict]) -> None:
+        with closing(self._connect()) as db, db:
+            db.execute("DELETE FROM samples WHERE shard=?", (old,))
+            if db.execute("DELETE FROM shards WHERE name=?", (old,)).rowcount != 1:
+                raise StoreError(f"shard {old} is not committed in {self.path}")
+            if new is not None:
+                db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
+                           (new.name, new.sha256, new.bytes, new.num_samples, new.num_tokens, time.time()))
+                db.executemany(
+                    "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
+                    ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
 
     def quarantine(self, rows: list[dict]) -> None:
         with closing(self._connect()) as db, db:

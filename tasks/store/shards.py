@@ -19,9 +19,10 @@ or, in a store whose manifest says `dtype: float8_e4m3fn` (tasks/store/fp8.py):
     final_scale         float32 [T]
 
 with metadata `format`, `sample_ids` (JSON list, shard order = batch order).
-Shards are written to a temp name, fsynced and renamed; a shard counts only
-once the ledger has committed it (tasks/store/ledger.py), so a killed run
-leaves nothing a rerun would trust. The ledger records each shard's sha256.
+Shards are written to a temp name, fsynced and linked to their final name
+(never over an existing file: a committed shard is never replaced); a shard
+counts only once the ledger has committed it (tasks/store/ledger.py), so a
+killed run leaves nothing a rerun would trust. The ledger records each shard's sha256.
 
 A sample's `checksum` covers its bytes in the shard, tensor by tensor in
 CHECKSUM_ORDER (ids int32 LE, mask uint8, the hidden tensors raw, then the
@@ -142,12 +143,83 @@ def shard_path(store: Path, name: str) -> Path:
     return Path(store) / "shards" / f"{name}.safetensors"
 
 
+class ShardExists(RuntimeError):
+    """A shard of that name, with other bytes, is already in the store."""
+
+    def __init__(self, name: str, path: Path):
+        self.name, self.path = name, path
+        super().__init__(f"{path} already exists with other content; a shard in the store is never replaced. "
+                         f"If the ledger has not committed it, it is an interrupted run's leftover: "
+                         f"remove_uncommitted() it and write again")
+
+
+def _link_new(tmp: Path, path: Path, sha256: str) -> str:
+    """Give the temp file its final name without ever replacing a file there:
+    a committed shard must not change under its ledger entry. Returns the
+    sha256 of the file now at `path` (an existing one with the same content
+    is kept: safetensors orders header metadata by a hash map, so equal
+    content need not mean equal bytes)."""
+    try:
+        os.link(tmp, path)
+        return sha256
+    except FileExistsError:
+        existing = file_sha256(path)
+        if existing != sha256 and not _same_content(path, tmp):
+            raise ShardExists(path.name.removesuffix(".safetensors"), path) from None
+        return existing
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    """Same metadata and the same tensors (dtype, shape, raw bytes), whatever
+    the header's key order or padding. Raw bytes, not torch.equal: that does
+    not support every stored dtype (FP8), and NaN != NaN."""
+    try:
+        ha, hb = _header(a), _header(b)
+        if ha.pop("__metadata__", {}) != hb.pop("__metadata__", {}) or ha.keys() != hb.keys():
+            return False
+        if any((ha[k]["dtype"], ha[k]["shape"]) != (hb[k]["dtype"], hb[k]["shape"]) for k in ha):
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            start_a, start_b = 8 + int.from_bytes(fa.read(8), "little"), 8 + int.from_bytes(fb.read(8), "little")
+            for k in ha:
+                (a0, a1), (b0, b1) = ha[k]["data_offsets"], hb[k]["data_offsets"]
+                if a1 - a0 != b1 - b0:
+                    return False
+                fa.seek(start_a + a0)
+                fb.seek(start_b + b0)
+                left = a1 - a0
+                while left:
+                    n = min(left, 1 << 24)
+                    ca, cb = fa.read(n), fb.read(n)
+                    if len(ca) != n or ca != cb:
+                        return False
+                    left -= n
+    except Exception:  # an unreadable file is not the same content
+        return False
+    return True
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size))
+
+
+def remove_uncommitted(store: Path, name: str) -> None:
+    """Remove a shard file the ledger does not name (the caller checks
+    that): what an interrupted run left under a name this run needs."""
+    shard_path(store, name).unlink(missing_ok=True)
+
+
 def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
 def write_shard(store: Path, items: list[dict], *, source: str, storage: str = BF16,
-                workers: int | None = None) -> tuple[ShardInfo, list[dict]]:
+                workers: int | None = None, format: str = FORMAT,
+                stored: bool = False) -> tuple[ShardInfo, list[dict]]:
     """Pack samples into one shard, durably. items: sample_id, source_row,
     input_ids, loss_mask, aux_hidden_states [n,3,H], final_hidden_state [n,H].
     Returns the shard and the ledger rows to commit for it.
@@ -156,10 +228,16 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
     convert (or quantize) each sample and write it straight to its place
     (pwrite), while one more thread hashes the file in order as the pieces
     land: no concatenated copy of the shard, and the GIL-free parts (torch
-    casts, pwrite, hashing) run in parallel."""
+    casts, pwrite, hashing) run in parallel.
+
+    With `stored`, the items' hidden tensors are already as stored (the
+    storage dtype, and under FP8 also aux_scale [n,3] and final_scale [n]):
+    they are copied byte for byte, never converted, so rewriting a shard
+    (tasks/store/prune.py) keeps every sample's checksum. `format` is the
+    store's (a format-1 store gets format-1 shards)."""
     if not items:
         raise ValueError("no samples to write")
-    dtypes = shard_dtypes(storage)
+    dtypes = shard_dtypes(storage, format)
     lengths, num_aux, hidden = _check_items(items)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     sample_ids = [it["sample_id"] for it in items]
@@ -168,14 +246,20 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
     masks = torch.cat([torch.as_tensor(np.asarray(it["loss_mask"])).to(torch.uint8) for it in items])
     small = {"input_ids": ids, "loss_mask": masks, "offsets": torch.from_numpy(offsets)}
     shapes = shard_shapes(int(offsets[-1]), len(items), num_aux, hidden)
-    header, starts, total = _layout(dtypes, shapes, {"format": FORMAT, "sample_ids": json.dumps(sample_ids)})
+    header, starts, total = _layout(dtypes, shapes, {"format": format, "sample_ids": json.dumps(sample_ids)})
     row_bytes = {k: int(np.prod(shapes[k][1:], dtype=np.int64)) * dtypes[k].itemsize for k in dtypes}
 
     checksums: list[str | None] = [None] * len(items)
 
     def one(k: int) -> dict[str, torch.Tensor]:
         it = items[k]
-        if storage == FP8:
+        if stored:
+            out = {key: it[key].contiguous() for key in dtypes if key not in small}
+            for key, t in out.items():
+                if t.dtype != dtypes[key]:
+                    raise ValueError(f"sample {it['sample_id']}: stored {key} is {t.dtype}, the shard holds "
+                                     f"{dtypes[key]}")
+        elif storage == FP8:
             aux, aux_scale = fp8.quantize(it["aux_hidden_states"])
             final, final_scale = fp8.quantize(it["final_hidden_state"])
             out = {"aux_hidden_states": aux, "final_hidden_state": final, "aux_scale": aux_scale,
@@ -186,7 +270,7 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
         for key, t in out.items():
             _pwrite(fd, _raw(t), starts[key] + int(offsets[k]) * row_bytes[key])
         a, b = int(offsets[k]), int(offsets[k + 1])
-        checksums[k] = sample_checksum({"input_ids": ids[a:b], "loss_mask": masks[a:b], **out}, FORMAT)
+        checksums[k] = sample_checksum({"input_ids": ids[a:b], "loss_mask": masks[a:b], **out}, format)
         return out
 
     path = shard_path(store, name)
@@ -210,13 +294,13 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, path)
+    sha = _link_new(tmp, path, sha)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
+        os.fsync(dir_fd)  # the link itself survives a crash
     finally:
         os.close(dir_fd)
-    shard = ShardInfo(name, sha, total, len(items), int(offsets[-1]))
+    shard = ShardInfo(name, sha, path.stat().st_size, len(items), int(offsets[-1]))
     rows = []
     for k, it in enumerate(items):
         a, b = int(offsets[k]), int(offsets[k + 1])

@@ -124,9 +124,33 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def _save_atomic(obj, path: Path) -> None:
+    """Fsynced before and after the rename: a crash (or power loss) leaves
+    the old checkpoint or the new one, never a torn file under the name."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _load_checkpoint(path: Path) -> dict:
+    # weights_only: a checkpoint is tensors and plain values, and loading one
+    # must never run code (the file may come from another machine).
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:
+        # torch wraps the one useful line in paragraphs of general advice.
+        paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]
+        why = " ".join(p for p in paragraphs if not p.startswith(("Weights only load failed", "Check the doc",
+                                                                   "Please file an issue"))) or str(e)
+        raise TrainingError(f"checkpoint {path} cannot be loaded as plain tensors and values ({why[:300]}); it "
+                            f"is not one this trainer wrote, or it is damaged: delete it to start over") from e
 
 
 @dataclass
@@ -276,7 +300,7 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = out_dir / CHECKPOINT
     rank, world = _distributed()
-    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    ckpt = _load_checkpoint(ckpt_path) if ckpt_path.exists() else None
     if ckpt is not None:
         # A checkpoint from before a setting existed ran with its default.
         ckpt["identity"] = {**TrainConfig(store="", out_dir="").identity(), **ckpt["identity"]}
@@ -388,7 +412,7 @@ def _describe(m: dict) -> str:
 
 def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
     """The drafter as the last checkpoint holds it (fp32), to check an export against."""
-    ckpt = torch.load(Path(out_dir) / CHECKPOINT, weights_only=False)
+    ckpt = _load_checkpoint(Path(out_dir) / CHECKPOINT)
     model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]))
     model.load_state_dict(ckpt["model"], strict=False)
     return model

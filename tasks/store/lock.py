@@ -1,0 +1,139 @@
+"""One run at a time on a directory (a store, a training out_dir).
+
+    <dir>/run.lock        flock'ed for the whole run; holds a JSON record of
+                          the holder: pid, host, start time, what it runs
+
+The kernel drops a flock when its process dies, however it dies (SIGKILL
+included), so a stale lock left on this host is taken over at once, with a
+warning naming the dead holder. A filesystem shared between hosts may not
+carry flocks from one host to another (old NFS, some FUSE mounts), so a
+record left by another host that was not released cleanly is never broken
+here: the run stops and says who held it; whoever knows that holder is gone
+removes the file (or passes `break_foreign=True`).
+
+Re-entrant along one call chain (a pipeline flow holding a store and calling
+the extract flow on it as a subflow): the held locks travel in a context
+variable, which Prefect copies into subflows and task threads. Another run
+in the same process does not inherit it and is refused like any other.
+"""
+from __future__ import annotations
+
+import contextvars
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+logger = logging.getLogger("eagle3.lock")
+
+LOCK_NAME = "run.lock"
+
+# Paths this call chain holds (resolved), for re-entrance.
+_held: contextvars.ContextVar[frozenset] = contextvars.ContextVar("eagle3_held_locks", default=frozenset())
+# Paths this process holds, with their open lock files: a second open() and
+# flock() of the same file in one process would also conflict, but the
+# record then names our own pid, which this map explains better.
+_process_locks: dict[str, dict] = {}
+_process_mutex = threading.Lock()
+
+
+class LockHeld(RuntimeError):
+    """Another run holds the directory."""
+
+
+def lock_path(directory: Path) -> Path:
+    return Path(directory) / LOCK_NAME
+
+
+def read_holder(directory: Path) -> dict | None:
+    """The holder record in the lock file (None if there is none or it is
+    unreadable: a holder killed while writing it)."""
+    try:
+        text = lock_path(directory).read_text()
+        record = json.loads(text) if text.strip() else None
+        return record if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def describe(record: dict | None) -> str:
+    if not record:
+        return "an unknown holder (no record)"
+    started = record.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return (f"pid {record.get('pid')} on host {record.get('host')}, started {when}"
+            f" ({record.get('purpose') or 'unknown run'})")
+
+
+def _this_host() -> str:
+    return socket.gethostname()
+
+
+@contextmanager
+def hold_lock(directory: Path, purpose: str, *, break_foreign: bool = False) -> Iterator[dict]:
+    """Hold `directory` exclusively for the body; raise LockHeld naming the
+    holder if another run has it. Yields this holder's record."""
+    directory = Path(directory).resolve()
+    key = str(directory)
+    if key in _held.get():
+        yield _process_locks[key]["record"]
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with _process_mutex:
+        if key in _process_locks:
+            raise LockHeld(f"{directory} is held by another run in this process: "
+                           f"{describe(_process_locks[key]['record'])}; wait for it to finish")
+        fd = os.open(lock_path(directory), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            record = _acquire(fd, directory, purpose, break_foreign)
+        except BaseException:
+            os.close(fd)
+            raise
+        _process_locks[key] = {"fd": fd, "record": record}
+    token = _held.set(_held.get() | {key})
+    try:
+        yield record
+    finally:
+        _held.reset(token)
+        with _process_mutex:
+            _process_locks.pop(key, None)
+            try:
+                # An empty file says "released cleanly": the next run, on any
+                # host, takes it without question.
+                os.ftruncate(fd, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)  # drops the flock
+
+
+def _acquire(fd: int, directory: Path, purpose: str, break_foreign: bool) -> dict:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise LockHeld(f"{directory} is in use by another run: {describe(read_holder(directory))}. "
+                       f"Wait for it to finish or stop it; two runs must not write one directory") from None
+    except OSError as e:  # ENOLCK and kin: a filesystem that cannot lock
+        raise LockHeld(f"cannot lock {lock_path(directory)} ({e}): this filesystem does not support locks; "
+                       f"put the store or out_dir on a local or POSIX filesystem") from e
+    previous = read_holder(directory)
+    if previous:
+        if previous.get("host") != _this_host() and not break_foreign:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            raise LockHeld(
+                f"{directory} was locked by {describe(previous)} and never released. That host's lock "
+                f"may not be visible from here, so it is not broken automatically: if that run is gone, "
+                f"delete {lock_path(directory)} (or pass break_foreign=True) and start again")
+        # On this host the flock would still be held if its process lived.
+        logger.warning("taking over the lock on %s from %s: that process is gone (killed?)",
+                       directory, describe(previous))
+    record = {"pid": os.getpid(), "host": _this_host(), "started": time.time(), "purpose": purpose}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    os.fsync(fd)
+    return record

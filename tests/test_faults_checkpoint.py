@@ -1,0 +1,121 @@
+"""Checkpoints and exports under real faults: a checkpoint that would run
+code when unpickled is refused without running it, a damaged one is named,
+and a process killed while replacing an export leaves a whole export.
+Training runs for real on the tiny target, on a store of random hidden
+states built with tasks.store."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tasks.data.dataset import prepare_samples
+from tasks.store.ledger import open_store
+from tasks.store.shards import FORMAT, write_shard
+from tasks.store.verification import verify_store
+from tasks.target.layers import AuxLayers
+from tasks.train.export import export_weights, load_exported
+from tasks.train.loop import CHECKPOINT, TrainConfig, TrainingError, train, trained_drafter
+from tests.conftest import demo_rows, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    config = json.loads((tiny_model / "config.json").read_text())
+    hidden = config["hidden_size"]
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(16))
+    manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
+                "aux_layers": AuxLayers.for_model(config["num_hidden_layers"]).as_record(), "hidden_size": hidden,
+                "dtype": "bfloat16", "max_length": 256, "max_length_policy": "truncate",
+                "target_path": str(tiny_model), "sources": [str(dataset)]}
+    ledger = open_store(d / "store", manifest)
+    samples, _ = prepare_samples(dataset, AutoTokenizer.from_pretrained(tiny_model), max_length=256)
+    g = torch.Generator().manual_seed(0)
+    items = [{"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
+              "loss_mask": s.loss_mask, "aux_hidden_states": torch.randn(s.num_tokens, 3, hidden, generator=g),
+              "final_hidden_state": torch.randn(s.num_tokens, hidden, generator=g)} for s in samples]
+    ledger.commit_shard(*write_shard(d / "store", items, source=str(dataset)))
+    assert verify_store(d / "store").ok
+    cfg = TrainConfig(store=str(d / "store"), out_dir=str(d / "train"), draft_vocab_size=64, ttt_steps=2, epochs=1,
+                      tokens_per_batch=1024, heldout_fraction=0.25, eval_max_samples=8, checkpoint_every=1)
+    return cfg, train(cfg)
+
+
+def test_checkpoints_load_as_plain_tensors_and_values(trained, tiny_model):
+    cfg, result = trained
+    ckpt = torch.load(Path(cfg.out_dir) / CHECKPOINT, weights_only=True)
+    assert ckpt["step"] == result.steps > 0
+    assert not list(Path(cfg.out_dir).glob(".*"))  # no temp files left
+    model = trained_drafter(Path(cfg.out_dir), tiny_model)
+    exported = load_exported(Path(result.drafter_dir), tiny_model)
+    for name, t in export_weights(model).items():
+        assert torch.allclose(export_weights(exported)[name].float(), t.float(), rtol=1e-2, atol=1e-2), name
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+MARKER = None
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unrun(trained, tmp_path):
+    global MARKER
+    cfg, _ = trained
+    MARKER = tmp_path / "code-ran"
+    out_dir = tmp_path / "train"
+    out_dir.mkdir()
+    torch.save({"identity": RunsCode()}, out_dir / CHECKPOINT)
+    with pytest.raises(TrainingError, match=f"checkpoint {out_dir / CHECKPOINT} cannot be loaded .*GLOBAL posix.system.*delete it"):
+        train(TrainConfig(**{**cfg.__dict__, "out_dir": str(out_dir)}))
+    assert not MARKER.exists()
+    (out_dir / CHECKPOINT).write_bytes((Path(cfg.out_dir) / CHECKPOINT).read_bytes()[:-100])  # damaged
+    with pytest.raises(TrainingError, match="cannot be loaded"):
+        train(TrainConfig(**{**cfg.__dict__, "out_dir": str(out_dir)}))
+
+
+# Export a drafter over an existing export, and die (SIGKILL) the moment an
+# export directory is deleted: the old code deleted the old export first.
+KILLED_EXPORT = """
+import os, shutil, signal, sys
+from pathlib import Path
+from tasks.target.layers import AuxLayers
+from tasks.train.export import export_drafter
+from tasks.train.loop import trained_drafter
+
+real_rmtree = shutil.rmtree
+def rmtree_then_die(path, *a, **kw):
+    real_rmtree(path, *a, **kw)
+    os.kill(os.getpid(), signal.SIGKILL)
+shutil.rmtree = rmtree_then_die
+if sys.argv[5] == "no-exchange":  # a filesystem without renameat2's exchange
+    import tasks.train.export
+    tasks.train.export._exchange = lambda a, b: False
+model = trained_drafter(Path(sys.argv[1]), Path(sys.argv[2]))
+with __import__("torch").no_grad():
+    model.fc.weight.add_(float(sys.argv[6]))  # a different drafter: the new export
+export_drafter(model, AuxLayers(tuple(int(i) for i in sys.argv[4].split(","))), Path(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("swap", ["exchange", "no-exchange"])
+def test_a_kill_while_replacing_an_export_leaves_a_whole_export(trained, tiny_model, swap):
+    cfg, result = trained
+    drafter = Path(result.drafter_dir)
+    delta = {"exchange": 1.0, "no-exchange": 2.0}[swap]  # each run's export differs from any before
+    trained_fc = trained_drafter(Path(cfg.out_dir), tiny_model).fc.weight.detach()
+    layers = json.loads((drafter / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, cfg.out_dir, str(tiny_model), str(drafter),
+                           ",".join(map(str, layers)), swap, str(delta)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr  # it did die mid-replacement
+    now = export_weights(load_exported(drafter, tiny_model))  # a whole export is there ...
+    assert torch.allclose(now["fc.weight"].float(), trained_fc + delta, atol=0.05)  # ... and it is the new one

@@ -1,0 +1,129 @@
+"""Bad input, written to real files byte for byte: each bad row is
+quarantined with a precise reason and every good row around it is kept."""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from tasks.data.dataset import prepare_samples, read_rows, sample_id, tokenize_conversation
+from tests.conftest import write_jsonl
+
+CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]
+GOOD = json.dumps({"messages": CHAT}).encode() + b"\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def reasons(rejected):
+    return {r.source_row: r.reason for r in rejected}
+
+
+def test_a_non_utf8_byte_loses_only_its_line(tokenizer, tmp_path):
+    path = tmp_path / "d.jsonl"
+    bad = json.dumps({"messages": [{"role": "user", "content": "caf_"}, CHAT[1]]}).encode().replace(b"_", b"\xe9")
+    path.write_bytes(GOOD + bad + b"\n" + GOOD)
+    samples, rejected = prepare_samples(path, tokenizer, max_length=128)
+    assert [s.source_row for s in samples] == [0, 2]
+    column = bad.index(0xE9) + 1
+    assert reasons(rejected) == {1: f"not UTF-8 on line 2: byte 0xe9 at column {column}"}
+
+
+def test_deep_nesting_is_rejected_not_a_crash(tokenizer, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(GOOD + b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n" + GOOD)
+    samples, rejected = prepare_samples(path, tokenizer, max_length=128)
+    assert [s.source_row for s in samples] == [0, 2]
+    assert reasons(rejected)[1] == "JSON nested too deeply on line 2"
+
+
+def test_a_huge_line_is_refused_unread_and_rows_after_it_keep_their_numbers(tokenizer, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(GOOD + b'{"text": "' + b"x" * 5000 + b'"}\n' + GOOD)
+    rows = list(read_rows(path, max_row_bytes=1000))
+    assert [i for i, _ in rows] == [0, 1, 2]
+    assert rows[1][1].reason == "line 2 is longer than 1,000 bytes; not read"
+    assert rows[2][1] == {"messages": CHAT}
+
+
+def test_a_json_array_is_streamed_row_by_row(tokenizer, tmp_path):
+    path = tmp_path / "d.json"
+    rows = [{"messages": CHAT}, {"text": "é" * 3000}, 12345, {"messages": CHAT}]
+    path.write_text(" \n" + json.dumps(rows, ensure_ascii=False, indent=1))
+    import tasks.data.dataset as dataset
+
+    chunk = dataset._CHUNK
+    dataset._CHUNK = 7  # rows, numbers and multi-byte characters cut across reads
+    try:
+        assert [r for _, r in read_rows(path)] == rows
+    finally:
+        dataset._CHUNK = chunk
+    data = b'[{"text": "ok"}, {"text": "\xff"}]'
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=f"not UTF-8 at byte offset {data.index(0xFF)}"):
+        list(read_rows(path))
+    path.write_text('[{"text": "ok"} {"text": "no comma"}]')
+    with pytest.raises(ValueError, match="expected ',' or ']' after row 0"):
+        list(read_rows(path))
+    path.write_text('{"text": "not a list"}')
+    with pytest.raises(ValueError, match="must be a list of rows"):
+        list(read_rows(path))
+    path.write_text('[{"text": "a' + "x" * 3000 + '"}]')
+    with pytest.raises(ValueError, match="row 0 is longer than 1,000 bytes"):
+        list(read_rows(path, max_row_bytes=1000))
+
+
+def test_pretokenised_rows_are_checked_exactly(tokenizer, tmp_path):
+    ids = [5, 6, 7]
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"input_ids": ids},                                   # 0: no mask: all ones
+        {"input_ids": ids, "loss_mask": None},                # 1: null: all ones
+        {"input_ids": ids, "loss_mask": []},                  # 2
+        {"input_ids": ids, "loss_mask": 0},                   # 3
+        {"input_ids": ids, "loss_mask": False},               # 4
+        {"input_ids": ids, "loss_mask": [1, 1]},              # 5
+        {"input_ids": [5, True, 7]},                          # 6
+        {"input_ids": ids, "loss_mask": [1, True, 0]},        # 7
+        {"input_ids": ids, "loss_mask": [0, 1, 1]},           # 8
+    ])
+    samples, rejected = prepare_samples(path, tokenizer, max_length=128)
+    assert [s.source_row for s in samples] == [0, 1, 8]
+    assert samples[0].sample_id == samples[1].sample_id == sample_id(ids, [1, 1, 1])
+    assert samples[2].loss_mask.tolist() == [0, 1, 1]
+    why = reasons(rejected)
+    assert why[2] == "loss_mask has 0 values for 3 input ids"
+    assert why[3] == "loss_mask must be a list of 0/1, one per input id, not 0"
+    assert why[4] == "loss_mask must be a list of 0/1, one per input id, not False"
+    assert why[5] == "loss_mask has 2 values for 3 input ids"
+    assert why[6].startswith("input_ids must be a list of integer token ids")
+    assert why[7] == "loss_mask values must be the integers 0 or 1"
+
+
+TOOL_CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+# ChatML with {% generation %} markers that also renders tool calls.
+TOOL_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}{{- message['content'] }}"
+    "{%- for call in message.get('tool_calls', []) %}{{- '<call>' + call['function']['name'] + '</call>' }}{%- endfor %}"
+    "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_tool_calls_are_rendered_or_the_row_refused(tokenizer, tmp_path):
+    row = {"messages": [CHAT[0], {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}, row])
+    samples, rejected = prepare_samples(path, tokenizer, max_length=128)
+    assert [s.source_row for s in samples] == [0]
+    assert "assistant turn 1 has tool_calls, which this tokenizer's chat template does not render" in \
+        reasons(rejected)[1]
+    tools = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tools.chat_template = TOOL_TEMPLATE
+    samples, rejected = prepare_samples(path, tools, max_length=128)
+    assert not rejected and [s.source_row for s in samples] == [0, 1]
+    masked = tools.decode([i for i, m in zip(samples[1].input_ids, samples[1].loss_mask) if m])
+    assert "add" in masked  # the call is what the drafter learns
+    ids, _ = tokenize_conversation(tools, [CHAT[0], {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}])
+    assert samples[1].input_ids.tolist() == ids
