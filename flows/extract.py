@@ -36,7 +36,7 @@ from tasks.target.models import resolve_model
 
 @task(name="plan", cache_policy=NO_CACHE)
 def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str, aux_layer_ids,
-              store_dtype: str = "bfloat16"):
+              store_dtype: str = "bfloat16", ledger_url: Optional[str] = None):
     from transformers import AutoTokenizer
 
     log = get_run_logger()
@@ -47,7 +47,7 @@ def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     manifest = build_manifest(model_path, tokenizer, layers, arch, max_length=max_length, policy=policy,
                               sources=[str(Path(dataset).resolve())], storage=store_dtype)
-    ledger = open_store(Path(store), manifest)
+    ledger = open_store(Path(store), manifest, ledger_url)
     plan = extraction.plan_extraction(Path(dataset), tokenizer, ledger, max_length=max_length, policy=policy)
     log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; %s, aux layers: %s",
              plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
@@ -168,6 +168,7 @@ def extract_hidden_states(
     max_consecutive_failures: Annotated[int, Field(description="fail the run after this many failed captures in a row", ge=1)] = 20,
     verify: Annotated[bool, Field(description="verify the store at the end")] = True,
     store_dtype: params.StoreDtype = "bfloat16",
+    ledger_url: params.LedgerUrl = None,
 ) -> dict:
     """Capture EAGLE-3 hidden states (3 aux layers + final) for every token of a
     dataset into a verified, sharded store."""
@@ -182,7 +183,7 @@ def extract_hidden_states(
     # and race this one for the same shard names and ledger rows.
     with hold_lock(Path(store), f"extract_hidden_states of {dataset}"):
         plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
-                                                           aux_layer_ids, store_dtype)
+                                                           aux_layer_ids, store_dtype, ledger_url)
         preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length,
                        storage=store_dtype)
         server = None

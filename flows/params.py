@@ -31,6 +31,10 @@ BatchSize = Annotated[int, Field(description="samples per batch task and per sha
 StoreDtype = Annotated[Literal["bfloat16", "float8_e4m3fn"], Field(
     description="how the store keeps hidden states: bfloat16, or float8_e4m3fn with a per-token scale (half the "
                 "bytes; readers still get bf16). Part of the store's identity")]
+LedgerUrl = Annotated[Optional[str], Field(
+    description="where a new store keeps its index: none = SQLite in the store (one machine); a postgresql:// URL, "
+                "or 'env' for $EAGLE3_LEDGER_URL, = PostgreSQL (many writers; the password is never written into "
+                "the store: give it in $EAGLE3_LEDGER_URL, PGPASSWORD or ~/.pgpass)")]
 
 # Training.
 DraftVocabSize = Annotated[int, Field(description="draft vocabulary: the N most frequent target tokens", ge=16)]

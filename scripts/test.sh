@@ -10,6 +10,12 @@ if [ ! -x /usr/bin/chromium ]; then
   echo "test: installing Debian's chromium for the Prefect UI test"
   apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
 fi
+# The PostgreSQL ledger tests start a private server from Debian's binaries
+# (tests/pg_server.py: own data dir, loopback, stopped at the end).
+if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "test: installing Debian's postgresql for the ledger tests"
+  apt-get install -y -q postgresql >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q postgresql >/dev/null; }
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 # Plain functions log through `eagle3.*` outside flow runs too: not an error.
 export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore

@@ -85,3 +85,71 @@ def write_jsonl(path: Path, rows) -> Path:
 
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """One private PostgreSQL server per session (tests/pg_server.py); its
+    URL carries the password."""
+    import pg_server
+
+    server = pg_server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_url(request, monkeypatch):
+    """Run a test on both ledger backends: None (SQLite, the default) or the
+    session's PostgreSQL server. The store records the URL without its
+    password; later opens take it from EAGLE3_LEDGER_URL, as a deployment
+    would."""
+    if request.param == "sqlite":
+        monkeypatch.delenv("EAGLE3_LEDGER_URL", raising=False)
+        return None
+    url = request.getfixturevalue("postgres_url")
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", url)
+    return url
+
+
+class IndexDB:
+    """The store's index read with the database's own driver (sqlite3 or
+    psycopg), not through tasks.store: an independent reader. SQL uses `?`
+    placeholders for both."""
+
+    def __init__(self, store: Path, url: str | None = None):
+        import json
+        import sqlite3
+
+        record_path = Path(store) / "ledger.json"
+        record = json.loads(record_path.read_text()) if record_path.exists() else {"backend": "sqlite"}
+        if record["backend"] == "sqlite":
+            self.db, self.marker = sqlite3.connect(Path(store) / "ledger.sqlite"), "?"
+        else:
+            import psycopg
+
+            self.db = psycopg.connect(url or os.environ["EAGLE3_LEDGER_URL"],
+                                      options=f"-c search_path={record['schema']}")
+            self.marker = "%s"
+
+    def execute(self, sql: str, args=()):
+        return self.db.execute(sql.replace("?", self.marker), args)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.db.commit()
+        self.db.close()
+
+    def close(self):
+        self.db.close()
+
+
+@pytest.fixture
+def index_db(ledger_url):
+    """index_db(store) -> IndexDB on the backend this test runs on."""
+    return lambda store: IndexDB(store, ledger_url)

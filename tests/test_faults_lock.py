@@ -153,9 +153,9 @@ except ShardExists as e:
 """
 
 
-def test_a_committed_shard_is_never_replaced(tmp_path):
+def test_a_committed_shard_is_never_replaced(tmp_path, ledger_url):
     store = tmp_path / "store"
-    ledger = open_store(store, MANIFEST)
+    ledger = open_store(store, MANIFEST, ledger_url)
     shard, rows = write_shard(store, [item(0, 5), item(1, 3)], source="data.jsonl")
     ledger.commit_shard(shard, rows)
     before = shard_path(store, shard.name).read_bytes()
@@ -178,9 +178,9 @@ def test_a_committed_shard_is_never_replaced(tmp_path):
     assert verify_store(store, recheck_source=False, write_report=False).ok
 
 
-def test_an_uncommitted_leftover_is_replaced_only_after_the_ledger_check(tmp_path):
+def test_an_uncommitted_leftover_is_replaced_only_after_the_ledger_check(tmp_path, ledger_url):
     store = tmp_path / "store"
-    ledger = open_store(store, MANIFEST)
+    ledger = open_store(store, MANIFEST, ledger_url)
     batch = [item(0, 5)]
     write_shard(store, batch, source="data.jsonl")  # a killed run: written, never committed
     changed = [{**batch[0], "final_hidden_state": batch[0]["final_hidden_state"] * 2}]

@@ -1,9 +1,10 @@
-"""The store contract, checked with an independent reader: plain sqlite3 and
-the safetensors byte layout parsed by hand (FP8 decoded by hand too), not
-tasks.store's own reader."""
+"""The store contract, checked with an independent reader: the index through
+its database's own driver (sqlite3, psycopg: conftest.IndexDB) and the
+safetensors byte layout parsed by hand (FP8 decoded by hand too), not
+tasks.store's own reader. Every test that touches the ledger runs on both
+backends (the `ledger_url` fixture)."""
 import hashlib
 import json
-import sqlite3
 
 import numpy as np
 import pytest
@@ -62,17 +63,17 @@ def item(k, n):
 
 
 @pytest.fixture
-def store(tmp_path):
-    ledger = open_store(tmp_path / "store", MANIFEST)
+def store(tmp_path, ledger_url):
+    ledger = open_store(tmp_path / "store", MANIFEST, ledger_url)
     items = [[item(0, 5), item(1, 3)], [item(2, 7)]]
     for batch in items:
         ledger.commit_shard(*write_shard(tmp_path / "store", batch, source="data.jsonl"))
     return tmp_path / "store", [it for batch in items for it in batch]
 
 
-def test_independent_reader_sees_packed_unpadded_samples(store):
+def test_independent_reader_sees_packed_unpadded_samples(store, index_db):
     path, items = store
-    db = sqlite3.connect(path / "ledger.sqlite")
+    db = index_db(path)
     rows = db.execute("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens FROM samples "
                       "ORDER BY sample_id").fetchall()
     assert [r[0] for r in rows] == ["s000", "s001", "s002"]
@@ -102,11 +103,11 @@ def test_store_reader_matches_what_was_written(store):
         assert torch.equal(s["final_hidden_state"], it["final_hidden_state"].to(torch.bfloat16))
 
 
-def test_a_store_refuses_data_from_another_model(store):
+def test_a_store_refuses_data_from_another_model(store, ledger_url):
     path, _ = store
     with pytest.raises(StoreError, match="different target"):
-        open_store(path, {**MANIFEST, "target": {"name": "other"}})
-    open_store(path, {**MANIFEST, "sources": ["more.jsonl"]})  # same identity: more data is fine
+        open_store(path, {**MANIFEST, "target": {"name": "other"}}, ledger_url)
+    open_store(path, {**MANIFEST, "sources": ["more.jsonl"]}, ledger_url)  # same identity: more data is fine
 
 
 def test_no_temp_files_and_shards_named_by_content(store, tmp_path):
@@ -124,12 +125,12 @@ def sample_bytes(t, a, b, names):
     return b"".join(t[n][a:b].tobytes() for n in names if n in t)
 
 
-def test_sample_checksums_and_shard_sha256_match_an_independent_hash(store):
+def test_sample_checksums_and_shard_sha256_match_an_independent_hash(store, index_db):
     """Format /2: per-sample xxh3_128 over ids, mask, aux, final as stored;
     the ledger's sha256 is the whole file's."""
     path, _ = store
-    db = sqlite3.connect(path / "ledger.sqlite")
-    for name, sha, size in db.execute("SELECT name, sha256, bytes FROM shards"):
+    db = index_db(path)
+    for name, sha, size in db.execute("SELECT name, sha256, bytes FROM shards").fetchall():
         data = (path / "shards" / f"{name}.safetensors").read_bytes()
         assert hashlib.sha256(data).hexdigest() == sha and len(data) == size
         t, _ = load_raw(path / "shards" / f"{name}.safetensors")
@@ -140,8 +141,8 @@ def test_sample_checksums_and_shard_sha256_match_an_independent_hash(store):
             assert xxhash.xxh3_128(raw).hexdigest() == checksum
 
 
-def test_many_samples_over_many_workers_keep_batch_order(tmp_path):
-    ledger = open_store(tmp_path / "s", MANIFEST)
+def test_many_samples_over_many_workers_keep_batch_order(tmp_path, ledger_url):
+    ledger = open_store(tmp_path / "s", MANIFEST, ledger_url)
     items = [item(k, 1 + (k * 7) % 23) for k in range(40)]
     shard, rows = write_shard(tmp_path / "s", items, source="x", workers=4)
     ledger.commit_shard(shard, rows)
@@ -218,8 +219,8 @@ def write_v1_shard(store, items, source):
 
 
 @pytest.fixture
-def v1_store(tmp_path):
-    ledger = open_store(tmp_path / "v1", {**MANIFEST, "format": V1})
+def v1_store(tmp_path, ledger_url):
+    ledger = open_store(tmp_path / "v1", {**MANIFEST, "format": V1}, ledger_url)
     items = [item(5, 6), item(6, 2)]
     ledger.commit_shard(*write_v1_shard(tmp_path / "v1", items, "data.jsonl"))
     return tmp_path / "v1", items
@@ -245,8 +246,8 @@ def test_a_format_1_store_is_not_added_to(v1_store):
 # --- FP8 storage ---
 
 @pytest.fixture
-def fp8_store(tmp_path):
-    ledger = open_store(tmp_path / "fp8", {**MANIFEST, "dtype": FP8})
+def fp8_store(tmp_path, ledger_url):
+    ledger = open_store(tmp_path / "fp8", {**MANIFEST, "dtype": FP8}, ledger_url)
     items = [item(0, 5), item(1, 3)]
     items[1]["aux_hidden_states"][1] *= 1e-3  # rows of very different magnitude
     items[1]["final_hidden_state"][2] = 0  # an all-zero row
@@ -254,7 +255,7 @@ def fp8_store(tmp_path):
     return tmp_path / "fp8", items
 
 
-def test_fp8_shard_decoded_by_hand_is_within_the_bound(fp8_store):
+def test_fp8_shard_decoded_by_hand_is_within_the_bound(fp8_store, index_db):
     path, items = fp8_store
     shard = next((path / "shards").iterdir())
     t, meta = load_raw(shard)
@@ -269,8 +270,8 @@ def test_fp8_shard_decoded_by_hand_is_within_the_bound(fp8_store):
             amax = np.abs(x).max(axis=-1, keepdims=True)
             assert np.allclose(t[scale][a:b][..., None], np.where(amax > 0, amax / 448, 1), rtol=1e-6)
             assert (np.abs(got - x) <= 2.0 ** -4 * np.abs(x) + 2.0 ** -10 * amax / 448 + 1e-12).all(), name
-    db = sqlite3.connect(path / "ledger.sqlite")
-    for offset, n, checksum in db.execute("SELECT token_offset, num_tokens, checksum FROM samples"):
+    db = index_db(path)
+    for offset, n, checksum in db.execute("SELECT token_offset, num_tokens, checksum FROM samples").fetchall():
         raw = sample_bytes(t, offset, offset + n, ("input_ids", "loss_mask", "aux_hidden_states",
                                                    "final_hidden_state", "aux_scale", "final_scale"))
         assert xxhash.xxh3_128(raw).hexdigest() == checksum
@@ -304,7 +305,7 @@ def test_fp8_is_part_of_the_store_identity(fp8_store):
         open_store(path, MANIFEST)
 
 
-def test_verification_refuses_a_negative_fp8_scale_even_with_matching_hashes(fp8_store):
+def test_verification_refuses_a_negative_fp8_scale_even_with_matching_hashes(fp8_store, index_db):
     """A writer bug, not corruption: the hashes agree with the bytes, the
     scales do not make sense."""
     path, _ = fp8_store
@@ -313,7 +314,7 @@ def test_verification_refuses_a_negative_fp8_scale_even_with_matching_hashes(fp8
     data[-4:] = np.array([-1.0], dtype=np.float32).tobytes()  # the last token's final_scale
     shard.write_bytes(bytes(data))
     t, _ = load_raw(shard)
-    db = sqlite3.connect(path / "ledger.sqlite")
+    db = index_db(path)
     offset, n, sid = db.execute("SELECT token_offset, num_tokens, sample_id FROM samples ORDER BY token_offset DESC").fetchone()
     raw = sample_bytes(t, offset, offset + n, ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state",
                                                "aux_scale", "final_scale"))
@@ -326,10 +327,10 @@ def test_verification_refuses_a_negative_fp8_scale_even_with_matching_hashes(fp8
     assert list(bad.sample_id) == [sid] and bad.problems.iloc[0] == "FP8 scales not all finite and positive"
 
 
-def test_a_write_that_fails_midway_leaves_no_file_and_nothing_committed(tmp_path, monkeypatch):
+def test_a_write_that_fails_midway_leaves_no_file_and_nothing_committed(tmp_path, monkeypatch, ledger_url):
     import tasks.store.shards as shards
 
-    ledger = open_store(tmp_path / "s", MANIFEST)
+    ledger = open_store(tmp_path / "s", MANIFEST, ledger_url)
     real, calls = shards._pwrite, []
 
     def disk_full_on_the_sixth_write(fd, data, offset):
@@ -348,9 +349,9 @@ def test_a_write_that_fails_midway_leaves_no_file_and_nothing_committed(tmp_path
 
 # --- pruning and re-linking keep the stored bytes (FP8, format 1) ---
 
-def _stored_samples(path):
+def _stored_samples(path, index_db):
     """sample_id -> (checksum, each tensor's raw bytes), from the files by hand."""
-    db = sqlite3.connect(path / "ledger.sqlite")
+    db = index_db(path)
     rows = db.execute("SELECT sample_id, shard, token_offset, num_tokens, checksum FROM samples").fetchall()
     db.close()
     out = {}
@@ -362,14 +363,14 @@ def _stored_samples(path):
 
 
 @pytest.mark.parametrize("fixture", ["fp8_store", "v1_store"])
-def test_pruning_copies_the_kept_samples_stored_bytes(fixture, request):
+def test_pruning_copies_the_kept_samples_stored_bytes(fixture, request, index_db):
     from tasks.store.prune import prune_samples
 
     path, items = request.getfixturevalue(fixture)
-    before = _stored_samples(path)
+    before = _stored_samples(path, index_db)
     result = prune_samples(path, [items[0]["sample_id"]])
     assert result["pruned"] == 1 and result["rewritten"] == 1
-    after = _stored_samples(path)
+    after = _stored_samples(path, index_db)
     assert after == {k: v for k, v in before.items() if k != items[0]["sample_id"]}
     report = verify_store(path, recheck_source=False, write_report=False)
     assert report.ok, report.failures()

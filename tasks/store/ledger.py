@@ -3,9 +3,11 @@ progress, resume and verification. A sample is stored when, and only when,
 the ledger has committed its shard.
 
 `Ledger` names the operations the rest of the project uses; no SQL lives
-outside a backend. `open_ledger(store)` gives the store's backend; SQLite
-(`<store>/ledger.sqlite`) is the one for a store on one machine's local
-filesystem. Tables, in every backend:
+outside a backend. `open_ledger(store)` gives the store's backend, as
+`<store>/ledger.json` records it: SQLite (`<store>/ledger.sqlite`, the
+default, and what a store without ledger.json has) for a store on one
+machine's local filesystem; PostgreSQL (tasks/store/ledger_postgres.py) for
+one that many machines write. Tables, in every backend:
 
     shards(name, sha256, bytes, num_samples, num_tokens, created)
     samples(sample_id, source, source_row, shard, position, token_offset,
@@ -15,6 +17,8 @@ filesystem. Tables, in every backend:
 from __future__ import annotations
 
 import abc
+import json
+import os
 import sqlite3
 import time
 from contextlib import closing
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tasks.store.manifest import StoreError, create_or_check
+from tasks.store.manifest import StoreError, create_or_check, write_json_atomic
 from tasks.store.shards import ShardInfo
 
 SHARD_COLUMNS = ["name", "sha256", "bytes", "num_samples", "num_tokens", "created"]
@@ -179,13 +183,76 @@ class SqliteLedger(Ledger):
                           "FROM samples ORDER BY shard, position")
 
 
+LEDGER_JSON = "ledger.json"
+
+
+def ledger_record(store: Path) -> dict:
+    """What `<store>/ledger.json` says ({"backend": "sqlite"} without one)."""
+    path = Path(store) / LEDGER_JSON
+    if not path.exists():
+        return {"backend": "sqlite"}
+    return json.loads(path.read_text())
+
+
 def open_ledger(store: Path) -> Ledger:
-    """The ledger of an existing (or new) store."""
-    return SqliteLedger(Path(store))
+    """The ledger of an existing (or new) store, in the backend it records."""
+    store = Path(store)
+    record = ledger_record(store)
+    if record["backend"] == "sqlite":
+        return SqliteLedger(store)
+    if record["backend"] == "postgres":
+        from tasks.store.ledger_postgres import PostgresLedger, resolve_url
+
+        return PostgresLedger(store, resolve_url(record["url"]), record["schema"])
+    raise StoreError(f"{store}/{LEDGER_JSON} names ledger backend {record['backend']!r}; this version knows "
+                     f"sqlite and postgres")
 
 
-def open_store(store: Path, manifest: dict) -> Ledger:
+def open_store(store: Path, manifest: dict, ledger_url: str | None = None) -> Ledger:
     """Create the store, or check that an existing one was built the same
-    way (tasks/store/manifest.py), then return its ledger."""
-    create_or_check(Path(store), manifest)
+    way (tasks/store/manifest.py), then return its ledger.
+
+    ledger_url: None keeps the store's backend (SQLite for a new store); a
+    postgresql:// URL, or "env" for the one in $EAGLE3_LEDGER_URL, puts a new
+    store's index in PostgreSQL (its own schema) and must name the server an
+    existing store already uses."""
+    store = Path(store)
+    existed = (store / "manifest.json").exists()
+    create_or_check(store, manifest)
+    if ledger_url is not None:
+        _choose_postgres(store, ledger_url, existed)
     return open_ledger(store)
+
+
+def _choose_postgres(store: Path, ledger_url: str, existed: bool) -> None:
+    import secrets
+
+    from tasks.store.ledger_postgres import URL_ENV, _same_server, describe, public_url
+
+    if ledger_url == "env":
+        ledger_url = os.environ.get(URL_ENV) or ""
+        if not ledger_url:
+            raise StoreError(f"ledger_url is 'env' but ${URL_ENV} is not set: set it to postgresql://user:password@host:port/dbname")
+    recorded = ledger_record(store)
+    if recorded["backend"] == "postgres":
+        if not _same_server(recorded["url"], ledger_url):
+            raise StoreError(f"store {store} keeps its ledger at {describe(recorded['url'])}, not "
+                             f"{describe(ledger_url)}: use that server, or a new store directory")
+        return
+    if existed and (store / "ledger.sqlite").exists():
+        raise StoreError(f"store {store} already keeps its ledger in SQLite ({store}/ledger.sqlite); a store's "
+                         f"index does not move: use a new store directory for a PostgreSQL ledger")
+    # The password stays out of the store (see ledger_postgres.py); the schema
+    # is random so two stores never share tables, wherever they are mounted.
+    record = {"backend": "postgres", "url": public_url(ledger_url), "schema": f"eagle3_{secrets.token_hex(6)}"}
+    tmp = store / f".{LEDGER_JSON}.{os.getpid()}"
+    write_json_atomic(tmp, record)
+    try:
+        # Created once: of two runs creating the store at once, the first
+        # link wins and the other uses its schema (a rename would let the
+        # second replace a schema the first is already writing).
+        os.link(tmp, store / LEDGER_JSON)
+    except FileExistsError:
+        _choose_postgres(store, ledger_url, existed)
+    finally:
+        tmp.unlink()

@@ -1,0 +1,201 @@
+"""The ledger in PostgreSQL: for a store many machines write at once (SQLite
+must not sit on NFS). Same tables and semantics as `SqliteLedger`; each store
+has its own schema, so several stores can share one database.
+
+What the store records (`<store>/ledger.json`): the backend, the URL without
+its password, and the schema. The password is never written into the store:
+it comes from `EAGLE3_LEDGER_URL` (a full URL, used when set) or from libpq's
+own PGPASSWORD / ~/.pgpass, so a store directory can be copied or shared
+without leaking it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from tasks.store.ledger import QUARANTINE_COLUMNS, SAMPLE_COLUMNS, SHARD_COLUMNS, Ledger
+from tasks.store.manifest import StoreError
+from tasks.store.shards import ShardInfo
+
+URL_ENV = "EAGLE3_LEDGER_URL"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS shards(
+    name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, bytes BIGINT NOT NULL,
+    num_samples BIGINT NOT NULL, num_tokens BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS samples(
+    sample_id TEXT PRIMARY KEY, source TEXT NOT NULL, source_row BIGINT NOT NULL,
+    shard TEXT NOT NULL REFERENCES shards(name), position BIGINT NOT NULL,
+    token_offset BIGINT NOT NULL, num_tokens BIGINT NOT NULL,
+    num_loss_tokens BIGINT NOT NULL, checksum TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
+CREATE TABLE IF NOT EXISTS quarantine(
+    source TEXT NOT NULL, source_row BIGINT NOT NULL, sample_id TEXT,
+    reason TEXT NOT NULL, attempts BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY(source, source_row));
+"""
+
+INSERT_SHARD = "INSERT INTO shards VALUES (%s,%s,%s,%s,%s,%s)"
+INSERT_SAMPLE = ("INSERT INTO samples VALUES (%(sample_id)s,%(source)s,%(source_row)s,%(shard)s,%(position)s,"
+                 "%(token_offset)s,%(num_tokens)s,%(num_loss_tokens)s,%(checksum)s)")
+
+
+def public_url(url: str) -> str:
+    """The URL without its password, as libpq key=value pairs: what may be
+    written into the store or a log."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        parts = conninfo_to_dict(url)
+    except Exception as e:  # noqa: BLE001 - psycopg's message may quote the URL; do not echo it
+        raise StoreError(f"the ledger URL is not a valid PostgreSQL URL ({type(e).__name__}); expected "
+                         f"postgresql://user@host:port/dbname") from None
+    parts.pop("password", None)
+    return make_conninfo(**parts)
+
+
+def describe(url: str) -> str:
+    """host:port/dbname (user): names the server in messages, never the password."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    p = conninfo_to_dict(url)
+    return f"{p.get('host', 'localhost')}:{p.get('port', 5432)}/{p.get('dbname', '?')} (user {p.get('user', '?')})"
+
+
+def _same_server(a: str, b: str) -> bool:
+    from psycopg.conninfo import conninfo_to_dict
+
+    keys = ("host", "port", "dbname", "user")
+    pa, pb = conninfo_to_dict(a), conninfo_to_dict(b)
+    return all(str(pa.get(k) or "") == str(pb.get(k) or "") for k in keys)
+
+
+def resolve_url(recorded: str) -> str:
+    """The URL to connect with: EAGLE3_LEDGER_URL when set (it may carry the
+    password), else the recorded one (libpq then reads PGPASSWORD or
+    ~/.pgpass). The environment must name the recorded server and database:
+    a store's index must never be read from, or written to, another one."""
+    env = os.environ.get(URL_ENV)
+    if not env:
+        return recorded
+    if not _same_server(env, recorded):
+        raise StoreError(f"${URL_ENV} names {describe(env)}, but this store's ledger is at {describe(recorded)}: "
+                         f"unset ${URL_ENV} or point it at that server")
+    return env
+
+
+class PostgresLedger(Ledger):
+    """One short connection per call (as `SqliteLedger`): a psycopg
+    connection is never shared between threads, and a process that forks or
+    dies holds nothing open. Connecting to a local server costs a few ms,
+    small next to writing a shard."""
+
+    def __init__(self, store: Path, url: str, schema: str):
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
+            raise StoreError(f"ledger schema {schema!r} in {store}/ledger.json is not a plain lower-case "
+                             f"identifier; fix ledger.json")
+        self.store, self.url, self.schema = Path(store), url, schema
+        self.where = f"PostgreSQL {describe(url)}, schema {schema}"
+        from psycopg import sql
+
+        with self._connect(search_path=False) as db:
+            # Two processes creating the same schema at once would race on
+            # the catalogue; a transaction-scoped advisory lock serialises them.
+            db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (schema,))
+            db.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+            db.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+            for statement in filter(str.strip, SCHEMA.split(";")):
+                db.execute(statement)
+
+    def _connect(self, search_path: bool = True):
+        """A connection used as a context manager: one transaction, committed
+        on success, rolled back on an error, then closed."""
+        import psycopg
+
+        options = f"-c search_path={self.schema}" if search_path else ""
+        try:
+            return psycopg.connect(self.url, connect_timeout=30, options=options,
+                                   application_name="eagle3-ledger")
+        except psycopg.OperationalError as e:
+            raise StoreError(f"cannot reach the ledger of {self.store} at {describe(self.url)}: "
+                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}. "
+                             f"Start the server or fix the URL (${URL_ENV}, or {self.store}/ledger.json; "
+                             f"the password comes from ${URL_ENV}, PGPASSWORD or ~/.pgpass)") from None
+
+    def _rows(self, query: str, args=()) -> list[tuple]:
+        with self._connect() as db:
+            return db.execute(query, args).fetchall()
+
+    def _frame(self, query: str, columns: list[str]) -> pd.DataFrame:
+        return pd.DataFrame(self._rows(query), columns=columns)
+
+    def stored_ids(self) -> set[str]:
+        return {r[0] for r in self._rows("SELECT sample_id FROM samples")}
+
+    def commit_shard(self, shard: ShardInfo, rows: list[dict]) -> None:
+        import psycopg
+
+        try:
+            with self._connect() as db, db.cursor() as cur:
+                cur.execute(INSERT_SHARD, (shard.name, shard.sha256, shard.bytes, shard.num_samples,
+                                           shard.num_tokens, time.time()))
+                cur.executemany(INSERT_SAMPLE, rows)
+                cur.executemany("DELETE FROM quarantine WHERE source=%s AND source_row=%s",
+                                [(r["source"], r["source_row"]) for r in rows])
+        except psycopg.errors.UniqueViolation as e:
+            # Plain INSERTs: what is committed stays as committed, and the
+            # whole transaction (shard row included) is rolled back.
+            detail = (e.diag.message_detail or str(e)).strip()
+            raise StoreError(f"cannot commit shard {shard.name} to {self.where}: {detail} (already committed; "
+                             f"a committed shard or sample is never replaced; is another run writing "
+                             f"this store?)") from None
+
+    def replace_shard(self, old: str, new: ShardInfo | None, rows: list[dict]) -> None:
+        with self._connect() as db, db.cursor() as cur:
+            cur.execute("DELETE FROM samples WHERE shard=%s", (old,))
+            cur.execute("DELETE FROM shards WHERE name=%s", (old,))
+            if cur.rowcount != 1:
+                raise StoreError(f"shard {old} is not committed in {self.where}")
+            if new is not None:
+                cur.execute(INSERT_SHARD, (new.name, new.sha256, new.bytes, new.num_samples, new.num_tokens,
+                                           time.time()))
+                cur.executemany(INSERT_SAMPLE, rows)
+
+    def quarantine(self, rows: list[dict]) -> None:
+        # As SQLite's INSERT OR REPLACE: a source row's latest failure wins.
+        with self._connect() as db, db.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO quarantine VALUES (%(source)s,%(source_row)s,%(sample_id)s,%(reason)s,%(attempts)s,"
+                "%(at)s) ON CONFLICT (source, source_row) DO UPDATE SET sample_id=EXCLUDED.sample_id, "
+                "reason=EXCLUDED.reason, attempts=EXCLUDED.attempts, at=EXCLUDED.at",
+                [{"sample_id": None, "attempts": 0, "at": time.time(), **r} for r in rows])
+
+    def summary(self) -> dict:
+        # One snapshot: the three counts come from the same transaction.
+        with self._connect() as db:
+            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            samples, tokens, loss = db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(num_tokens),0)::bigint, COALESCE(SUM(num_loss_tokens),0)::bigint "
+                "FROM samples").fetchone()
+            shards, nbytes, newest = db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(bytes),0)::bigint, MAX(created) FROM shards").fetchone()
+            quarantined = db.execute("SELECT COUNT(*) FROM quarantine").fetchone()[0]
+        return {"samples": samples, "tokens": tokens, "loss_tokens": loss, "shards": shards,
+                "bytes": nbytes, "quarantined": quarantined, "newest_shard": newest}
+
+    def shards(self) -> pd.DataFrame:
+        return self._frame("SELECT * FROM shards", SHARD_COLUMNS)
+
+    def samples(self) -> pd.DataFrame:
+        return self._frame("SELECT * FROM samples ORDER BY shard COLLATE \"C\", position", SAMPLE_COLUMNS)
+
+    def quarantined(self) -> pd.DataFrame:
+        return self._frame("SELECT * FROM quarantine", QUARANTINE_COLUMNS)
+
+    def sample_index(self) -> list[tuple]:
+        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row "
+                          "FROM samples ORDER BY shard COLLATE \"C\", position")
