@@ -128,20 +128,25 @@ class SqliteLedger(Ledger):
         return {r[0] for r in self._rows("SELECT sample_id FROM samples")}
 
     def commit_shard(self, shard: ShardInfo, rows: list[dict]) -> None:
-        with closing(self._connect()) as db, db:
-            try:
+        try:
+            with closing(self._connect()) as db, db:
                 db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
                            (shard.name, shard.sha256, shard.bytes, shard.num_samples, shard.num_tokens, time.time()))
                 db.executemany(
                     "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
                     ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
-            except sqlite3.IntegrityError as e:
-                # Plain INSERTs: what is committed stays as committed.
-                raise StoreError(f"cannot commit shard {shard.name} to {self.path}: {e} (already committed; "
-                                 f"a committed shard or sample is never replaced; is another run writing "
-                                 f"this store?)") from None
-            db.executemany("DELETE FROM quarantine WHERE source=? AND source_row=?",
-                           [(r["source"], r["source_row"]) for r in rows])
+                db.executemany("DELETE FROM quarantine WHERE source=? AND source_row=?",
+                               [(r["source"], r["source_row"]) for r in rows])
+        except sqlite3.IntegrityError as e:
+            # Plain INSERTs: what is committed stays as committed; the whole
+            # transaction was rolled back. Name what was already there.
+            ids = [r["sample_id"] for r in rows]
+            taken = sorted({i for (i,) in self._rows(
+                f"SELECT sample_id FROM samples WHERE sample_id IN ({','.join('?' * len(ids))})", ids)})
+            what = f"samples {', '.join(taken[:5])}{' ...' if len(taken) > 5 else ''}" if taken else "the shard"
+            raise StoreError(f"cannot commit shard {shard.name} to {self.path}: {e}: {what} already committed "
+                             f"(a committed shard or sample is never replaced; is another run writing "
+                             f"this store?)") from None
 
     def replace_shard(self, old: str, new: ShardInfo | None, rows: list[dict]) -> None:
         with closing(self._connect()) as db, db:

@@ -1,0 +1,192 @@
+"""The ledger's contract on both backends (SQLite, and PostgreSQL on the
+session's private server): one transaction per commit, conflicts are errors,
+many threads and processes commit each shard exactly once; a Postgres store
+keeps no password and works for the reader and verification."""
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tasks.store.ledger import open_ledger, open_store
+from tasks.store.manifest import StoreError
+from tasks.store.reader import StoreReader
+from tasks.store.shards import write_shard
+from tasks.store.verification import verify_store
+from test_store import MANIFEST, item
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_interface_round_trip(tmp_path, ledger_url, index_db):
+    store = tmp_path / "s"
+    ledger = open_store(store, MANIFEST, ledger_url)
+    assert ledger.summary() == {"samples": 0, "tokens": 0, "loss_tokens": 0, "shards": 0, "bytes": 0,
+                                "quarantined": 0, "newest_shard": None}
+    ledger.quarantine([{"source": "d", "source_row": 1, "reason": "first"},
+                       {"source": "d", "source_row": 9, "reason": "other"}])
+    ledger.quarantine([{"source": "d", "source_row": 1, "reason": "second", "attempts": 3}])  # latest wins
+    q = ledger.quarantined().set_index("source_row")
+    assert q.loc[1, "reason"] == "second" and q.loc[1, "attempts"] == 3 and len(q) == 2
+    a, rows_a = write_shard(store, [item(0, 5), item(1, 3)], source="d")
+    b, rows_b = write_shard(store, [item(2, 4)], source="d")
+    ledger.commit_shard(b, rows_b)
+    ledger.commit_shard(a, rows_a)  # the commit clears its rows' quarantine
+    assert set(ledger.quarantined().source_row) == {9}
+    s = ledger.summary()
+    assert (s["samples"], s["tokens"], s["shards"], s["bytes"]) == (3, 12, 2, a.bytes + b.bytes)
+    assert s["loss_tokens"] == sum(r["num_loss_tokens"] for r in rows_a + rows_b)
+    assert ledger.stored_ids() == {"s000", "s001", "s002"}
+    expect = sorted(rows_a + rows_b, key=lambda r: (r["shard"], r["position"]))
+    assert ledger.sample_index() == [(r["sample_id"], r["shard"], r["token_offset"], r["num_tokens"],
+                                      r["num_loss_tokens"], r["source_row"]) for r in expect]
+    assert ledger.samples().to_dict("records") == expect
+    assert ledger.has_shard(a.name) and not ledger.has_shard("shard-none")
+    ledger.replace_shard(a.name, None, [])
+    assert ledger.stored_ids() == {"s002"} and not ledger.has_shard(a.name)
+    with pytest.raises(StoreError, match="not committed"):
+        ledger.replace_shard(a.name, None, [])
+    # What the database itself holds, read with its own driver.
+    with index_db(store) as db:
+        assert db.execute("SELECT sample_id, shard FROM samples").fetchall() == [("s002", b.name)]
+
+
+def test_a_duplicate_sample_in_a_second_commit_is_refused_and_nothing_of_it_lands(tmp_path, ledger_url, index_db):
+    store = tmp_path / "s"
+    ledger = open_store(store, MANIFEST, ledger_url)
+    ledger.commit_shard(*write_shard(store, [item(0, 5), item(1, 3)], source="d"))
+    ledger.quarantine([{"source": "d", "source_row": 2, "reason": "earlier failure"}])
+    before = (ledger.summary(), ledger.samples(), ledger.shards())
+    # s002 is new, s001 is already committed (in another shard).
+    shard, rows = write_shard(store, [item(2, 4), item(1, 3)], source="d")
+    with pytest.raises(StoreError, match=r"cannot commit shard .*s001.*never replaced"):
+        ledger.commit_shard(shard, rows)
+    assert ledger.summary() == before[0]
+    assert ledger.samples().equals(before[1]) and ledger.shards().equals(before[2])
+    assert not ledger.has_shard(shard.name) and "s002" not in ledger.stored_ids()
+    assert list(ledger.quarantined().reason) == ["earlier failure"]  # its DELETE rolled back too
+    with index_db(store) as db:
+        assert db.execute("SELECT COUNT(*) FROM shards WHERE name=?", (shard.name,)).fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM samples WHERE sample_id='s002'").fetchone()[0] == 0
+
+
+BATCHES = [[item(k, 2 + k % 5) for k in range(4 * b, 4 * b + 4)] for b in range(6)]
+
+COMMITTER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, "tests")
+from test_store import item
+from tasks.store.ledger import open_ledger
+from tasks.store.manifest import StoreError
+from tasks.store.shards import write_shard
+store, go = Path(sys.argv[1]), Path(sys.argv[2])
+batches = [[item(k, 2 + k % 5) for k in range(4 * b, 4 * b + 4)] for b in range(6)]
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.005)
+ok = refused = 0
+for batch in reversed(batches):
+    try:
+        open_ledger(store).commit_shard(*write_shard(store, batch, source="d", workers=1))
+        ok += 1
+    except StoreError as e:
+        assert "never replaced" in str(e), e
+        refused += 1
+print("result", ok, refused, flush=True)
+"""
+
+
+def test_concurrent_commits_from_threads_and_a_second_process_land_exactly_once(tmp_path, ledger_url, index_db):
+    """Four threads and another process each commit all six batches (in
+    different orders): each shard and sample lands once, every other try
+    is refused as a conflict, and the store verifies."""
+    store = tmp_path / "s"
+    open_store(store, MANIFEST, ledger_url)
+    go = tmp_path / "go"
+    other = subprocess.Popen([sys.executable, "-c", COMMITTER, str(store), str(go)], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert other.stdout.readline().strip() == "ready"
+    results, errors = [], []
+    start = threading.Barrier(4)
+
+    def commit_all(t):
+        ledger = open_ledger(store)  # one Ledger shared would be fine too; each call connects anew
+        start.wait()
+        ok = refused = 0
+        for b in range(6):
+            batch = BATCHES[(b + t) % 6]
+            try:
+                ledger.commit_shard(*write_shard(store, batch, source="d", workers=1))
+                ok += 1
+            except StoreError as e:
+                refused += 1
+                if "never replaced" not in str(e):
+                    errors.append(e)
+        results.append((ok, refused))
+
+    threads = [threading.Thread(target=commit_all, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    go.touch()
+    for t in threads:
+        t.join()
+    out, err = other.communicate(timeout=300)
+    assert other.returncode == 0, err
+    ok, refused = map(int, out.split("result", 1)[1].split())
+    results.append((ok, refused))
+    assert not errors, errors
+    assert sum(r[0] for r in results) == 6 and sum(r[1] for r in results) == 5 * 6 - 6
+    with index_db(store) as db:
+        n, distinct = db.execute("SELECT COUNT(*), COUNT(DISTINCT sample_id) FROM samples").fetchone()
+        assert n == distinct == 24
+        assert db.execute("SELECT COUNT(*) FROM shards").fetchone()[0] == 6
+    assert verify_store(store, recheck_source=False, write_report=False).ok
+
+
+def test_a_postgres_store_keeps_no_password_and_reads_and_verifies(tmp_path, postgres_url, monkeypatch):
+    from pg_server import PASSWORD
+
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
+    store = tmp_path / "s"
+    ledger = open_store(store, MANIFEST, "env")
+    items = [item(0, 5), item(1, 3), item(2, 6)]
+    ledger.commit_shard(*write_shard(store, items, source="d"))
+    assert not (store / "ledger.sqlite").exists()
+    for p in store.rglob("*"):
+        if p.is_file():
+            assert PASSWORD.encode() not in p.read_bytes(), p
+    reader = StoreReader(store)
+    assert [reader[i]["input_ids"].tolist() for i in range(3)] == [it["input_ids"].tolist() for it in items]
+    assert verify_store(store, recheck_source=False, write_report=False).ok
+    # Without the password (no env var, no PGPASSWORD) the error names the
+    # server, never the password.
+    monkeypatch.delenv("EAGLE3_LEDGER_URL")
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    with pytest.raises(StoreError, match=r"cannot reach the ledger .* at 127\.0\.0\.1:\d+/eagle3") as e:
+        open_ledger(store).summary()
+    assert PASSWORD not in str(e.value)
+
+
+def test_two_stores_share_a_database_but_not_tables(tmp_path, postgres_url, monkeypatch):
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
+    one, two = open_store(tmp_path / "a", MANIFEST, postgres_url), open_store(tmp_path / "b", MANIFEST, postgres_url)
+    one.commit_shard(*write_shard(tmp_path / "a", [item(0, 5)], source="d"))
+    two.commit_shard(*write_shard(tmp_path / "b", [item(0, 5)], source="d"))  # same sample id, another store
+    assert one.schema != two.schema and one.stored_ids() == two.stored_ids() == {"s000"}
+
+
+def test_a_ledger_does_not_move_between_backends_or_servers(tmp_path, postgres_url, monkeypatch):
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
+    open_store(tmp_path / "lite", MANIFEST)
+    with pytest.raises(StoreError, match="already keeps its ledger in SQLite"):
+        open_store(tmp_path / "lite", MANIFEST, postgres_url)
+    open_store(tmp_path / "pg", MANIFEST, postgres_url)
+    other = postgres_url.replace("/eagle3", "/postgres")
+    with pytest.raises(StoreError, match=r"keeps its ledger at .*/eagle3"):
+        open_store(tmp_path / "pg", MANIFEST, other)
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", other)
+    with pytest.raises(StoreError, match=r"EAGLE3_LEDGER_URL names .*/postgres.*ledger is at .*/eagle3"):
+        open_ledger(tmp_path / "pg")
