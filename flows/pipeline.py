@@ -83,6 +83,7 @@ def eagle3_pipeline(
     max_length: params.MaxLength = 2048,
     batch_size: params.BatchSize = 32,
     store_dtype: params.StoreDtype = "bfloat16",
+    ledger_url: params.LedgerUrl = None,
     draft_vocab_size: params.DraftVocabSize = params.TRAIN.draft_vocab_size,
     ttt_steps: params.TttSteps = params.TRAIN.ttt_steps,
     epochs: params.Epochs = params.TRAIN.epochs,
@@ -103,7 +104,7 @@ def eagle3_pipeline(
         dataset = regenerate_task(dataset, model, str(run / "regenerated.jsonl"), regenerate_max_tokens)
     extract_hidden_states(dataset=dataset, model=model, store=store, server_url=server_url, dump_dir=dump_dir,
                           max_length=max_length, batch_size=batch_size, verify=False,
-                          store_dtype=store_dtype)
+                          store_dtype=store_dtype, ledger_url=ledger_url)
     verify_store(store=store)
     trained = train_drafter(store=store, out_dir=train_dir, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
                             epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, serve_steps=serve_steps,

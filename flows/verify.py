@@ -1,6 +1,8 @@
-"""Flow `verify_store`: recount and check every file and sample of a store.
+"""Flow `verify_store`: recount and check every file and sample of a store,
+and with --seal, once it passes, export its index beside the shards
+(tasks/store/seal.py).
 
-    python -m flows.verify --store runs/demo/store
+    python -m flows.verify --store runs/demo/store [--seal]
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pydantic import Field
 from flows.artifacts import artifact_key
 from flows.cli import described
 from tasks.store.prune import prune_gone
+from tasks.store.seal import seal as seal_plain
 from tasks.store.verification import verify_store as verify_plain
 
 
@@ -54,17 +57,31 @@ def prune_gone_task(store: str) -> dict:
     return result
 
 
+@task(name="seal", cache_policy=NO_CACHE)
+def seal_task(store: str) -> dict:
+    record = seal_plain(Path(store))
+    s = record["summary"]
+    get_run_logger().info("sealed %s: %d samples in %d shards, %d quarantined -> %s/index/", store, s["samples"],
+                          s["shards"], s["quarantined"], store)
+    return record
+
+
 @flow(name="verify_store")
 @described
 def verify_store(
     store: Annotated[str, Field(description="store directory to verify")] = "runs/demo/store",
     recheck_source: Annotated[bool, Field(description="also re-tokenise the sources and find each sample in them (by content)")] = True,
     prune_gone: Annotated[bool, Field(description="first remove the samples no source row gives any more (rows removed or edited)")] = False,
+    seal: Annotated[bool, Field(description="once verification passes, export the index to <store>/index/ (Parquet and a SQLite copy) for readers without the ledger's database")] = False,
 ) -> dict:
     """Verify a store: per file and per sample, against its ledger and its sources."""
     if prune_gone:
         prune_gone_task(store)
-    return verify_task(store, recheck_source)
+    result = verify_task(store, recheck_source)
+    if seal:
+        # Only a verified store is sealed: verify_task raised otherwise.
+        result["sealed"] = seal_task(store)
+    return result
 
 
 if __name__ == "__main__":

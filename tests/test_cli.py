@@ -23,7 +23,8 @@ def test_cli_mirrors_the_flow_signature_with_descriptions():
 
 def test_verify_cli():
     args = build_parser(verify_store, "python -m flows.verify").parse_args(["--store", "s", "--no-recheck-source"])
-    assert args.store == "s" and args.recheck_source is False
+    assert args.store == "s" and args.recheck_source is False and args.seal is False
+    assert build_parser(verify_store, "python -m flows.verify").parse_args(["--seal"]).seal is True
 
 
 @pytest.mark.parametrize("entry", ["flows.extract:extract_hidden_states", "flows.verify:verify_store",

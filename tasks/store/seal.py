@@ -1,0 +1,73 @@
+"""Seal a store: export its index beside the shards, as files any reader
+opens without the ledger's database (no PostgreSQL client, no server):
+
+    <store>/index/shards.parquet, samples.parquet, quarantine.parquet
+    <store>/index/ledger.sqlite     the same three tables (ledger.py's schema)
+    <store>/index/sealed.json       when, from which backend, the counts, and
+                                    each file's sha256
+
+Taken under the store's lock, so no run commits while the tables are read and
+the files are one snapshot. Each file is written to a temp name, fsynced and
+renamed, and sealed.json is written last: a reader that finds sealed.json
+finds the files it describes. Sealing again replaces the export.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pandas as pd
+
+from tasks.store.ledger import SCHEMA, ledger_record, open_ledger
+from tasks.store.lock import hold_lock
+from tasks.store.manifest import write_json_atomic
+from tasks.store.shards import file_sha256
+
+INDEX_DIR = "index"
+
+
+def seal(store: Path) -> dict:
+    """Export the index; returns sealed.json's content."""
+    store = Path(store)
+    with hold_lock(store, "seal the store's index"):
+        ledger = open_ledger(store)
+        tables = {"shards": ledger.shards(), "samples": ledger.samples(), "quarantine": ledger.quarantined()}
+        summary = ledger.summary()
+        out = store / INDEX_DIR
+        out.mkdir(exist_ok=True)
+        for name, frame in tables.items():
+            _write_atomic(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
+        _write_atomic(out / "ledger.sqlite", lambda tmp: _sqlite_copy(tmp, tables))
+        files = sorted([f"{name}.parquet" for name in tables] + ["ledger.sqlite"])
+        record = {"sealed_at": time.time(), "backend": ledger_record(store)["backend"], "summary": summary,
+                  "files": {f: file_sha256(out / f) for f in files}}
+        write_json_atomic(out / "sealed.json", record)
+        return record
+
+
+def _sqlite_copy(path: Path, tables: dict[str, pd.DataFrame]) -> None:
+    with closing(sqlite3.connect(path)) as db, db:
+        db.executescript(SCHEMA)
+        for name, frame in tables.items():
+            marks = ",".join("?" * len(frame.columns))
+            # .tolist() gives Python ints and floats (sqlite3 takes no numpy scalars), None for NULL.
+            rows = frame.astype(object).where(frame.notna(), None).values.tolist()
+            db.executemany(f"INSERT INTO {name} ({','.join(frame.columns)}) VALUES ({marks})", rows)
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
