@@ -190,3 +190,15 @@ def test_a_ledger_does_not_move_between_backends_or_servers(tmp_path, postgres_u
     monkeypatch.setenv("EAGLE3_LEDGER_URL", other)
     with pytest.raises(StoreError, match=r"EAGLE3_LEDGER_URL names .*/postgres.*ledger is at .*/eagle3"):
         open_ledger(tmp_path / "pg")
+
+
+def test_many_first_opens_of_a_postgres_ledger_at_once_make_one_schema(tmp_path, postgres_url):
+    """Runs starting together on a new store all create its tables: the
+    advisory lock serialises them, none fails on the catalogue."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.store.ledger_postgres import PostgresLedger
+
+    with ThreadPoolExecutor(8) as pool:
+        ledgers = list(pool.map(lambda _: PostgresLedger(tmp_path, postgres_url, "eagle3_race"), range(8)))
+    assert all(ledger.summary()["samples"] == 0 for ledger in ledgers)

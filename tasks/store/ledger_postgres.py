@@ -32,11 +32,11 @@ CREATE TABLE IF NOT EXISTS samples(
     shard TEXT NOT NULL REFERENCES shards(name), position BIGINT NOT NULL,
     token_offset BIGINT NOT NULL, num_tokens BIGINT NOT NULL,
     num_loss_tokens BIGINT NOT NULL, checksum TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
 CREATE TABLE IF NOT EXISTS quarantine(
     source TEXT NOT NULL, source_row BIGINT NOT NULL, sample_id TEXT,
     reason TEXT NOT NULL, attempts BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL,
     PRIMARY KEY(source, source_row));
+CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
 """
 
 INSERT_SHARD = "INSERT INTO shards VALUES (%s,%s,%s,%s,%s,%s)"
@@ -103,6 +103,11 @@ class PostgresLedger(Ledger):
         from psycopg import sql
 
         with self._connect(search_path=False) as db:
+            # Made already (the index is created last): skip the DDL, since
+            # CREATE INDEX IF NOT EXISTS takes a lock that waits for, and
+            # holds up, commits in flight.
+            if db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.samples_by_shard",)).fetchone()[0]:
+                return
             # Two processes creating the same schema at once would race on
             # the catalogue; a transaction-scoped advisory lock serialises them.
             db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (schema,))
