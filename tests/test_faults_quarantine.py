@@ -64,6 +64,8 @@ def samples(n, start=0):
 def test_a_run_whose_every_capture_fails_stops_with_the_reason(tmp_path, no_dump_server):
     store, dump_dir = tmp_path / "store", tmp_path / "dumps"
     dump_dir.mkdir()
+    # SQLite only: 40 s of waiting for dumps; its ledger calls (quarantine,
+    # summary, quarantined) run on both backends in test_ledger.py.
     open_store(store, MANIFEST)
     guard = FailureGuard(max_ratio=0.05, max_consecutive=6)
     first = samples(4)
@@ -84,10 +86,10 @@ def test_a_run_whose_every_capture_fails_stops_with_the_reason(tmp_path, no_dump
     assert open_ledger(store).summary()["quarantined"] == 8
 
 
-def test_a_small_run_is_judged_by_its_ratio_at_the_end(tmp_path, no_dump_server):
+def test_a_small_run_is_judged_by_its_ratio_at_the_end(tmp_path, no_dump_server, ledger_url):
     store, dump_dir = tmp_path / "store", tmp_path / "dumps"
     dump_dir.mkdir()
-    open_store(store, MANIFEST)
+    open_store(store, MANIFEST, ledger_url)
     guard = FailureGuard(max_ratio=0.05, max_consecutive=20)
     extract_batch(no_dump_server, dump_dir, store, "data.jsonl", samples(3), aux_layer_ids=[1, 3, 4],
                   sample_attempts=1, guard=guard)
@@ -146,10 +148,10 @@ class DumpingServer(NoDumpServer):
 
 
 
-def test_a_killed_runs_uncommitted_shard_is_replaced_and_committed(tmp_path, caplog):
+def test_a_killed_runs_uncommitted_shard_is_replaced_and_committed(tmp_path, caplog, ledger_url):
     store, dump_dir = tmp_path / "store", tmp_path / "dumps"
     dump_dir.mkdir()
-    open_store(store, {**MANIFEST, "hidden_size": H})
+    open_store(store, {**MANIFEST, "hidden_size": H}, ledger_url)
     batch = samples(3)
     # The run before was killed after writing this batch's shard, before committing it.
     leftover, _ = write_shard(store, [{"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,

@@ -5,7 +5,6 @@ a store built with tasks.store from a real dataset and tokenizer (hidden
 states are random: verification checks the store, not the model)."""
 import json
 import shutil
-import sqlite3
 
 import pytest
 import torch
@@ -32,8 +31,9 @@ def tokenizer(tiny_model):
 
 
 @pytest.fixture
-def built(tmp_path, tiny_model, tokenizer):
-    """A store of 6 demo conversations in 2 shards; returns (store, dataset, rows)."""
+def built(tmp_path, tiny_model, tokenizer, ledger_url):
+    """A store of 6 demo conversations in 2 shards, its ledger in each backend;
+    returns (store, dataset, rows)."""
     rows = demo_rows(6)
     (tmp_path / "data").mkdir()
     dataset = write_jsonl(tmp_path / "data" / "data.jsonl", rows)
@@ -41,7 +41,7 @@ def built(tmp_path, tiny_model, tokenizer):
                 "hidden_size": H, "dtype": "bfloat16", "max_length": MAX_LENGTH, "max_length_policy": "truncate",
                 "target_path": str(tiny_model), "sources": [str(dataset)]}
     store = tmp_path / "store"
-    ledger = open_store(store, manifest)
+    ledger = open_store(store, manifest, ledger_url)
     samples, rejected = prepare_samples(dataset, tokenizer, max_length=MAX_LENGTH)
     assert len(samples) == 6 and not rejected
     g = torch.Generator().manual_seed(0)
@@ -119,9 +119,9 @@ def test_an_edited_row_is_gone_and_says_what_the_row_gives_now(built):
     assert "source changed: row 3 now gives sample" in bad.problems.iloc[0]
 
 
-def test_pruning_refuses_to_copy_a_corrupt_sample_into_a_new_shard(built):
+def test_pruning_refuses_to_copy_a_corrupt_sample_into_a_new_shard(built, index_db):
     store, dataset, rows = built
-    db = sqlite3.connect(store / "ledger.sqlite")
+    db = index_db(store)
     (shard, victim), (keeper,) = db.execute(
         "SELECT shard, sample_id FROM samples WHERE position=0 ORDER BY shard LIMIT 1").fetchone(), \
         db.execute("SELECT sample_id FROM samples WHERE position=1 AND shard=(SELECT shard FROM samples "
