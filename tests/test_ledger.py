@@ -202,3 +202,32 @@ def test_many_first_opens_of_a_postgres_ledger_at_once_make_one_schema(tmp_path,
     with ThreadPoolExecutor(8) as pool:
         ledgers = list(pool.map(lambda _: PostgresLedger(tmp_path, postgres_url, "eagle3_race"), range(8)))
     assert all(ledger.summary()["samples"] == 0 for ledger in ledgers)
+
+
+def test_an_unreachable_server_is_named_without_its_password(tmp_path):
+    from pg_server import free_port
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(StoreError, match=rf"cannot reach the ledger .* at 127\.0\.0\.1:{port}/db \(user u\)") as e:
+        open_store(tmp_path / "s", MANIFEST, f"postgresql://u:hunter2@127.0.0.1:{port}/db")
+    assert "hunter2" not in str(e.value)
+    assert not (tmp_path / "s" / "ledger.json").exists()  # nothing recorded: a rerun may name another server
+
+
+def test_runs_creating_a_postgres_store_at_once_all_use_one_schema(tmp_path, postgres_url, monkeypatch):
+    """ledger.json is linked into place, never renamed over: the first run's
+    schema is the store's, and every other run opens that one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.store.ledger import _choose_postgres
+
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
+    store = tmp_path / "s"
+    store.mkdir()
+    def create_and_open(_):
+        _choose_postgres(store, postgres_url, existed=False)
+        return open_ledger(store).schema  # what this run goes on writing
+
+    with ThreadPoolExecutor(6) as pool:
+        schemas = set(pool.map(create_and_open, range(6)))
+    assert schemas == {open_ledger(store).schema} and sorted(p.name for p in store.iterdir()) == ["ledger.json"]

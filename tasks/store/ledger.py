@@ -20,6 +20,7 @@ import abc
 import json
 import os
 import sqlite3
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -232,7 +233,7 @@ def open_store(store: Path, manifest: dict, ledger_url: str | None = None) -> Le
 def _choose_postgres(store: Path, ledger_url: str, existed: bool) -> None:
     import secrets
 
-    from tasks.store.ledger_postgres import URL_ENV, _same_server, describe, public_url
+    from tasks.store.ledger_postgres import URL_ENV, PostgresLedger, _same_server, describe, public_url
 
     if ledger_url == "env":
         ledger_url = os.environ.get(URL_ENV) or ""
@@ -250,7 +251,10 @@ def _choose_postgres(store: Path, ledger_url: str, existed: bool) -> None:
     # The password stays out of the store (see ledger_postgres.py); the schema
     # is random so two stores never share tables, wherever they are mounted.
     record = {"backend": "postgres", "url": public_url(ledger_url), "schema": f"eagle3_{secrets.token_hex(6)}"}
-    tmp = store / f".{LEDGER_JSON}.{os.getpid()}"
+    # Reach the server and make the tables before recording the choice: a
+    # wrong URL or a server that is down leaves no ledger.json to undo.
+    PostgresLedger(store, ledger_url, record["schema"])
+    tmp = store / f".{LEDGER_JSON}.{os.getpid()}.{threading.get_ident()}"
     write_json_atomic(tmp, record)
     try:
         # Created once: of two runs creating the store at once, the first
