@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Sequence
 
+from tasks.durable import replace_durably
 from tasks.store.shards import BF16, FORMAT, STORAGE_DTYPES, file_sha256
 from tasks.target.architectures import Architecture
 
@@ -103,17 +103,4 @@ def create_or_check(store: Path, manifest: dict) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Fsynced before and after the rename: after a crash the file is the
-    old one or the new one, never empty or torn."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    replace_durably(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))

@@ -13,7 +13,6 @@ finds the files it describes. Sealing again replaces the export.
 """
 from __future__ import annotations
 
-import os
 import sqlite3
 import time
 from contextlib import closing
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tasks.durable import replace_durably
 from tasks.store.ledger import SCHEMA, ledger_record, open_ledger
 from tasks.store.lock import hold_lock
 from tasks.store.manifest import write_json_atomic
@@ -39,8 +39,8 @@ def seal(store: Path) -> dict:
         out = store / INDEX_DIR
         out.mkdir(exist_ok=True)
         for name, frame in tables.items():
-            _write_atomic(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
-        _write_atomic(out / "ledger.sqlite", lambda tmp: _sqlite_copy(tmp, tables))
+            replace_durably(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
+        replace_durably(out / "ledger.sqlite", lambda tmp: _sqlite_copy(tmp, tables))
         files = sorted([f"{name}.parquet" for name in tables] + ["ledger.sqlite"])
         record = {"sealed_at": time.time(), "backend": ledger_record(store)["backend"], "summary": summary,
                   "files": {f: file_sha256(out / f) for f in files}}
@@ -58,16 +58,3 @@ def _sqlite_copy(path: Path, tables: dict[str, pd.DataFrame]) -> None:
             db.executemany(f"INSERT INTO {name} ({','.join(frame.columns)}) VALUES ({marks})", rows)
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tasks.durable import replace_durably
 from tasks.store.reader import StoreReader
 from tasks.store.verification import require_verified
 from tasks.target.layers import AuxLayers
@@ -124,19 +125,7 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def _save_atomic(obj, path: Path) -> None:
-    """Fsynced before and after the rename: a crash (or power loss) leaves
-    the old checkpoint or the new one, never a torn file under the name."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    replace_durably(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _load_checkpoint(path: Path) -> dict:
