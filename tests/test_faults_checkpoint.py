@@ -119,3 +119,41 @@ def test_a_kill_while_replacing_an_export_leaves_a_whole_export(trained, tiny_mo
     assert proc.returncode == -9, proc.stderr  # it did die mid-replacement
     now = export_weights(load_exported(drafter, tiny_model))  # a whole export is there ...
     assert torch.allclose(now["fc.weight"].float(), trained_fc + delta, atol=0.05)  # ... and it is the new one
+
+
+def test_training_refuses_a_sample_changed_after_verification(trained, tmp_path):
+    """A byte flipped in a shard after its verification passed: the store
+    still looks verified (the report is newer than every commit), but
+    training reads each sample against its committed checksum and stops,
+    naming the sample, before training on it."""
+    import shutil
+
+    from tasks.store.reader import CorruptSample, StoreReader
+    from tasks.store.verification import require_verified
+
+    cfg, _ = trained
+    store = tmp_path / "store"
+    shutil.copytree(cfg.store, store)
+    reader = StoreReader(store)
+    shard = next((store / "shards").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x40  # inside the last tensor's data, past the header
+    shard.write_bytes(bytes(data))
+    require_verified(store)  # the stale report still says yes
+    before = [reader[i] for i in range(len(reader))]  # a plain read does not look
+    damaged = [i for i in range(len(reader))
+               if isinstance(_read_checked(store, i), CorruptSample)]
+    assert len(damaged) == 1, damaged
+    with pytest.raises(CorruptSample, match=f"sample {reader.sample_ids[damaged[0]]} in .*flows.verify"):
+        train(TrainConfig(**{**cfg.__dict__, "store": str(store), "out_dir": str(tmp_path / "train")}))
+    assert not (tmp_path / "train" / "drafter").exists()
+    assert len(before) == len(reader)
+
+
+def _read_checked(store, i):
+    from tasks.store.reader import CorruptSample, StoreReader
+
+    try:
+        return StoreReader(store, verify_checksums=True)[i]
+    except CorruptSample as e:
+        return e

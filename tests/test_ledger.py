@@ -41,7 +41,7 @@ def test_interface_round_trip(tmp_path, ledger_url, index_db):
     assert ledger.stored_ids() == {"s000", "s001", "s002"}
     expect = sorted(rows_a + rows_b, key=lambda r: (r["shard"], r["position"]))
     assert ledger.sample_index() == [(r["sample_id"], r["shard"], r["token_offset"], r["num_tokens"],
-                                      r["num_loss_tokens"], r["source_row"]) for r in expect]
+                                      r["num_loss_tokens"], r["source_row"], r["checksum"]) for r in expect]
     assert ledger.samples().to_dict("records") == expect
     assert ledger.has_shard(a.name) and not ledger.has_shard("shard-none")
     ledger.replace_shard(a.name, None, [])

@@ -84,7 +84,8 @@ class Ledger(abc.ABC):
     @abc.abstractmethod
     def sample_index(self) -> list[tuple]:
         """(sample_id, shard, token_offset, num_tokens, num_loss_tokens,
-        source_row) per sample, by shard and position: what a reader needs."""
+        source_row, checksum) per sample, by shard and position: what a
+        reader needs."""
 
 
 SCHEMA = """
@@ -185,8 +186,8 @@ class SqliteLedger(Ledger):
         return self._frame("SELECT * FROM quarantine")
 
     def sample_index(self) -> list[tuple]:
-        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row "
-                          "FROM samples ORDER BY shard, position")
+        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row, "
+                          "checksum FROM samples ORDER BY shard, position")
 
 
 LEDGER_JSON = "ledger.json"

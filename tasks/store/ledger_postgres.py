@@ -202,5 +202,5 @@ class PostgresLedger(Ledger):
         return self._frame("SELECT * FROM quarantine", QUARANTINE_COLUMNS)
 
     def sample_index(self) -> list[tuple]:
-        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row "
-                          "FROM samples ORDER BY shard COLLATE \"C\", position")
+        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row, "
+                          "checksum FROM samples ORDER BY shard COLLATE \"C\", position")

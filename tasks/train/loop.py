@@ -173,7 +173,9 @@ def prepare(cfg: TrainConfig, vocab: DraftVocab | None = None, rank: int = 0, wo
     (counting is the slow part: it reads the target's final states)."""
     store = Path(cfg.store)
     require_verified(store)
-    reader = StoreReader(store)
+    # Verification passed once; each sample is checked again as it is read,
+    # so bytes changed since then are never trained on.
+    reader = StoreReader(store, verify_checksums=True)
     if len(reader) < 2:
         raise TrainingError(f"store {store} holds {len(reader)} samples: training needs at least 2")
     manifest = reader.manifest
