@@ -1,7 +1,8 @@
 """Checkpoints and exports under real faults: a checkpoint that would run
 code when unpickled is refused without running it, a damaged one is named,
 and a process killed while replacing an export leaves a whole export; a
-NaN loss is skipped, or stops the run keeping the last good checkpoint.
+NaN loss is skipped, or stops the run keeping the last good checkpoint, and
+a NaN drafter fails the export check.
 Training runs for real on the tiny target, on a store of random hidden
 states built with tasks.store."""
 import json
@@ -189,3 +190,19 @@ def test_a_persistent_nan_stops_and_keeps_the_last_good_checkpoint(trained, tiny
     assert result.resumed_from["step"] == 1 and result.steps >= 4 and result.nonfinite_steps == 0
     assert _finite(export_weights(load_exported(Path(result.drafter_dir), tiny_model)))
 
+
+def test_the_export_check_refuses_a_nan_drafter(trained, tiny_model, tmp_path, monkeypatch):
+    import logging
+    from safetensors.torch import load_file, save_file
+    import flows.train
+    from flows.train import check_export_task
+    monkeypatch.setattr(flows.train, "get_run_logger", lambda: logging.getLogger("test"))  # outside a flow run
+    cfg, _ = trained
+    out_dir = tmp_path / "train"  # its own run: the kill tests replace the module run's export
+    drafter = Path(train(_small_batches(cfg, out_dir)).drafter_dir)
+    assert check_export_task.fn(str(drafter), str(out_dir), str(tiny_model))["worst_relative_diff"] < 1e-2
+    tensors = load_file(drafter / "model.safetensors")
+    tensors["fc.weight"][0, 0] = float("nan")
+    save_file(tensors, str(drafter / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="exported drafter tensor fc.weight holds NaN"):
+        check_export_task.fn(str(drafter), str(out_dir), str(tiny_model))
