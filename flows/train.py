@@ -6,6 +6,7 @@ export the drafter SGLang serves -> read it back -> metrics artifacts.
 from __future__ import annotations
 
 import base64
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -54,10 +55,16 @@ def check_export_task(drafter_dir: str, out_dir: str, target: str) -> dict:
     for name, tensor in trained.items():
         if name not in loaded:
             raise RuntimeError(f"exported drafter {drafter_dir} lacks {name}")
+        # NaN-safe: max(worst, nan) keeps worst, so a NaN difference would pass.
+        for what, t in (("exported", loaded[name]), ("trained (checkpoint)", tensor)):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise RuntimeError(f"{what} drafter tensor {name} holds NaN or infinite values ({drafter_dir})")
         diff = (loaded[name].float() - tensor.float()).abs().max().item()
         scale = tensor.float().abs().max().item() or 1.0
+        if not math.isfinite(diff / scale):
+            raise RuntimeError(f"exported drafter {drafter_dir}: {name} differs by a non-finite amount")
         worst = max(worst, diff / scale)
-    if worst > 1e-2:  # bf16 export of fp32 weights: ~4e-3 relative at most
+    if not worst <= 1e-2:  # bf16 export of fp32 weights: ~4e-3 relative at most
         raise RuntimeError(f"exported drafter {drafter_dir} differs from the trained one (relative {worst:.2e})")
     get_run_logger().info("export %s reads back: %d tensors, worst relative difference %.1e (bf16)",
                           drafter_dir, len(loaded), worst)

@@ -1,9 +1,12 @@
 """Checkpoints and exports under real faults: a checkpoint that would run
 code when unpickled is refused without running it, a damaged one is named,
-and a process killed while replacing an export leaves a whole export.
+and a process killed while replacing an export leaves a whole export; a
+NaN loss is skipped, or stops the run keeping the last good checkpoint, and
+a NaN drafter fails the export check.
 Training runs for real on the tiny target, on a store of random hidden
 states built with tasks.store."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -157,3 +160,87 @@ def _read_checked(store, i):
         return StoreReader(store, verify_checksums=True)[i]
     except CorruptSample as e:
         return e
+
+
+# A NaN loss, injected for real: the TTT forward's loss is multiplied by NaN
+# on chosen optimizer steps, so backward gives NaN gradients too.
+def _nan_on(monkeypatch, steps, before=None):
+    import dataclasses
+    import tasks.train.ttt as ttt_mod
+    real = ttt_mod.ttt_forward
+    calls = {"n": 0}
+
+    def poisoned(*a, **kw):
+        out = real(*a, **kw)
+        if torch.is_grad_enabled():  # a training step, not an evaluation
+            calls["n"] += 1
+            if before:
+                before(calls["n"])
+            if calls["n"] in steps:
+                return dataclasses.replace(out, loss=out.loss * float("nan"))
+        return out
+
+    monkeypatch.setattr(ttt_mod, "ttt_forward", poisoned)
+    return calls
+
+
+def _small_batches(cfg: TrainConfig, out_dir: Path, **kw) -> TrainConfig:
+    return TrainConfig(**{**cfg.__dict__, "out_dir": str(out_dir), "tokens_per_batch": 256, **kw})  # 5+ steps
+
+
+def _finite(state: dict) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+
+
+def test_a_transient_nan_loss_is_skipped_and_training_ends_finite(trained, tiny_model, tmp_path, monkeypatch, caplog):
+    cfg, _ = trained
+    calls = _nan_on(monkeypatch, {2})
+    out_dir = tmp_path / "train"
+    with caplog.at_level("WARNING", logger="eagle3.training"):
+        result = train(_small_batches(cfg, out_dir))
+    assert calls["n"] == result.steps >= 4 and result.nonfinite_steps == 1
+    assert "step 2: non-finite loss and gradient norm" in caplog.text and "step skipped" in caplog.text
+    assert _finite(torch.load(out_dir / CHECKPOINT, weights_only=True)["model"])
+    assert _finite(export_weights(load_exported(Path(result.drafter_dir), tiny_model)))
+    assert all(math.isfinite(h["loss"]) for h in result.history)
+
+
+def test_a_persistent_nan_stops_and_keeps_the_last_good_checkpoint(trained, tiny_model, tmp_path, monkeypatch):
+    cfg, _ = trained
+    out_dir = tmp_path / "train"
+    good = {}
+
+    def before(n):  # the checkpoint on disk as the first NaN step starts: step 1's
+        if n == 2:
+            good["bytes"] = (out_dir / CHECKPOINT).read_bytes()
+
+    _nan_on(monkeypatch, set(range(2, 100)), before)
+    run_cfg = _small_batches(cfg, out_dir, max_nonfinite_steps=2)
+    with pytest.raises(TrainingError, match=r"step 3: 2 optimizer steps in a row had a non-finite loss and "
+                                            r"gradient norm .*nothing was exported.*last good checkpoint"):
+        train(run_cfg)
+    assert (out_dir / CHECKPOINT).read_bytes() == good["bytes"]  # not replaced by the NaN steps' state
+    ckpt = torch.load(out_dir / CHECKPOINT, weights_only=True)
+    assert ckpt["step"] == 1 and _finite(ckpt["model"])
+    assert not (out_dir / "drafter").exists() and not (out_dir / "result.json").exists()
+    monkeypatch.undo()  # the fault is gone: a resume from the good checkpoint finishes
+    result = train(run_cfg)
+    assert result.resumed_from["step"] == 1 and result.steps >= 4 and result.nonfinite_steps == 0
+    assert _finite(export_weights(load_exported(Path(result.drafter_dir), tiny_model)))
+
+
+def test_the_export_check_refuses_a_nan_drafter(trained, tiny_model, tmp_path, monkeypatch):
+    import logging
+    from safetensors.torch import load_file, save_file
+    import flows.train
+    from flows.train import check_export_task
+    monkeypatch.setattr(flows.train, "get_run_logger", lambda: logging.getLogger("test"))  # outside a flow run
+    cfg, _ = trained
+    out_dir = tmp_path / "train"  # its own run: the kill tests replace the module run's export
+    drafter = Path(train(_small_batches(cfg, out_dir)).drafter_dir)
+    assert check_export_task.fn(str(drafter), str(out_dir), str(tiny_model))["worst_relative_diff"] < 1e-2
+    tensors = load_file(drafter / "model.safetensors")
+    tensors["fc.weight"][0, 0] = float("nan")
+    save_file(tensors, str(drafter / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="exported drafter tensor fc.weight holds NaN"):
+        check_export_task.fn(str(drafter), str(out_dir), str(tiny_model))

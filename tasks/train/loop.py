@@ -67,12 +67,19 @@ class TrainConfig:
     checkpoint_every: int = 50
     log_every: int = 10
     devices: int = 1
+    # Optimizer steps in a row whose loss or gradient norm is not finite that
+    # are skipped (gradients dropped, weights untouched) before the run stops.
+    # A safety limit, not a training setting: a run that stopped on it may be
+    # resumed with another (a good step is the same under any value).
+    max_nonfinite_steps: int = 3
 
-    RESUMABLE = ("checkpoint_every", "log_every", "devices")
+    RESUMABLE = ("checkpoint_every", "log_every", "devices", "max_nonfinite_steps")
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps {self.max_nonfinite_steps}: at least 1")
 
     def identity(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUMABLE}
@@ -104,6 +111,7 @@ class TrainResult:
     data_wait_s: float = 0.0
     compute_s: float = 0.0
     tokens: int = 0
+    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
 
     @property
     def final(self) -> dict:
@@ -126,6 +134,26 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 def _save_atomic(obj, path: Path) -> None:
     replace_durably(path, lambda tmp: torch.save(obj, tmp))
+
+
+def nonfinite_tensors(tensors: dict) -> list[str]:
+    """Names of the tensors (nested dicts and lists walked, e.g. an optimizer
+    state) holding a NaN or an infinity."""
+    bad: list[str] = []
+
+    def walk(prefix: str, v) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                bad.append(prefix)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+        elif isinstance(v, (list, tuple)):
+            for k, x in enumerate(v):
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+
+    walk("", tensors)
+    return bad
 
 
 def _load_checkpoint(path: Path) -> dict:
@@ -324,7 +352,17 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
                 cfg.ttt_steps, run.vocab.size, run.device, world,
                 "bf16 autocast" if autocast_dtype(cfg.precision, run.device) else "fp32")
 
+    def require_finite(what: str) -> None:
+        # Every rank checks (its weights equal rank 0's under DDP), so all
+        # raise together rather than leave the others waiting in a collective.
+        bad = nonfinite_tensors({"model": model.trainable_state(), "optimizer": opt.state_dict()["state"]})
+        if bad:
+            raise TrainingError(f"refusing to write {what} at step {step}: non-finite values in "
+                                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; {ckpt_path} "
+                                f"(the last good checkpoint) is kept")
+
     def save(epoch_: int, batch_: int) -> None:
+        require_finite(f"checkpoint {ckpt_path}")
         if rank == 0:
             _save_atomic({"identity": cfg.identity(), "model": model.trainable_state(),
                           "optimizer": opt.state_dict(), "epoch": epoch_, "batch": batch_, "step": step,
@@ -338,6 +376,7 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
             on_eval(history[-1])
     wait_s = compute_s = 0.0
     tokens = 0
+    skipped = in_a_row = 0
     while epoch < cfg.epochs:
         mine = plans[epoch][rank::world][:per_epoch]
         t_epoch, tok_epoch = time.time(), 0
@@ -352,8 +391,37 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
                 out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            opt.step()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+            # 1 where the loss / the total gradient norm is NaN or infinite.
+            # Under DDP the gradients (so the norm) agree across ranks but the
+            # losses do not: the flags are all-reduced (max), so every rank
+            # makes the same decision and the weights stay identical.
+            flags = torch.stack([~torch.isfinite(out.loss.detach().float()),
+                                 ~torch.isfinite(grad_norm.detach().float())]).float()
+            if world > 1:
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            bad_loss, bad_grad = (bool(f) for f in flags.tolist())
+            if bad_loss or bad_grad:
+                # Skip: the step's gradients are dropped and the weights (and
+                # Adam's moments) are left as they were; the batch is spent.
+                opt.zero_grad(set_to_none=True)
+                skipped += 1
+                in_a_row += 1
+                what = "loss and gradient norm" if bad_loss and bad_grad else "loss" if bad_loss else "gradient norm"
+                if rank == 0:
+                    logger.warning("epoch %d/%d step %d: non-finite %s (loss %s, gradient norm %s): step skipped "
+                                   "(%d in a row, %d in all; the run stops at %d in a row)", epoch + 1,
+                                   cfg.epochs, step + 1, what, f"{out.loss.item():.3g}", f"{grad_norm.item():.3g}",
+                                   in_a_row, skipped, cfg.max_nonfinite_steps)
+                if in_a_row >= cfg.max_nonfinite_steps:
+                    raise TrainingError(
+                        f"training stopped at epoch {epoch + 1}, step {step + 1}: {in_a_row} optimizer steps in a "
+                        f"row had a non-finite {what} (max_nonfinite_steps {cfg.max_nonfinite_steps}); nothing "
+                        f"was exported, and {ckpt_path} (the last good checkpoint, written before these steps) is "
+                        f"kept. A resume replays the same batches: lower lr or max_grad_norm, or check the store")
+            else:
+                opt.step()
+                in_a_row = 0
             step += 1
             n_tok = int(batch["lengths"].sum())
             tokens += n_tok
@@ -367,7 +435,10 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
                 logger.info("epoch %d/%d step %d/%d: loss %.3f, acc0 %.2f, lr %.2e, %.0f tok/s, ETA %.0f s",
                             epoch + 1, cfg.epochs, step, total, out.loss.item(), acc0, lr_at(step, total, cfg),
                             rate, left)
-            if step % cfg.checkpoint_every == 0:
+            if step % cfg.checkpoint_every == 0 and in_a_row == 0:
+                # Not inside a run of skipped steps: should it end the run,
+                # the checkpoint on disk is the one before it, and a resume
+                # (say at a lower lr) replays its batches.
                 save(epoch, i + 1)
         epoch, batch_pos = epoch + 1, 0
         if rank == 0:
@@ -377,6 +448,7 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
                 on_eval(history[-1])
         save(epoch, 0)
     drafter_dir = out_dir / "drafter"
+    require_finite(f"the export {drafter_dir}")
     if rank == 0:
         export_drafter(model, run.layers, drafter_dir, extra={
             "store": str(Path(cfg.store).resolve()), "target": str(run.target), "steps": step,
@@ -387,7 +459,8 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
     result = TrainResult(drafter_dir=str(drafter_dir), history=history, steps=step,
                          train_samples=len(run.train_idx), heldout_samples=len(run.held_idx),
                          draft_vocab_size=run.vocab.size, target=str(run.target), resumed_from=resumed,
-                         seconds=time.time() - started, data_wait_s=wait_s, compute_s=compute_s, tokens=tokens)
+                         seconds=time.time() - started, data_wait_s=wait_s, compute_s=compute_s, tokens=tokens,
+                         nonfinite_steps=skipped)
     if rank == 0:
         (out_dir / RESULT).write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
     return result
