@@ -7,6 +7,7 @@ when its shard is committed there, and at no other moment.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -18,6 +19,7 @@ import httpx
 
 from tasks.capture.client import DUMP_WAIT_S, capture_many, probe_capture
 from tasks.capture.dump import CaptureError, RID_PREFIX, TMP_PREFIX
+from tasks.paths import ensure_private_dir
 from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.server.launch import server_healthy
 from tasks.store.ledger import Ledger, open_ledger
@@ -101,8 +103,7 @@ def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
     """Remove dumps this pipeline wrote earlier (only its own files: its rid
     prefix, or its temp files), check the directory is writable. Returns the
     number removed."""
-    dump_dir = Path(dump_dir)
-    dump_dir.mkdir(parents=True, exist_ok=True)
+    dump_dir = ensure_private_dir(Path(dump_dir))
     removed = 0
     for path in dump_dir.iterdir():
         name = path.name
@@ -112,7 +113,9 @@ def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
             removed += 1
     probe = dump_dir / f"{TMP_PREFIX}write-check"
     try:
-        probe.write_bytes(b"ok")
+        probe.unlink(missing_ok=True)  # a planted symlink goes, its target untouched
+        # O_NOFOLLOW | O_EXCL: never writes through a link someone planted.
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         probe.unlink()
     except OSError as e:
         raise PermissionError(f"dump dir {dump_dir} is not writable: {e}") from e

@@ -27,7 +27,7 @@ from typing import Sequence
 import httpx
 
 from tasks.capture.dump import RID_PREFIX
-from tasks.paths import REPO_ROOT
+from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.cpu_shim import gpu_present, resolve_dtype, server_environment
 from tasks.target.architectures import architecture_at
 
@@ -207,7 +207,8 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
         raise ValueError(f"tp_size must be >= 1, got {cfg.tp_size}")
     cpu = (not gpu_present()) if cfg.cpu is None else cfg.cpu
     port = cfg.port or free_port(cfg.host)
-    Path(cfg.dump_dir).mkdir(parents=True, exist_ok=True)
+    if cfg.capture:
+        ensure_private_dir(cfg.dump_dir)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = server_environment(cpu=cpu, speculative=cfg.draft_model_path is not None)
