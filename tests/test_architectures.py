@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from tasks.capture.client import capture_many
-from tasks.server.cpu_shim import gpu_present, resolve_dtype
-from tasks.server.launch import ServerConfig, build_command, hook_spec, launch_server
+from tasks.server.launch import ServerConfig, build_command, cpu_attention_backend, hook_spec, launch_server
 from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \
     architecture_of
 from tasks.target.layers import AuxLayers
-from tasks.target.models import TINY_QWEN3, TINY_QWEN3_MOE, ensure_model
+from tasks.target.models import TINY_DEEPSEEK_V3, TINY_KIMI_K25, TINY_QWEN3, TINY_QWEN3_MOE, ensure_model
 from tasks.target.reference import compare_with_reference, load_reference_model, reference_states
 from tests.conftest import ARTIFACTS
 
@@ -65,6 +64,20 @@ def test_flags_that_break_capture_are_refused(tmp_path, flag):
         build_command(cfg, 1234, cpu=True)
 
 
+@pytest.mark.parametrize("arch, backend", [("LlamaForCausalLM", None), ("DeepseekV3ForCausalLM", "intel_amx"),
+                                           ("KimiK25ForConditionalGeneration", "intel_amx")])
+def test_mla_targets_get_the_intel_amx_backend_on_a_cpu_only(tmp_path, arch, backend):
+    # torch_native, SGLang's CPU default, has no MLA path: the first prefill
+    # of a DeepSeek-V3 or Kimi target dies there.
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    cfg = ServerConfig(model_path=str(tmp_path), dump_dir=tmp_path / "d")
+    assert cpu_attention_backend(cfg) == backend
+    on_cpu, on_gpu = build_command(cfg, 1, cpu=True), build_command(cfg, 1, cpu=False)
+    assert ("--attention-backend" in on_cpu) == (backend is not None) and "--attention-backend" not in on_gpu
+    own = ServerConfig(model_path=str(tmp_path), dump_dir=tmp_path / "d", extra_args=("--attention-backend=x",))
+    assert "--attention-backend" not in build_command(own, 1, cpu=True)  # the user's choice stands
+
+
 @pytest.mark.server
 def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
     from tasks.server.launch import ServerError
@@ -75,14 +88,12 @@ def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
         launch_server(cfg, tmp_path / "server.log", timeout_s=600)
 
 
-def server_dtype() -> torch.dtype:
-    dtype = resolve_dtype("auto", cpu=not gpu_present())
-    return torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
-
-
 @pytest.mark.server
-@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_MOE])
+@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_MOE, TINY_DEEPSEEK_V3, TINY_KIMI_K25])
 def test_captures_equal_hf_on_each_architecture(name, tmp_path):
+    # float32 on both sides: a random MoE router has near-ties that bf16
+    # rounding flips (seen: one token of 70 routed differently, cosine 0.998
+    # from there on), which would measure rounding, not the capture.
     model = ensure_model(name)
     config = json.loads((model / "config.json").read_text())
     arch = architecture_of(config)
@@ -90,10 +101,12 @@ def test_captures_equal_hf_on_each_architecture(name, tmp_path):
     layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], [2, 4, 5])  # not the default set
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 70, 300)]  # 300 > chunk: two forwards
+    # Kimi-K2.5 is served with its checkpoint's own processor code, as the real one is.
+    extra = ("--trust-remote-code",) if arch is KIMI_K25 else ()
     cfg = ServerConfig(model_path=str(model), dump_dir=tmp_path / "dumps", max_total_tokens=8192,
                        chunked_prefill_size=256, aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids),
-                       capture_module=arch.decoder_stack)
-    reference = load_reference_model(str(model), server_dtype())
+                       dtype="float32", extra_args=extra)
+    reference = load_reference_model(str(model), torch.float32)
 
     def check(i, capture):
         assert capture.aux_layer_ids == layers.sglang_ids  # what the hook saw SGLang capture

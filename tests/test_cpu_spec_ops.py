@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tasks.paths import REPO_ROOT
-from tasks.server.cpu_shim import CPU_SPECULATIVE_SWITCH, SGLANG_SITE_DIR, server_environment
+from tasks.server.cpu_shim import CPU_OPS_SWITCH, SGLANG_SITE_DIR, server_environment
 from tasks.server.cpu_spec_ops import SCHEMAS, TREE_MASK_FULL, TREE_MASK_QLEN_ONLY, register_ops
 
 ops = torch.ops.sgl_kernel
@@ -376,6 +376,37 @@ def test_extend_attention_sees_prefix_and_causal_or_tree_extend(tree, logit_cap)
         torch.testing.assert_close(o[s: s + e].double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_extend_attention_over_an_mla_latent_cache_attends_to_the_extend_only():
+    # MLA's prefill (DeepSeek-V3, Kimi): per-head keys and values expanded from
+    # the latent, while the cache holds the latent itself (one wider "head").
+    # Without a cached prefix the result is causal attention over the extend;
+    # with one, the cache cannot stand in for keys, so it is refused.
+    g = gen(42)
+    H, D, Dv, latent, slots = 4, 12, 8, 20, 64
+    k_buffer, v_buffer = torch.randn(slots, 1, latent, generator=g), torch.randn(slots, 1, latent - 4, generator=g)
+    req_to_token = torch.randperm(slots, generator=g).to(torch.int32).view(4, 16)
+    rpi = torch.tensor([2, 0], dtype=torch.int64)
+    ext_lens = [5, 3]
+    start_loc = torch.tensor([0, 5], dtype=torch.int32)
+    T = sum(ext_lens)
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g), torch.randn(T, H, Dv, generator=g)
+    o = torch.zeros(T, H, Dv)
+    sm_scale = D ** -0.5
+
+    def run(seq_lens):
+        ops.extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, 1.0, 1.0, req_to_token, rpi,
+                                 torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(ext_lens, dtype=torch.int32),
+                                 start_loc, max(ext_lens), sm_scale, 0.0, False, 0, None, None, None, True)
+
+    run(ext_lens)
+    for s, e in zip(start_loc.tolist(), ext_lens):
+        visible = [[j <= m for j in range(e)] for m in range(e)]
+        want = naive_attention(q[s: s + e], k[s: s + e], v[s: s + e], visible, sm_scale, 0.0)
+        torch.testing.assert_close(o[s: s + e].double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="cached prefix of 2 tokens"):
+        run([ext_lens[0] + 2, ext_lens[1]])
+
+
 def test_attention_refuses_what_it_does_not_implement():
     c = extend_case(gen(41), False)
     T, H, D = c["q"].shape
@@ -388,13 +419,13 @@ def test_attention_refuses_what_it_does_not_implement():
 
 # ------------------------------------------------------- server-process wiring
 
-def test_speculative_environment_only_on_cpu():
-    env = server_environment({"PYTHONPATH": "/x"}, cpu=True, speculative=True)
-    assert env[CPU_SPECULATIVE_SWITCH] == "1"
+def test_cpu_ops_environment_only_on_cpu():
+    env = server_environment({"PYTHONPATH": "/x"}, cpu=True, cpu_ops=True)
+    assert env[CPU_OPS_SWITCH] == "1"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(SGLANG_SITE_DIR), "/x"]
-    assert CPU_SPECULATIVE_SWITCH not in server_environment({}, cpu=True)
+    assert CPU_OPS_SWITCH not in server_environment({}, cpu=True)
     base = {"PATH": "/bin"}
-    assert server_environment(base, cpu=False, speculative=True) == base
+    assert server_environment(base, cpu=False, cpu_ops=True) == base
 
 
 def run_site(env: dict) -> dict:
@@ -413,11 +444,11 @@ def run_site(env: dict) -> dict:
 
 
 def test_sitecustomize_installs_in_server_processes_only_when_asked():
-    on = run_site(server_environment(cpu=True, speculative=True))
+    on = run_site(server_environment(cpu=True, cpu_ops=True))
     assert on["installed"] and sorted(on["ops"]) == sorted(SCHEMAS)
     # SGLang keeps intel_amx, but the model layers still see no AMX.
     assert on["has_amx"] is True and on["layers_amx"] is False
-    env = server_environment(cpu=True, speculative=True)
-    env.pop(CPU_SPECULATIVE_SWITCH)
+    env = server_environment(cpu=True, cpu_ops=True)
+    env.pop(CPU_OPS_SWITCH)
     off = run_site(env)
     assert not off["installed"] and off["ops"] == []

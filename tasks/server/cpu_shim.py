@@ -19,7 +19,7 @@ from tasks.paths import REPO_ROOT, cache_root
 STUB_SOURCE = REPO_ROOT / "csrc" / "libcuda_stub.c"
 # Holds the sitecustomize.py that server processes import at start-up.
 SGLANG_SITE_DIR = Path(__file__).resolve().parent / "sglang_site"
-CPU_SPECULATIVE_SWITCH = "EAGLE3_CPU_SPECULATIVE"
+CPU_OPS_SWITCH = "EAGLE3_CPU_OPS"
 
 
 def gpu_present() -> bool:
@@ -77,15 +77,16 @@ def build_libcuda_stub() -> Path:
 
 
 def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None = None,
-                       speculative: bool = False) -> dict[str, str]:
+                       cpu_ops: bool = False) -> dict[str, str]:
     """The environment for an SGLang server process.
 
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
-    switch and the stub driver, and with `speculative=True` also the
-    sitecustomize that supplies the CPU speculative-decoding operators
-    (tasks/server/sglang_site, tasks/server/cpu_spec_ops.py; it needs the repository root on
-    PYTHONPATH too, which the launcher adds). On a GPU machine: `base`
-    unchanged, since SGLang's own kernels serve speculative decoding there.
+    switch and the stub driver, and with `cpu_ops=True` also the
+    sitecustomize that supplies the operators SGLang's intel_amx attention
+    backend calls (tasks/server/sglang_site, tasks/server/cpu_spec_ops.py; it
+    needs the repository root on PYTHONPATH too, which the launcher adds):
+    speculative decoding and MLA targets need that backend. On a GPU
+    machine: `base` unchanged, since SGLang's own kernels serve both there.
     """
     env = dict(os.environ if base is None else base)
     if cpu is None:
@@ -95,8 +96,8 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
         stub_dir = str(build_libcuda_stub())
         paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([stub_dir, *paths])
-        if speculative:
-            env[CPU_SPECULATIVE_SWITCH] = "1"
+        if cpu_ops:
+            env[CPU_OPS_SWITCH] = "1"
             paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
             env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SITE_DIR), *paths])
     return env

@@ -259,9 +259,19 @@ def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
     extend_seq_lens[i] slots of its req_to_token row) and to the new tokens:
     causally, or as a QLEN_ONLY tree mask ([sum n_i*n_i], row = query) says."""
     _refuse_unsupported("extend_attention_cpu", is_cross_attention, sliding_window_size, encoder_lens, sinks)
-    if k_extend is not None:
+    # MLA's prefill runs as multi-head attention over keys and values expanded
+    # from the latent, while the cache holds the latent itself (one 576-wide
+    # "head" on DeepSeek-V3): the cache cannot be read as this call's keys.
+    # SGLang takes that path only for requests without a cached prefix, and
+    # the upstream kernel then skips the prefix; a prefix here would be
+    # attention over the wrong tokens, so it is refused below.
+    latent_cache = k_extend is not None and k_extend[:1].numel() != k_buffer[:1].numel()
+    if k_extend is not None and not latent_cache:
         k_extend = k_extend.reshape(-1, *k_buffer.shape[1:])
         v_extend = v_extend.reshape(-1, *v_buffer.shape[1:])
+    elif latent_cache:
+        k_extend = k_extend.reshape(q_extend.shape[0], -1, q_extend.shape[-1])
+        v_extend = v_extend.reshape(q_extend.shape[0], k_extend.shape[1], -1)
     rows = req_to_token.view(-1)
     pool_len = req_to_token.shape[1]
     mask_offset = 0
@@ -269,7 +279,14 @@ def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
                                             extend_seq_lens.tolist(), extend_start_loc.tolist()):
         prefix_len = seq_len - ext_len
         slots = rows[req * pool_len: req * pool_len + seq_len].long()
-        if k_extend is not None:
+        if latent_cache:
+            if prefix_len:
+                raise NotImplementedError(
+                    f"extend_attention_cpu: keys of {k_extend.shape[1]} heads x {k_extend.shape[2]} against a "
+                    f"latent cache of {tuple(k_buffer.shape[1:])} with a cached prefix of {prefix_len} tokens: "
+                    "SGLang's MLA sends prefixed requests down its absorbed path, not this one")
+            keys, values = k_extend[start: start + ext_len], v_extend[start: start + ext_len]
+        elif k_extend is not None:
             keys = torch.cat([k_buffer[slots[:prefix_len]].to(k_extend.dtype), k_extend[start: start + ext_len]])
             values = torch.cat([v_buffer[slots[:prefix_len]].to(v_extend.dtype), v_extend[start: start + ext_len]])
         else:  # KV-shared layers: another layer already wrote this extend's K/V

@@ -29,7 +29,7 @@ import httpx
 from tasks.capture.dump import RID_PREFIX
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.cpu_shim import gpu_present, resolve_dtype, server_environment
-from tasks.target.architectures import architecture_at
+from tasks.target.architectures import Architecture, architecture_at
 
 logger = logging.getLogger("eagle3.server")
 
@@ -92,14 +92,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _architecture(cfg: ServerConfig) -> Architecture | None:
+    """The target's entry, or None for a path that is no checkpoint or an
+    architecture the table lacks: SGLang refuses or serves those with its own
+    words (launch_server quotes them), which say more than a guess here."""
+    try:
+        return architecture_at(cfg.model_path)
+    except (OSError, ValueError):
+        return None
+
+
 def capture_module(cfg: ServerConfig) -> str:
     if cfg.capture_module:
         return cfg.capture_module
-    if not (Path(cfg.model_path) / "config.json").is_file():
-        # A path that is no checkpoint: SGLang refuses it with its own words
-        # (launch_server quotes them), which say more than a guess here.
-        return "model"
-    return architecture_at(cfg.model_path).decoder_stack
+    arch = _architecture(cfg)
+    return arch.decoder_stack if arch else "model"
+
+
+def cpu_attention_backend(cfg: ServerConfig) -> str | None:
+    """On a CPU: the attention backend this server needs (None: SGLang's
+    default). Speculative decoding and MLA targets need intel_amx, which runs
+    on the operators of tasks/server/cpu_spec_ops.py here."""
+    if cfg.draft_model_path is not None:
+        return "intel_amx"
+    arch = _architecture(cfg)
+    return arch.cpu_attention_backend if arch else None
 
 
 def hook_spec(cfg: ServerConfig) -> list[dict]:
@@ -146,10 +163,11 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
             "--speculative-eagle-topk", str(cfg.speculative_eagle_topk),
             "--speculative-num-draft-tokens", str(cfg.speculative_num_draft_tokens),
         ]
-        if cpu:
-            # SGLang's only CPU backend that supports EAGLE; the operators it
-            # needs come from tasks/server/cpu_spec_ops.py (see server_environment).
-            cmd += ["--attention-backend", "intel_amx"]
+    backend = cpu_attention_backend(cfg) if cpu else None
+    if backend and not any(a.split("=", 1)[0] == "--attention-backend" for a in cfg.extra_args):
+        # SGLang's only CPU backend for EAGLE and for MLA; the operators it
+        # needs come from tasks/server/cpu_spec_ops.py (see server_environment).
+        cmd += ["--attention-backend", backend]
     if cfg.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.mem_fraction_static is not None:
@@ -211,7 +229,7 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
         ensure_private_dir(cfg.dump_dir)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = server_environment(cpu=cpu, speculative=cfg.draft_model_path is not None)
+    env = server_environment(cpu=cpu, cpu_ops=cpu_attention_backend(cfg) == "intel_amx")
     # The hook (and, for speculative serving on a CPU, tasks/server/cpu_spec_ops.py) is
     # imported inside the server's processes.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)

