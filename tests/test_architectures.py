@@ -15,7 +15,8 @@ from tasks.server.launch import ServerConfig, build_command, cpu_attention_backe
 from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \
     architecture_of
 from tasks.target.layers import AuxLayers
-from tasks.target.models import TINY_DEEPSEEK_V3, TINY_KIMI_K25, TINY_QWEN3, TINY_QWEN3_MOE, ensure_model
+from tasks.target.models import TINY_DEEPSEEK_V3, TINY_GLM4_MOE, TINY_GPT_OSS, TINY_KIMI_K25, TINY_QWEN3, \
+    TINY_QWEN3_MOE, ensure_model
 from tasks.target.reference import compare_with_reference, load_reference_model, reference_states
 from tests.conftest import ARTIFACTS
 
@@ -89,24 +90,31 @@ def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_MOE, TINY_DEEPSEEK_V3, TINY_KIMI_K25])
+@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_MOE, TINY_DEEPSEEK_V3, TINY_KIMI_K25, TINY_GLM4_MOE,
+                                  TINY_GPT_OSS])
 def test_captures_equal_hf_on_each_architecture(name, tmp_path):
     # float32 on both sides: a random MoE router has near-ties that bf16
     # rounding flips (seen: one token of 70 routed differently, cosine 0.998
     # from there on), which would measure rounding, not the capture.
+    # SGLang's gpt-oss keeps its attention weights in bf16 whatever --dtype
+    # says (float32 fails on a dtype mismatch): bf16 on both sides there,
+    # with a model whose tokens go to every expert (tasks/target/models.py).
+    dtype = "bfloat16" if name == TINY_GPT_OSS else "float32"
     model = ensure_model(name)
     config = json.loads((model / "config.json").read_text())
     arch = architecture_of(config)
     assert arch is ARCHITECTURES[config["architectures"][0]]
     layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], [2, 4, 5])  # not the default set
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 70, 300)]  # 300 > chunk: two forwards
+    # 300 > the chunk: two forwards, the second over a cached prefix (MLA's
+    # absorbed path); 70 and 300 > gpt-oss's 32-token window.
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 70, 300)]
     # Kimi-K2.5 is served with its checkpoint's own processor code, as the real one is.
     extra = ("--trust-remote-code",) if arch is KIMI_K25 else ()
     cfg = ServerConfig(model_path=str(model), dump_dir=tmp_path / "dumps", max_total_tokens=8192,
                        chunked_prefill_size=256, aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids),
-                       dtype="float32", extra_args=extra)
-    reference = load_reference_model(str(model), torch.float32)
+                       dtype=dtype, extra_args=extra)
+    reference = load_reference_model(str(model), getattr(torch, dtype))
 
     def check(i, capture):
         assert capture.aux_layer_ids == layers.sglang_ids  # what the hook saw SGLang capture

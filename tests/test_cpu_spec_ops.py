@@ -281,8 +281,9 @@ def test_verify_tree_greedy_accepts_the_longest_matching_path():
 
 # ------------------------------------------------------------------ attention
 
-def naive_attention(q, keys, values, visible, sm_scale, logit_cap):
-    """q [M, H, D], keys [N, Hkv, D], values [N, Hkv, Dv], visible [M][N] bools."""
+def naive_attention(q, keys, values, visible, sm_scale, logit_cap, sinks=None):
+    """q [M, H, D], keys [N, Hkv, D], values [N, Hkv, Dv], visible [M][N] bools;
+    sinks [H]: one more logit per head in the denominator, attending nothing."""
     M, H, _ = q.shape
     group = H // keys.shape[1]
     out = torch.zeros(M, H, values.shape[2], dtype=torch.float64)
@@ -295,9 +296,10 @@ def naive_attention(q, keys, values, visible, sm_scale, logit_cap):
                 if logit_cap > 0:
                     s = logit_cap * math.tanh(s / logit_cap)
                 scores.append(s if visible[m][j] else -math.inf)
-            top = max(scores)
+            sink = [] if sinks is None else [float(sinks[h])]
+            top = max(scores + sink)
             weights = [math.exp(s - top) for s in scores]
-            total = sum(weights)
+            total = sum(weights) + sum(math.exp(s - top) for s in sink)
             for j, w in enumerate(weights):
                 out[m, h] += (w / total) * values[j, kv].double()
     return out
@@ -407,13 +409,48 @@ def test_extend_attention_over_an_mla_latent_cache_attends_to_the_extend_only():
         run([ext_lens[0] + 2, ext_lens[1]])
 
 
-def test_attention_refuses_what_it_does_not_implement():
+def test_attention_with_sinks_and_a_sliding_window():
+    # gpt-oss: every other layer sees only the last `window` tokens, and each
+    # head has a sink logit. Checked over a cached prefix and causal extend
+    # (prefill) and one decode step.
     c = extend_case(gen(41), False)
     T, H, D = c["q"].shape
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    sinks, window, sm_scale = torch.randn(H, generator=gen(43)), 4, D ** -0.5
+    o = torch.zeros(T, H, D)
+    ops.extend_attention_cpu(c["q"], c["k"], c["v"], o, c["k_buffer"], c["v_buffer"], 1.0, 1.0,
+                             c["req_to_token"], c["rpi"], c["seq_lens"], torch.tensor(c["ext_lens"]),
+                             c["start_loc"], 6, sm_scale, 0.0, False, window, None, sinks, None, True)
+    for i, (r, p, e) in enumerate(zip(c["rpi"].tolist(), c["prefix_lens"], c["ext_lens"])):
+        idx = c["req_to_token"][r, : p + e].long()
+        visible = [[j <= p + m and p + m - j < window for j in range(p + e)] for m in range(e)]
+        s = int(c["start_loc"][i])
+        want = naive_attention(c["q"][s: s + e], c["k_buffer"][idx], c["v_buffer"][idx], visible, sm_scale, 0.0,
+                               sinks)
+        torch.testing.assert_close(o[s: s + e].double(), want, rtol=1e-5, atol=1e-5)
+    r, n = int(c["rpi"][0]), int(c["seq_lens"][0])
+    out = torch.zeros(1, H, D)
+    ops.decode_attention_cpu(c["q"][:1], c["k_buffer"], c["v_buffer"], 1.0, 1.0, out, None, None,
+                             torch.zeros(1, dtype=torch.int64), torch.zeros(1, H, 8, D + 1), c["req_to_token"],
+                             c["rpi"][:1], c["seq_lens"][:1], sm_scale, 0.0, False, window, None, sinks)
+    idx = c["req_to_token"][r, :n].long()
+    want = naive_attention(c["q"][:1], c["k_buffer"][idx], c["v_buffer"][idx],
+                           [[n - 1 - j < window for j in range(n)]], sm_scale, 0.0, sinks)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_refuses_what_it_does_not_implement():
+    c = extend_case(gen(41), True)
+    T, H, D = c["q"].shape
+    tree_mask = torch.cat([m.flatten() for m in c["masks"]])
+    with pytest.raises(NotImplementedError, match="sliding window with a tree mask"):
         ops.extend_attention_cpu(c["q"], c["k"], c["v"], torch.zeros(T, H, D), c["k_buffer"], c["v_buffer"],
                                  1.0, 1.0, c["req_to_token"], c["rpi"], c["seq_lens"],
-                                 torch.tensor(c["ext_lens"]), c["start_loc"], 6, 0.3, 0.0, False, 128, None,
+                                 torch.tensor(c["ext_lens"]), c["start_loc"], 4, 0.3, 0.0, False, 128, None,
+                                 None, tree_mask, True)
+    with pytest.raises(NotImplementedError, match="cross-attention"):
+        ops.extend_attention_cpu(c["q"], c["k"], c["v"], torch.zeros(T, H, D), c["k_buffer"], c["v_buffer"],
+                                 1.0, 1.0, c["req_to_token"], c["rpi"], c["seq_lens"],
+                                 torch.tensor(c["ext_lens"]), c["start_loc"], 4, 0.3, 0.0, True, 0, None,
                                  None, None, True)
 
 

@@ -231,7 +231,7 @@ def decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """One query token per sequence: first store the new key/value at `loc`
     (when given), then attend over the sequence's seq_lens[i] cached tokens.
     attn_logits is the C++ kernel's split-KV scratch; nothing reads it after."""
-    _refuse_unsupported("decode_attention_cpu", is_cross_attention, sliding_window_size, encoder_lens, sinks)
+    _refuse_unsupported("decode_attention_cpu", is_cross_attention, encoder_lens)
     if key is not None:
         if value is None:
             raise ValueError("decode_attention_cpu: key given without value")
@@ -241,8 +241,9 @@ def decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     pool_len = req_to_token.shape[1]
     for i, (req, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         slots = rows[req * pool_len: req * pool_len + seq_len].long()
+        visible = _in_window(torch.tensor([seq_len - 1]), seq_len, sliding_window_size)
         output[i] = _attend(query[i: i + 1], k_cache[slots], v_cache[slots], k_scale, v_scale,
-                            sm_scale, logit_cap, None)[0].to(output.dtype)
+                            sm_scale, logit_cap, visible, sinks)[0].to(output.dtype)
 
 
 def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
@@ -258,7 +259,11 @@ def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
     of q/k/v_extend) attend to its cached prefix (the first seq_lens[i] -
     extend_seq_lens[i] slots of its req_to_token row) and to the new tokens:
     causally, or as a QLEN_ONLY tree mask ([sum n_i*n_i], row = query) says."""
-    _refuse_unsupported("extend_attention_cpu", is_cross_attention, sliding_window_size, encoder_lens, sinks)
+    _refuse_unsupported("extend_attention_cpu", is_cross_attention, encoder_lens)
+    if tree_mask is not None and sliding_window_size > 0:
+        # A tree's nodes sit at their depth, not at their row: the window
+        # below would be measured from the wrong positions.
+        raise NotImplementedError("extend_attention_cpu: a sliding window with a tree mask is not implemented here")
     # MLA's prefill runs as multi-head attention over keys and values expanded
     # from the latent, while the cache holds the latent itself (one 576-wide
     # "head" on DeepSeek-V3): the cache cannot be read as this call's keys.
@@ -297,14 +302,28 @@ def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
             mask_offset += ext_len * ext_len
         elif is_causal:
             visible[:, prefix_len:] = torch.ones(ext_len, ext_len, dtype=torch.bool).tril()
+        window = _in_window(torch.arange(prefix_len, seq_len), seq_len, sliding_window_size)
+        if window is not None:
+            visible &= window
         o_extend[start: start + ext_len] = _attend(
-            q_extend[start: start + ext_len], keys, values, k_scale, v_scale, sm_scale, logit_cap, visible,
+            q_extend[start: start + ext_len], keys, values, k_scale, v_scale, sm_scale, logit_cap, visible, sinks,
         ).to(o_extend.dtype)
 
 
-def _attend(q, k, v, k_scale, v_scale, sm_scale, logit_cap, visible):
+def _in_window(query_pos: torch.Tensor, seq_len: int, window: int) -> torch.Tensor | None:
+    """[M, seq_len]: key j is inside a query's sliding window when
+    0 <= pos - j < window (gpt-oss's sliding layers; the backend passes
+    SGLang's window + 1, i.e. the model's own window); None for no window."""
+    if window <= 0:
+        return None
+    return (query_pos[:, None] - torch.arange(seq_len)[None, :]) < window
+
+
+def _attend(q, k, v, k_scale, v_scale, sm_scale, logit_cap, visible, sinks=None):
     """Softmax attention in float32. q [M, H, D], k [N, Hkv, D], v [N, Hkv, Dv],
-    visible [M, N] or None; query heads share KV heads in groups (GQA)."""
+    visible [M, N] or None; query heads share KV heads in groups (GQA).
+    sinks [H]: a per-head logit that joins every softmax's denominator and
+    attends to nothing (gpt-oss)."""
     group = q.shape[1] // k.shape[1]
     kf = (k.float() * k_scale).repeat_interleave(group, dim=1)
     vf = (v.float() * v_scale).repeat_interleave(group, dim=1)
@@ -313,18 +332,19 @@ def _attend(q, k, v, k_scale, v_scale, sm_scale, logit_cap, visible):
         scores = logit_cap * torch.tanh(scores / logit_cap)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", torch.softmax(scores, dim=-1), vf)
+    if sinks is not None:
+        sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("hmn,nhd->mhd", weights, vf)
 
 
-def _refuse_unsupported(op, is_cross_attention, sliding_window_size, encoder_lens, sinks):
-    # Llama-family targets and EAGLE-3 drafters use none of these; failing
-    # loudly beats attending over the wrong tokens.
+def _refuse_unsupported(op, is_cross_attention, encoder_lens):
+    # No target or drafter we serve uses these; failing loudly beats
+    # attending over the wrong tokens.
     if is_cross_attention or encoder_lens is not None:
         raise NotImplementedError(f"{op}: cross-attention / encoder_lens are not implemented here")
-    if sliding_window_size > 0:
-        raise NotImplementedError(f"{op}: sliding-window attention ({sliding_window_size}) is not implemented here")
-    if sinks is not None:
-        raise NotImplementedError(f"{op}: attention sinks are not implemented here")
 
 
 # ----------------------------------------------------------------- registration

@@ -97,7 +97,7 @@ LLAMA = _causal_lm("LlamaForCausalLM")
 QWEN3 = _causal_lm("Qwen3ForCausalLM")
 QWEN3_MOE = _causal_lm("Qwen3MoeForCausalLM")
 GLM4_MOE = _causal_lm("Glm4MoeForCausalLM")
-GPT_OSS = _causal_lm("GptOssForCausalLM")
+GPT_OSS = _causal_lm("GptOssForCausalLM", cpu_attention_backend="intel_amx")  # sinks + sliding window
 DEEPSEEK_V3 = _causal_lm("DeepseekV3ForCausalLM", layer_id_rule="deepseek", cpu_attention_backend="intel_amx")
 # Kimi-K2.5 wraps the DeepSeek-V3 text model with a vision tower: the decoder
 # stack is language_model.model (its `model` attribute is a property that

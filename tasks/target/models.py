@@ -7,6 +7,10 @@
   and Qwen3-MoE (8 experts, top-2), for the per-architecture capture tests.
 - `tiny-deepseek-v3`: MLA (q and kv LoRA ranks), YaRN rope, MoE with a shared
   expert and sigmoid routing with a correction bias, one dense first layer.
+- `tiny-glm4-moe`: GLM-4.5's layout (partial rotary, q/k norms, attention
+  bias, a dense first layer, shared expert, sigmoid routing with a bias).
+- `tiny-gpt-oss`: gpt-oss's layout (alternating sliding-window and full
+  attention, attention sinks, biased experts with its clamped SwiGLU, YaRN).
 - `tiny-kimi-k25`: Kimi-K2.5's multimodal wrapper (SGLang's `kimi_k25`
   config, a tiny vision config) around tiny-deepseek-v3's text model and
   weights, stored under `language_model.` as the real checkpoint has them.
@@ -31,6 +35,8 @@ TINY_QWEN3 = "tiny-qwen3"
 TINY_QWEN3_MOE = "tiny-qwen3-moe"
 TINY_DEEPSEEK_V3 = "tiny-deepseek-v3"
 TINY_KIMI_K25 = "tiny-kimi-k25"
+TINY_GLM4_MOE = "tiny-glm4-moe"
+TINY_GPT_OSS = "tiny-gpt-oss"
 SMOLLM2 = "smollm2-135m-instruct"
 
 # ChatML, with `generation` markers so transformers can return the assistant
@@ -52,7 +58,7 @@ def model_dir(name: str) -> Path:
 
 # Bumped when a builder changes, so a cached model built by an older one is
 # rebuilt (a folder without a stamp counts as version 1).
-BUILD_VERSIONS = {TINY: 3, TINY_QWEN3: 1, TINY_QWEN3_MOE: 1, TINY_DEEPSEEK_V3: 1, TINY_KIMI_K25: 1, SMOLLM2: 1}
+BUILD_VERSIONS = {TINY: 3, TINY_QWEN3: 1, TINY_QWEN3_MOE: 1, TINY_DEEPSEEK_V3: 1, TINY_KIMI_K25: 1, TINY_GLM4_MOE: 1, TINY_GPT_OSS: 1, SMOLLM2: 1}
 BUILD_STAMP = ".eagle3-build"
 
 
@@ -204,15 +210,74 @@ def build_tiny_deepseek_v3(out: Path, *, num_layers: int = 8, hidden: int = 128,
                               norm_topk_prob=True, rope_parameters=yarn)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():  # HF initialises the router to zeros: every expert would tie
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.weight.normal_(std=0.1)
-                module.e_score_correction_bias.uniform_(-0.05, 0.05)
+    _randomise_routers(model)
     _save_peaked(model, out)
     saved = json.loads((out / "config.json").read_text())
     # Read by SGLang, not defined by HF's config class.
     saved.update(rope_scaling=dict(yarn), moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")
+    (out / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def _randomise_routers(model) -> None:
+    """HF initialises sigmoid routers and their correction bias to zeros:
+    every expert would tie, and the routing would be decided by rounding."""
+    import torch
+
+    with torch.no_grad():  # continues the builder's seeded RNG
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.weight.normal_(std=0.1)
+                module.e_score_correction_bias.uniform_(-0.05, 0.05)
+
+
+def build_tiny_glm4_moe(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab: int = 2048,
+                        seed: int = 0) -> None:
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    tokenizer = _tiny_tokenizer(out, vocab)
+    sizes = _tiny_sizes(tokenizer, hidden, num_layers)
+    config = Glm4MoeConfig(**sizes, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                           routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                           partial_rotary_factor=0.5)
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(config)
+    _randomise_routers(model)
+    _save_peaked(model, out)
+
+
+def build_tiny_gpt_oss(out: Path, *, num_layers: int = 8, hidden: int = 128, vocab: int = 2048,
+                       seed: int = 0) -> None:
+    """A 32-token window, so the test's longer prompts reach past it.
+
+    Every token goes to all 4 experts (top-4 of 4): SGLang runs gpt-oss's
+    attention in bf16 whatever --dtype says, and a random router's near-ties
+    then flip under bf16 rounding (seen: one token of 70 routed differently
+    at the first layer, cosine 0.988 from there on). With nothing to choose,
+    the routing weights stay continuous; top-k choice itself is tested on
+    the fp32 MoE models."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    tokenizer = _tiny_tokenizer(out, vocab)
+    sizes = _tiny_sizes(tokenizer, hidden, num_layers)
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    config = GptOssConfig(**{**sizes, "intermediate_size": hidden}, num_local_experts=4, num_experts_per_tok=4,
+                          sliding_window=32, rope_parameters=yarn,
+                          layer_types=["sliding_attention", "full_attention"] * (num_layers // 2))
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():  # HF starts sinks at zero and the router small; make both matter
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(std=1.0)
+            elif "router" in name:
+                param.normal_(std=0.1)
+    _save_peaked(model, out)
+    saved = json.loads((out / "config.json").read_text())
+    saved["rope_scaling"] = dict(yarn)  # read by SGLang; transformers 5 writes rope_parameters only
     (out / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
 
 
@@ -289,4 +354,5 @@ def convert_smollm2(out: Path) -> None:
 
 BUILDERS = {TINY: build_tiny_llama, TINY_QWEN3: build_tiny_qwen3,
             TINY_QWEN3_MOE: lambda out: build_tiny_qwen3(out, moe=True), TINY_DEEPSEEK_V3: build_tiny_deepseek_v3,
-            TINY_KIMI_K25: build_tiny_kimi_k25, SMOLLM2: convert_smollm2}
+            TINY_KIMI_K25: build_tiny_kimi_k25,
+            TINY_GLM4_MOE: build_tiny_glm4_moe, TINY_GPT_OSS: build_tiny_gpt_oss, SMOLLM2: convert_smollm2}
