@@ -127,3 +127,34 @@ def test_captures_equal_hf_on_each_architecture(name, tmp_path):
     for n, result in zip((5, 70, 300), results):
         assert not isinstance(result, Exception), f"{name}, {n} tokens: {result!r}"
         assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (name, n, result)
+
+
+@pytest.mark.server
+def test_data_parallel_attention_captures_the_requests_of_every_dp_group(tmp_path):
+    # tp 2, dp 2 with data-parallel attention: two schedulers, each with its
+    # own requests and only their tokens at the decoder stack's output. A
+    # hook writing on TP rank 0 alone would lose every request DP group 1
+    # serves; the first rank of each attention-TP group must write.
+    model = ensure_model(TINY_QWEN3_MOE)
+    layers = AuxLayers.for_model(8, [2, 4, 5])
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (9, 40, 70, 120)]
+    log = ARTIFACTS / "dp-attention-server.log"
+    log.unlink(missing_ok=True)
+    cfg = ServerConfig(model_path=str(model), dump_dir=tmp_path / "dumps", max_total_tokens=4096, tp_size=2,
+                       aux_layer_ids=layers.sglang_ids, dtype="float32",
+                       extra_args=("--dp-size", "2", "--enable-dp-attention"))
+    reference = load_reference_model(str(model), torch.float32)
+
+    def check(i, capture):
+        ref_aux, ref_final = reference_states(reference, prompts[i], layers)
+        return compare_with_reference(capture, ref_aux, ref_final)
+
+    with launch_server(cfg, log, timeout_s=600) as server:
+        results = capture_many(server.url, cfg.dump_dir, prompts, check, concurrency=4,
+                               aux_layer_ids=layers.sglang_ids)
+    for n, result in zip((9, 40, 70, 120), results):
+        assert not isinstance(result, Exception), f"{n} tokens: {result!r}"
+        assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (n, result)
+    text = log.read_text()
+    assert "DP0 TP0] Prefill batch" in text and "DP1 TP1] Prefill batch" in text  # both groups served some

@@ -33,3 +33,15 @@ def test_cpu_environment_puts_stub_first_and_enables_cpu_engine():
 def test_gpu_environment_is_left_alone():
     base = {"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64", "PATH": "/bin"}
     assert server_environment(base, cpu=False) == base
+
+
+def test_cpu_ranks_get_their_own_cores_or_share_them_in_turn():
+    from tasks.server.cpu_shim import cpu_thread_binding
+
+    assert cpu_thread_binding(2, list(range(16))) == "0-7|8-15"
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(4, [0, 1]) == "0|1|0|1"
+    env = server_environment({}, cpu=True, ranks=2)
+    assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    assert server_environment({"SGLANG_CPU_OMP_THREADS_BIND": "3|5"}, cpu=True, ranks=2)[
+        "SGLANG_CPU_OMP_THREADS_BIND"] == "3|5"  # the user's binding stands

@@ -76,8 +76,21 @@ def build_libcuda_stub() -> Path:
     return out_dir
 
 
+def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks on this process's cores:
+    contiguous shares, or one core each in turn when there are fewer cores
+    than ranks. SGLang refuses to start more CPU ranks than NUMA nodes
+    without it."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    share = len(cores) // ranks
+    spans = [(cores[r * share], cores[r * share + share - 1]) for r in range(ranks)]
+    return "|".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None = None,
-                       cpu_ops: bool = False) -> dict[str, str]:
+                       cpu_ops: bool = False, ranks: int = 1) -> dict[str, str]:
     """The environment for an SGLang server process.
 
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
@@ -85,8 +98,9 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
     sitecustomize that supplies the operators SGLang's intel_amx attention
     backend calls (tasks/server/sglang_site, tasks/server/cpu_spec_ops.py; it
     needs the repository root on PYTHONPATH too, which the launcher adds):
-    speculative decoding and MLA targets need that backend. On a GPU
-    machine: `base` unchanged, since SGLang's own kernels serve both there.
+    speculative decoding and MLA targets need that backend, and servers of
+    `ranks` > 1 its fix for CPU tensor-parallel groups. On a GPU machine:
+    `base` unchanged, since SGLang's own kernels serve all of that there.
     """
     env = dict(os.environ if base is None else base)
     if cpu is None:
@@ -96,6 +110,8 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
         stub_dir = str(build_libcuda_stub())
         paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([stub_dir, *paths])
+        if ranks > 1:
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_thread_binding(ranks))
         if cpu_ops:
             env[CPU_OPS_SWITCH] = "1"
             paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

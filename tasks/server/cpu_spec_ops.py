@@ -425,4 +425,21 @@ def install() -> list[str]:
 
     registered = register_ops()
     keep_intel_amx_backend()
+    cpu_parallel_groups_without_nccl()
     return registered
+
+
+def cpu_parallel_groups_without_nccl() -> None:
+    """SGLang 0.5.23 builds a PyNccl communicator for its tensor-parallel
+    group on every platform but NPU and XPU, which on a CPU device fails the
+    start of any server with tp > 1 ("Expected a cuda device, but got:
+    cpu"); gloo carries the CPU engine's collectives. Off on a GPU machine."""
+    from sglang.srt.distributed import parallel_state
+
+    original = parallel_state.init_model_parallel_group
+
+    def without_nccl(*args, **kwargs):
+        kwargs["use_pynccl"] = False
+        return original(*args, **kwargs)
+
+    parallel_state.init_model_parallel_group = without_nccl

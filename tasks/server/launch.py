@@ -229,7 +229,8 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
         ensure_private_dir(cfg.dump_dir)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = server_environment(cpu=cpu, cpu_ops=cpu_attention_backend(cfg) == "intel_amx")
+    env = server_environment(cpu=cpu, cpu_ops=cpu_attention_backend(cfg) == "intel_amx" or cfg.tp_size > 1,
+                             ranks=cfg.tp_size)
     # The hook (and, for speculative serving on a CPU, tasks/server/cpu_spec_ops.py) is
     # imported inside the server's processes.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)

@@ -2,8 +2,9 @@
 SGLang server and the workers it spawns); see tasks/server/cpu_shim.py.
 
 It does nothing unless EAGLE3_CPU_OPS=1 is set, and never on a machine
-with a GPU. Then it adds the CPU operators SGLang's intel_amx backend calls
-and keeps the intel_amx attention backend (tasks/server/cpu_spec_ops.py).
+with a GPU. Then it adds the CPU operators SGLang's intel_amx backend calls,
+keeps that backend, and lets tensor-parallel groups start on a CPU
+(tasks/server/cpu_spec_ops.py).
 """
 import os
 
