@@ -29,7 +29,7 @@ from tasks.server.supervisor import ServerSupervisor
 from tasks.store.ledger import open_ledger, open_store
 from tasks.store.lock import hold_lock
 from tasks.store.manifest import build_manifest
-from tasks.target.architectures import Architecture, architecture_of
+from tasks.target.architectures import Architecture, architecture_of, load_tokenizer
 from tasks.target.layers import AuxLayers
 from tasks.target.models import resolve_model
 
@@ -37,14 +37,12 @@ from tasks.target.models import resolve_model
 @task(name="plan", cache_policy=NO_CACHE)
 def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str, aux_layer_ids,
               store_dtype: str = "bfloat16", ledger_url: Optional[str] = None):
-    from transformers import AutoTokenizer
-
     log = get_run_logger()
     model_path = resolve_model(model)
     config = json.loads((model_path / "config.json").read_text())
     arch = architecture_of(config)
     layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], aux_layer_ids)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     manifest = build_manifest(model_path, tokenizer, layers, arch, max_length=max_length, policy=policy,
                               sources=[str(Path(dataset).resolve())], storage=store_dtype)
     ledger = open_store(Path(store), manifest, ledger_url)

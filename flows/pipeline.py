@@ -24,6 +24,7 @@ from flows.verify import verify_store
 from tasks.data import regeneration
 from tasks.server.launch import ServerConfig, launch_server
 from tasks.store.lock import hold_lock
+from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 
 
@@ -31,8 +32,6 @@ from tasks.target.models import resolve_model
 def regenerate_task(dataset: str, model: str, out_path: str, max_new_tokens: int) -> str:
     """The dataset with every answer written by the target (greedy), on a
     plain SGLang server; reused while the source, model and settings match."""
-    from transformers import AutoTokenizer
-
     log = get_run_logger()
     model_path = resolve_model(model)
     out = Path(out_path)
@@ -44,7 +43,7 @@ def regenerate_task(dataset: str, model: str, out_path: str, max_new_tokens: int
     cfg = ServerConfig(model_path=str(model_path), dump_dir=out.parent / "unused-dumps", capture=False,
                        max_total_tokens=65536)
     with launch_server(cfg, out.parent / "logs" / "regenerate-server.log") as server:
-        result = regeneration.regenerate(server.url, Path(dataset), out, AutoTokenizer.from_pretrained(model_path),
+        result = regeneration.regenerate(server.url, Path(dataset), out, load_tokenizer(model_path),
                                          max_new_tokens=max_new_tokens)
     stamp.write_text(fingerprint)
     log.info("%d answers (%s tokens) by %s -> %s; %d rows without a user turn skipped", result["rows"],

@@ -36,7 +36,7 @@ def prompts_task(store: str, heldout_fraction: float, count: int) -> list[list[i
 
 @task(name="serve-check", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
 def serve_task(target: str, drafter_dir: str, prompts: list[list[int]], log_dir: str, max_new_tokens: int,
-               dtype: str, num_steps: int, num_draft_tokens: int) -> dict:
+               dtype: Optional[str], num_steps: int, num_draft_tokens: int) -> dict:
     log = get_run_logger()
     report = check.serve_check(target, drafter_dir, prompts, log_dir=log_dir, max_new_tokens=max_new_tokens,
                                dtype=dtype, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
@@ -50,7 +50,7 @@ def serve_task(target: str, drafter_dir: str, prompts: list[list[int]], log_dir:
     if not report.outputs_equal:
         raise SpeculationChangedOutput(
             f"greedy output with the drafter differs from plain greedy output for prompts "
-            f"{report.differing_prompts} of {report.num_prompts} (dtype {dtype}; compare in float32: bf16 "
+            f"{report.differing_prompts} of {report.num_prompts} (dtype {dtype or 'float32'}; compare in float32: bf16 "
             f"rounding flips near-tied tokens even between two plain servers). Server logs: {log_dir}")
     return result
 
@@ -64,7 +64,7 @@ def serve_check(
     num_prompts: Annotated[int, Field(description="held-out prompts to generate for", ge=1)] = 8,
     max_new_tokens: Annotated[int, Field(description="greedy tokens per prompt", ge=1)] = 48,
     heldout_fraction: Annotated[Optional[float], Field(description="held-out share (default: the training run's, from the drafter's config)", gt=0, lt=1)] = None,
-    dtype: Annotated[str, Field(description="compute dtype of both servers (float32 makes greedy comparable)")] = "float32",
+    dtype: Annotated[Optional[str], Field(description="compute dtype of both servers (default float32, which makes greedy comparable; bf16 for a target SGLang runs in bf16 only)")] = None,
     num_steps: Annotated[int, Field(description="--speculative-num-steps", ge=1)] = 3,
     num_draft_tokens: Annotated[int, Field(description="--speculative-num-draft-tokens (top-1 chain: steps + 1)", ge=2)] = 4,
 ) -> dict:

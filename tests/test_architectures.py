@@ -127,6 +127,10 @@ def test_captures_equal_hf_on_each_architecture(name, tmp_path):
     for n, result in zip((5, 70, 300), results):
         assert not isinstance(result, Exception), f"{name}, {n} tokens: {result!r}"
         assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (name, n, result)
+    # What the README's table quotes.
+    (ARTIFACTS / "architectures").mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "architectures" / f"{name}.json").write_text(json.dumps(
+        {"dtype": dtype, "by_prompt_length": dict(zip((5, 70, 300), results))}, indent=1) + "\n")
 
 
 @pytest.mark.server

@@ -14,12 +14,17 @@ from safetensors import safe_open
 from tasks.server.launch import ServerConfig, launch_server
 from tasks.train.drafter import load_target_embeddings
 from tasks.train.export import export_random_drafter, export_weights, load_exported
+from tasks.target.models import TINY, TINY_KIMI_K25, ensure_model
 from tests.conftest import ARTIFACTS
 
 pytestmark = pytest.mark.server
 
 
-def test_sglang_loads_our_drafter_and_computes_what_we_train(tiny_model, tmp_path):
+# Kimi-K2.5: a wrapper target whose embedding sits under language_model.,
+# an MLA target on a CPU, and a YaRN rope the drafter takes over.
+@pytest.mark.parametrize("target", [TINY, TINY_KIMI_K25])
+def test_sglang_loads_our_drafter_and_computes_what_we_train(target, tmp_path):
+    tiny_model = ensure_model(target)
     drafter_dir = export_random_drafter(tiny_model, tmp_path / "drafter", draft_vocab_size=256, seed=3)
     probe = tmp_path / "probe"
     hooks = [{"name": "draft_probe", "target_modules": ["model"],
@@ -28,7 +33,7 @@ def test_sglang_loads_our_drafter_and_computes_what_we_train(tiny_model, tmp_pat
                        max_total_tokens=8192, draft_model_path=str(drafter_dir),
                        extra_args=("--forward-hooks", json.dumps(hooks)))
     prompt = list(range(40, 90))
-    with launch_server(cfg, ARTIFACTS / "draft-probe-server.log", timeout_s=600) as server:
+    with launch_server(cfg, ARTIFACTS / f"draft-probe-server-{target}.log", timeout_s=600) as server:
         reply = httpx.post(f"{server.url}/generate", timeout=300, json={
             "input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     first_token = reply["output_ids"][0]

@@ -20,6 +20,7 @@ from typing import Sequence
 import httpx
 
 from tasks.server.launch import ServerConfig, ServerError, launch_server, ssl_context
+from tasks.target.architectures import architecture_at
 
 logger = logging.getLogger("eagle3.serving")
 
@@ -71,7 +72,7 @@ def serve_check(
     *,
     log_dir: str | Path,
     max_new_tokens: int = 32,
-    dtype: str = "float32",
+    dtype: str | None = None,
     ignore_eos: bool = True,
     concurrency: int = 1,
     num_steps: int = 3,
@@ -84,8 +85,10 @@ def serve_check(
     """Generate greedily for `prompts` (token ids) on a plain server, then on
     an EAGLE-3 speculative server with the drafter in `draft_dir`, and compare.
 
-    float32 by default: in bf16, two plain servers can already disagree at
-    near-tied logits, which would hide what speculation itself changes.
+    float32 by default (dtype None): in bf16, two plain servers can already
+    disagree at near-tied logits, which would hide what speculation itself
+    changes. A target SGLang runs in one dtype only (gpt-oss: bf16) is run
+    in that one, and its outputs may then differ at such ties.
     `ignore_eos` makes every generation `max_new_tokens` long, so the two
     servers do the same amount of work. Server logs and the report
     (serve-report.json) go to `log_dir`.
@@ -99,6 +102,12 @@ def serve_check(
         raise FileNotFoundError(f"no drafter at {draft_dir}: expected an SGLang EAGLE-3 directory with config.json")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    if dtype is None:
+        only = architecture_at(Path(target_model_path)).only_dtype
+        dtype = only or "float32"
+        if only:
+            logger.info("%s runs in %s only in SGLang: the greedy outputs may differ at near-tied logits",
+                        target_model_path, only)
     common = dict(model_path=str(target_model_path), dump_dir=log_dir / "unused-dumps", capture=False,
                   dtype=dtype, max_total_tokens=max_total_tokens)
     speculative = dict(num_steps=num_steps, eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens)

@@ -109,6 +109,19 @@ def capture_module(cfg: ServerConfig) -> str:
     return arch.decoder_stack if arch else "model"
 
 
+def server_dtype(cfg: ServerConfig, *, cpu: bool) -> str:
+    """The --dtype to start with: cfg.dtype resolved for this machine, within
+    what the target's class can run in."""
+    arch = _architecture(cfg)
+    only = arch.only_dtype if arch else None
+    if only and cfg.dtype == "auto":
+        return only
+    if only and cfg.dtype != only:
+        raise ValueError(f"{arch.name} runs in {only} only in SGLang (its attention weights stay {only}; "
+                         f"--dtype {cfg.dtype} fails at the first forward): use dtype 'auto' or {only!r}")
+    return resolve_dtype(cfg.dtype, cpu=cpu)
+
+
 def cpu_attention_backend(cfg: ServerConfig) -> str | None:
     """On a CPU: the attention backend this server needs (None: SGLang's
     default). Speculative decoding and MLA targets need intel_amx, which runs
@@ -136,7 +149,7 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(cfg.model_path),
         "--host", cfg.host, "--port", str(port),
-        "--dtype", resolve_dtype(cfg.dtype, cpu=cpu),
+        "--dtype", server_dtype(cfg, cpu=cpu),
         "--tp-size", str(cfg.tp_size),
         "--max-total-tokens", str(cfg.max_total_tokens),
         "--disable-radix-cache",
@@ -163,6 +176,9 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
             "--speculative-eagle-topk", str(cfg.speculative_eagle_topk),
             "--speculative-num-draft-tokens", str(cfg.speculative_num_draft_tokens),
         ]
+    arch = _architecture(cfg)
+    if arch and arch.remote_code and "--trust-remote-code" not in cfg.extra_args:
+        cmd += ["--trust-remote-code"]
     backend = cpu_attention_backend(cfg) if cpu else None
     if backend and not any(a.split("=", 1)[0] == "--attention-backend" for a in cfg.extra_args):
         # SGLang's only CPU backend for EAGLE and for MLA; the operators it

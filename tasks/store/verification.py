@@ -33,6 +33,7 @@ from safetensors import safe_open
 from tasks.data.dataset import prepare_samples, sample_id
 from tasks.store.ledger import open_ledger
 from tasks.store.manifest import read_manifest, write_json_atomic
+from tasks.target.architectures import load_tokenizer
 from tasks.store.shards import BF16, FORMAT_V1, file_sha256, sample_checksum, shard_dtypes, shard_path, shard_shapes
 
 
@@ -63,11 +64,9 @@ class FreshSources:
 
 
 def _fresh_samples(manifest: dict, sources: list[str]) -> FreshSources:
-    from transformers import AutoTokenizer
-
     fresh = FreshSources({}, {}, {})
     try:
-        tokenizer = AutoTokenizer.from_pretrained(manifest["target_path"])
+        tokenizer = load_tokenizer(manifest["target_path"])
     except Exception as e:  # a missing or broken tokenizer: report it, per sample
         reason = (f"cannot re-tokenise: tokenizer at {manifest.get('target_path')} does not load ({e}); "
                   f"verify with recheck_source=False to check the shards alone")

@@ -45,6 +45,15 @@ class Architecture:
     # SGLang's default torch_native). MLA needs "intel_amx": torch_native
     # has no MLA path and fails on the latent KV cache.
     cpu_attention_backend: str | None = None
+    # The checkpoints ship their own tokenizer/processor code (Kimi-K2.5's
+    # tiktoken tokenizer and media processor): SGLang and transformers load
+    # them only with trust_remote_code.
+    remote_code: bool = False
+    # The one compute dtype SGLang runs this class in (None: any). Its
+    # gpt-oss keeps attention weights in bf16 whatever --dtype says, so
+    # float32 fails at the first forward ("mat1 and mat2 must have the same
+    # dtype").
+    only_dtype: str | None = None
 
     def sizes(self, config: dict) -> dict:
         """The config section that holds the text model's sizes."""
@@ -83,6 +92,8 @@ class Architecture:
         does not change when that does."""
         record = asdict(self)
         record.pop("cpu_attention_backend")
+        record.pop("remote_code")
+        record.pop("only_dtype")
         return record
 
 
@@ -97,7 +108,8 @@ LLAMA = _causal_lm("LlamaForCausalLM")
 QWEN3 = _causal_lm("Qwen3ForCausalLM")
 QWEN3_MOE = _causal_lm("Qwen3MoeForCausalLM")
 GLM4_MOE = _causal_lm("Glm4MoeForCausalLM")
-GPT_OSS = _causal_lm("GptOssForCausalLM", cpu_attention_backend="intel_amx")  # sinks + sliding window
+GPT_OSS = _causal_lm("GptOssForCausalLM", cpu_attention_backend="intel_amx",  # sinks + sliding window
+                     only_dtype="bfloat16")
 DEEPSEEK_V3 = _causal_lm("DeepseekV3ForCausalLM", layer_id_rule="deepseek", cpu_attention_backend="intel_amx")
 # Kimi-K2.5 wraps the DeepSeek-V3 text model with a vision tower: the decoder
 # stack is language_model.model (its `model` attribute is a property that
@@ -107,7 +119,7 @@ DEEPSEEK_V3 = _causal_lm("DeepseekV3ForCausalLM", layer_id_rule="deepseek", cpu_
 KIMI_K25 = Architecture(name="KimiK25ForConditionalGeneration", decoder_stack="language_model.model",
                         embed_weight="language_model.model.embed_tokens.weight",
                         head_weight="language_model.lm_head.weight", text_config="text_config",
-                        layer_id_rule="deepseek", cpu_attention_backend="intel_amx")
+                        layer_id_rule="deepseek", cpu_attention_backend="intel_amx", remote_code=True)
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a for a in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, GPT_OSS, DEEPSEEK_V3, KIMI_K25)}
@@ -131,3 +143,15 @@ def architecture_of(config: dict) -> Architecture:
 
 def architecture_at(model_path: Path) -> Architecture:
     return architecture_of(read_config(model_path))
+
+
+def load_tokenizer(model_path):
+    """The target's tokenizer, with its own code where its architecture ships
+    some (the one place that decides it)."""
+    from transformers import AutoTokenizer
+
+    try:
+        remote = architecture_at(Path(model_path)).remote_code
+    except (OSError, ValueError):
+        remote = False
+    return AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
