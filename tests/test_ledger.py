@@ -53,6 +53,17 @@ def test_interface_round_trip(tmp_path, ledger_url, index_db):
         assert db.execute("SELECT sample_id, shard FROM samples").fetchall() == [("s002", b.name)]
 
 
+def test_crash_counts_add_up_across_opens(tmp_path, ledger_url, index_db):
+    store = tmp_path / "s"
+    ledger = open_store(store, MANIFEST, ledger_url)
+    assert ledger.crash_counts() == {}
+    assert ledger.record_crash(["a", "b"]) == {"a": 1, "b": 1}
+    assert open_ledger(store).record_crash(["b"]) == {"b": 2}  # a rerun's ledger sees the first run's crashes
+    assert open_ledger(store).crash_counts() == {"a": 1, "b": 2}
+    with index_db(store) as db:
+        assert sorted(db.execute("SELECT sample_id, count FROM crashes").fetchall()) == [("a", 1), ("b", 2)]
+
+
 def test_a_duplicate_sample_in_a_second_commit_is_refused_and_nothing_of_it_lands(tmp_path, ledger_url, index_db):
     store = tmp_path / "s"
     ledger = open_store(store, MANIFEST, ledger_url)

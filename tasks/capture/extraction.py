@@ -210,6 +210,17 @@ def _server_down(error: Exception) -> bool:
     return isinstance(error, httpx.TransportError)
 
 
+def _was_in_flight(error: Exception) -> bool:
+    """The request reached the server before it went down (a refused
+    connection never did)."""
+    return _server_down(error) and not isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+# A sample in flight at this many server crashes is quarantined as their
+# cause. Once in flight at one, it is sent alone, so a second crash names it.
+CRASH_LIMIT = 2
+
+
 def extract_batch(
     url: str,
     dump_dir: Path,
@@ -251,28 +262,61 @@ def extract_batch(
     captured: dict[str, dict] = {}
     errors: dict[str, str] = {}
     retried = 0
+    quarantined = []
+    crashes = ledger.crash_counts()
+    culprits = [s for s in pending if crashes.get(s.sample_id, 0) >= CRASH_LIMIT]
+    if culprits:
+        for s in culprits:
+            errors[s.sample_id] = (f"in flight at {crashes[s.sample_id]} SGLang server crashes, the last while "
+                                   f"sent alone: taken to crash the server (see its log)")
+        ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
+                            "reason": errors[s.sample_id], "attempts": crashes[s.sample_id]} for s in culprits])
+        for s in culprits:
+            logger.error("quarantined sample %s (row %d): in flight at %d server crashes", s.sample_id,
+                         s.source_row, crashes[s.sample_id])
+        quarantined = [s.sample_id for s in culprits]
+        pending = [s for s in pending if crashes.get(s.sample_id, 0) < CRASH_LIMIT]
+
+    def capture(group: list[Sample], width: int) -> list:
+        """Capture a group; if the server went down meanwhile, count a crash
+        against the samples that were in flight, and stop the batch."""
+        def keep(i, capture, batch=group):
+            s = batch[i]
+            return {"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
+                    "loss_mask": s.loss_mask, "aux_hidden_states": capture.aux_hidden_states,
+                    "final_hidden_state": capture.final_hidden_state}
+
+        outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in group], keep,
+                            concurrency=width, aux_layer_ids=aux_layer_ids, read_workers=store_workers,
+                            transport=transport, dump_wait_s=dump_wait_s)
+        down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
+        if down and not server_healthy(url):
+            in_flight = [s.sample_id for s, o in zip(group, outs) if isinstance(o, Exception) and _was_in_flight(o)]
+            counts = ledger.record_crash(in_flight) if in_flight else {}
+            if on_server_down is not None:
+                on_server_down()
+            suspects = ", ".join(f"{i} (crash {n})" for i, n in counts.items()) or "none"
+            raise ServerUnavailable(
+                f"SGLang server at {url} stopped answering mid-batch ({down[0]!r}); the batch will be retried. "
+                f"Samples in flight, sent alone from now on: {suspects}") from down[0]
+        return outs
+
+    # Samples in flight at an earlier crash go first, one at a time: if one
+    # of them brings the server down, it alone is counted again.
+    alone = [s for s in pending if crashes.get(s.sample_id, 0) >= 1]
+    for s in alone:
+        out = capture([s], 1)[0]
+        if not isinstance(out, Exception):
+            captured[s.sample_id] = out
+    pending = [s for s in pending if s.sample_id not in captured]
+
     for attempt in range(1, sample_attempts + 1):
         if not pending:
             break
         if attempt > 1:
             retried += len(pending)
             logger.warning("retrying %d samples (attempt %d of %d)", len(pending), attempt, sample_attempts)
-
-        def keep(i, capture, batch=pending):
-            s = batch[i]
-            return {"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
-                    "loss_mask": s.loss_mask, "aux_hidden_states": capture.aux_hidden_states,
-                    "final_hidden_state": capture.final_hidden_state}
-
-        outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in pending], keep,
-                            concurrency=concurrency, aux_layer_ids=aux_layer_ids, read_workers=store_workers,
-                            transport=transport, dump_wait_s=dump_wait_s)
-        down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
-        if down and not server_healthy(url):
-            if on_server_down is not None:
-                on_server_down()
-            raise ServerUnavailable(f"SGLang server at {url} stopped answering mid-batch ({down[0]!r}); "
-                                    "the batch will be retried") from down[0]
+        outs = capture(pending, concurrency)
         failed = []
         for s, out in zip(pending, outs):
             if isinstance(out, Exception):
@@ -284,14 +328,13 @@ def extract_batch(
                 captured[s.sample_id] = out
         pending = failed
 
-    quarantined = []
     if pending:
         ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
                             "reason": errors[s.sample_id], "attempts": sample_attempts} for s in pending])
         for s in pending:
             logger.error("quarantined sample %s (row %d) after %d attempts: %s",
                          s.sample_id, s.source_row, sample_attempts, errors[s.sample_id])
-        quarantined = [s.sample_id for s in pending]
+        quarantined += [s.sample_id for s in pending]
 
     items = [captured[s.sample_id] for s in samples if s.sample_id in captured]
     shard = None

@@ -76,6 +76,8 @@ class ServerConfig:
     # SGLang's scheduler otherwise busy-polls a core at 100% while idle
     # (bench/idle_cpu.py); with it, it waits on its sockets and wakes at once.
     sleep_on_idle: bool = True
+    # More SGLang --forward-hooks specs (probes, fault injection), after ours.
+    extra_hooks: Sequence[dict] = field(default_factory=tuple)
     extra_args: Sequence[str] = field(default_factory=tuple)
 
 
@@ -141,6 +143,7 @@ def hook_spec(cfg: ServerConfig) -> list[dict]:
          "config": {}},
         {"name": CAPTURE_HOOK_NAME, "target_modules": [stack], "hook_factory": HOOK_FACTORY,
          "config": {"dump_dir": str(cfg.dump_dir), "rid_prefix": cfg.rid_prefix, "capture_all": cfg.capture_all}},
+        *cfg.extra_hooks,
     ]
 
 

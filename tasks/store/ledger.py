@@ -13,6 +13,7 @@ one that many machines write. Tables, in every backend:
     samples(sample_id, source, source_row, shard, position, token_offset,
             num_tokens, num_loss_tokens, checksum)
     quarantine(source, source_row, sample_id, reason, attempts, at)
+    crashes(sample_id, count, at)      samples in flight when the server died
 """
 from __future__ import annotations
 
@@ -65,6 +66,17 @@ class Ledger(abc.ABC):
         """rows: source, source_row, sample_id (or None), reason, attempts."""
 
     @abc.abstractmethod
+    def record_crash(self, sample_ids: list[str]) -> dict[str, int]:
+        """Count one more server crash against each sample that was in
+        flight when it happened; returns their counts. Kept across runs: a
+        sample that kills the server kills it again on every rerun."""
+
+    @abc.abstractmethod
+    def crash_counts(self) -> dict[str, int]:
+        """Server crashes each sample was in flight at, for every sample
+        that was in flight at one."""
+
+    @abc.abstractmethod
     def summary(self) -> dict:
         """samples, tokens, loss_tokens, shards, bytes, quarantined, and
         newest_shard (its `created` time, None for an empty store)."""
@@ -101,6 +113,8 @@ CREATE TABLE IF NOT EXISTS quarantine(
     source TEXT NOT NULL, source_row INTEGER NOT NULL, sample_id TEXT,
     reason TEXT NOT NULL, attempts INTEGER NOT NULL, at REAL NOT NULL,
     PRIMARY KEY(source, source_row));
+CREATE TABLE IF NOT EXISTS crashes(
+    sample_id TEXT PRIMARY KEY, count INTEGER NOT NULL, at REAL NOT NULL);
 """
 
 
@@ -167,6 +181,16 @@ class SqliteLedger(Ledger):
             db.executemany(
                 "INSERT OR REPLACE INTO quarantine VALUES (:source,:source_row,:sample_id,:reason,:attempts,:at)",
                 [{"sample_id": None, "attempts": 0, "at": time.time(), **r} for r in rows])
+
+    def record_crash(self, sample_ids: list[str]) -> dict[str, int]:
+        with closing(self._connect()) as db, db:
+            db.executemany("INSERT INTO crashes VALUES (?, 1, ?) ON CONFLICT(sample_id) DO UPDATE SET "
+                           "count = count + 1, at = excluded.at", [(i, time.time()) for i in sample_ids])
+            return dict(db.execute(f"SELECT sample_id, count FROM crashes WHERE sample_id IN "
+                                   f"({','.join('?' * len(sample_ids))})", sample_ids).fetchall())
+
+    def crash_counts(self) -> dict[str, int]:
+        return dict(self._rows("SELECT sample_id, count FROM crashes"))
 
     def summary(self) -> dict:
         samples, tokens, loss = self._rows(

@@ -36,6 +36,8 @@ CREATE TABLE IF NOT EXISTS quarantine(
     source TEXT NOT NULL, source_row BIGINT NOT NULL, sample_id TEXT,
     reason TEXT NOT NULL, attempts BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL,
     PRIMARY KEY(source, source_row));
+CREATE TABLE IF NOT EXISTS crashes(
+    sample_id TEXT PRIMARY KEY, count BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL);
 CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
 """
 
@@ -178,6 +180,16 @@ class PostgresLedger(Ledger):
                 "%(at)s) ON CONFLICT (source, source_row) DO UPDATE SET sample_id=EXCLUDED.sample_id, "
                 "reason=EXCLUDED.reason, attempts=EXCLUDED.attempts, at=EXCLUDED.at",
                 [{"sample_id": None, "attempts": 0, "at": time.time(), **r} for r in rows])
+
+    def record_crash(self, sample_ids: list[str]) -> dict[str, int]:
+        with self._connect() as db, db.cursor() as cur:
+            cur.executemany("INSERT INTO crashes VALUES (%s, 1, %s) ON CONFLICT (sample_id) DO UPDATE SET "
+                            "count = crashes.count + 1, at = EXCLUDED.at", [(i, time.time()) for i in sample_ids])
+            cur.execute("SELECT sample_id, count FROM crashes WHERE sample_id = ANY(%s)", (list(sample_ids),))
+            return dict(cur.fetchall())
+
+    def crash_counts(self) -> dict[str, int]:
+        return dict(self._rows("SELECT sample_id, count FROM crashes"))
 
     def summary(self) -> dict:
         # One snapshot: the three counts come from the same transaction.

@@ -1,0 +1,72 @@
+"""A sample that crashes the server every time it is sent: the run names it,
+quarantines it after it has been in flight, alone, at a second crash, and
+stores every other sample of its batch; the crash counts outlive the run, so
+a rerun does not crash-loop either."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tasks.capture.extraction import CRASH_LIMIT, ServerUnavailable, extract_batch
+from tasks.data.dataset import Sample
+from tasks.server.launch import ServerConfig
+from tasks.server.supervisor import ServerSupervisor
+from tasks.store.ledger import open_ledger
+from tasks.store.verification import verify_store
+from tasks.target.layers import AuxLayers
+from tasks.store.ledger import open_store
+from tasks.store.manifest import build_manifest
+from tasks.target.architectures import architecture_at, load_tokenizer
+from tests.conftest import ARTIFACTS
+
+pytestmark = pytest.mark.server
+
+POISON = [1999, 1998, 1997]
+
+
+def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tiny_model, tmp_path):
+    layers = AuxLayers.for_model(8)
+    rng = random.Random(5)
+    samples = []
+    for k in range(10):
+        ids = [rng.randrange(3, 1990) for _ in range(rng.randrange(8, 40))]
+        if k == 6:
+            ids[4:4] = POISON
+        samples.append(Sample(sample_id=f"s{k}", source_row=k, input_ids=np.array(ids, dtype=np.int32),
+                              loss_mask=np.ones(len(ids), dtype=np.uint8)))
+    store = tmp_path / "store"
+    open_store(store, build_manifest(tiny_model, load_tokenizer(tiny_model), layers, architecture_at(tiny_model),
+                                     max_length=512, policy="truncate", sources=["data.jsonl"]))
+    crash = {"name": "crash_on_poison", "target_modules": ["model.embed_tokens"],
+             "hook_factory": "tests.sglang_crash_hook:make_crash_hook", "config": {"poison": POISON}}
+    cfg = ServerConfig(model_path=str(tiny_model), dump_dir=tmp_path / "dumps", max_total_tokens=4096,
+                       extra_hooks=(crash,))
+    server = ServerSupervisor(cfg, ARTIFACTS / "crash-loop-server.log", max_restarts=CRASH_LIMIT)
+    server.start()
+    unavailable = []
+    try:
+        for attempt in range(4):  # as the flow's batch task retries
+            try:
+                result = extract_batch(server.url, cfg.dump_dir, store, "data.jsonl", samples,
+                                       aux_layer_ids=layers.sglang_ids, concurrency=4,
+                                       on_server_down=server.recover)
+                break
+            except ServerUnavailable as e:
+                unavailable.append(str(e))
+        else:
+            pytest.fail(f"the batch never completed: {unavailable}")
+    finally:
+        server.stop()
+    # Crash 1: s6 in flight with others; crash 2: s6 sent alone; then it is quarantined.
+    assert len(unavailable) == CRASH_LIMIT and server.restarts == CRASH_LIMIT, unavailable
+    assert "s6 (crash 1)" in unavailable[0] and unavailable[1].endswith("s6 (crash 2)"), unavailable
+    assert result.quarantined == ["s6"]
+    ledger = open_ledger(store)
+    assert ledger.stored_ids() == {s.sample_id for s in samples} - {"s6"}
+    reason = ledger.quarantined().set_index("sample_id").loc["s6", "reason"]
+    assert "SGLang server crashes" in reason, reason
+    assert ledger.crash_counts()["s6"] == CRASH_LIMIT
+    assert all(n == 1 for i, n in ledger.crash_counts().items() if i != "s6")  # innocents: in flight once
+    assert verify_store(store, recheck_source=False, write_report=False).ok
