@@ -254,6 +254,8 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
     # imported inside the server's processes.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     cmd = build_command(cfg, port, cpu=cpu)
+    pidfile = pidfile_for(log_path)
+    reap_orphan(pidfile)
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
@@ -263,6 +265,7 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
             env=env, cwd=str(REPO_ROOT), start_new_session=True,
         )
     handle = ServerHandle(cfg, process, f"http://{cfg.host}:{port}", log_path)
+    write_pidfile(pidfile, process.pid, port)
     try:
         wait_healthy(handle, timeout_s, follower)
         if cfg.capture:
@@ -362,9 +365,13 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
     (terminating a worker first makes it wait and dump crash diagnostics).
     Whatever is left after `grace_s` gets SIGKILL, group-wide.
     """
-    pgid = handle.process.pid  # start_new_session: the leader's pid is the group id
-    steps = ((lambda: handle.process.send_signal(signal.SIGTERM), grace_s),
-             (lambda: os.killpg(pgid, signal.SIGKILL), 10.0))
+    # start_new_session: the leader's pid is the group id
+    _stop_group(handle.process.pid, grace_s, reap=handle.process.poll)
+    pidfile_for(handle.log_path).unlink(missing_ok=True)
+
+
+def _stop_group(pgid: int, grace_s: float, reap=lambda: None) -> None:
+    steps = ((lambda: os.kill(pgid, signal.SIGTERM), grace_s), (lambda: os.killpg(pgid, signal.SIGKILL), 10.0))
     for send, wait_s in steps:
         try:
             send()
@@ -372,11 +379,59 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
             pass
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            handle.process.poll()
+            reap()
             if not _group_members(pgid):
                 return
             time.sleep(0.2)
     raise ServerError(f"processes {_group_members(pgid)} of the SGLang server survived SIGKILL")
+
+
+# A server outlives a run that is SIGKILLed (it has its own session, so the
+# run's death takes nothing with it): GPU memory and the port stay taken.
+# Each launched server is recorded next to its log; the next launch with
+# that log (the next run on the same store or out_dir, which holds its lock,
+# so the recorded server's run is gone) stops it. A parent-death signal is
+# not used: Linux sends it when the *thread* that started the child ends,
+# and Prefect starts servers from worker threads that end before the run.
+
+def pidfile_for(log_path: Path) -> Path:
+    return Path(log_path).with_suffix(".pid")
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with the pid it
+    names one process, not a later one that reused the pid."""
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def write_pidfile(path: Path, pid: int, port: int) -> None:
+    record = {"pid": pid, "start_ticks": _start_ticks(pid), "port": port, "host": socket.gethostname(),
+              "started": time.time()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+def reap_orphan(path: Path, grace_s: float = 20.0) -> int | None:
+    """Stop the server `path` records if it is still running (same host,
+    same process: pid and start time); returns its pid, or None."""
+    try:
+        record = json.loads(Path(path).read_text())
+        pid = int(record["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    reaped = None
+    if (record.get("host") == socket.gethostname() and record.get("start_ticks") is not None
+            and _start_ticks(pid) == record["start_ticks"] and _group_members(pid)):
+        logger.warning("stopping SGLang server pid %d (port %s), left running by an earlier run that did not "
+                       "stop it (recorded in %s)", pid, record.get("port"), path)
+        _stop_group(pid, grace_s)
+        reaped = pid
+    Path(path).unlink(missing_ok=True)
+    return reaped
 
 
 def server_healthy(url: str) -> bool:
