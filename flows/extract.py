@@ -29,6 +29,7 @@ from tasks.server.supervisor import ServerSupervisor
 from tasks.store.ledger import open_ledger, open_store
 from tasks.store.lock import hold_lock
 from tasks.store.manifest import build_manifest
+from tasks.store.shards import remove_leaked_temps
 from tasks.target.architectures import Architecture, architecture_of, load_tokenizer
 from tasks.target.layers import AuxLayers
 from tasks.target.models import resolve_model
@@ -46,6 +47,9 @@ def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str
     manifest = build_manifest(model_path, tokenizer, layers, arch, max_length=max_length, policy=policy,
                               sources=[str(Path(dataset).resolve())], storage=store_dtype)
     ledger = open_store(Path(store), manifest, ledger_url)
+    leaked = remove_leaked_temps(Path(store))  # the run holds the store's lock: nobody is writing one
+    if leaked:
+        log.warning("removed %d unfinished shard temp files of a killed run: %s", len(leaked), ", ".join(leaked[:5]))
     plan = extraction.plan_extraction(Path(dataset), tokenizer, ledger, max_length=max_length, policy=policy)
     log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; %s, aux layers: %s",
              plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
@@ -182,6 +186,9 @@ def extract_hidden_states(
     with hold_lock(Path(store), f"extract_hidden_states of {dataset}"):
         plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
                                                            aux_layer_ids, store_dtype, ledger_url)
+        # Before the preflight: dumps a killed run left in RAM-backed /dev/shm
+        # would otherwise count against the space it asks for, for good.
+        reset_dump_dir_task(dump_dir)
         preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length,
                        storage=store_dtype)
         server = None

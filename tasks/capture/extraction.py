@@ -107,8 +107,10 @@ def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
     removed = 0
     for path in dump_dir.iterdir():
         name = path.name
-        if path.is_file() and name.endswith(".safetensors") and (
-                name.startswith(rid_prefix) or name.startswith(TMP_PREFIX + rid_prefix)):
+        # Dumps, and the hook's temps of dumps it never finished
+        # (`.tmp-<rid>@<start>.safetensors.<pid>`).
+        if path.is_file() and ((name.startswith(rid_prefix) and name.endswith(".safetensors"))
+                               or name.startswith(TMP_PREFIX + rid_prefix)):
             path.unlink(missing_ok=True)
             removed += 1
     probe = dump_dir / f"{TMP_PREFIX}write-check"

@@ -213,6 +213,21 @@ def remove_uncommitted(store: Path, name: str) -> None:
     shard_path(store, name).unlink(missing_ok=True)
 
 
+def remove_leaked_temps(store: Path) -> list[str]:
+    """Delete the temp files of shards whose writing never finished (the
+    writer was SIGKILLed: an exception removes its own). Call only while
+    holding the store's lock: then no one else is writing one."""
+    removed = []
+    shards = Path(store) / "shards"
+    if shards.is_dir():
+        for path in shards.iterdir():
+            # `.<shard name>.safetensors.<pid>.<thread>`, as write_shard names them
+            if path.name.startswith(".") and ".safetensors." in path.name and path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+    return removed
+
+
 def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
