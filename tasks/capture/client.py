@@ -68,7 +68,12 @@ async def capture_one(
     if response.status_code != 200:
         raise CaptureError(f"rid {rid}: server answered HTTP {response.status_code}: {response.text[:300]}")
     try:
-        check_meta(response.json()["meta_info"], rid, len(input_ids))
+        try:
+            meta = response.json()["meta_info"]
+        except (ValueError, KeyError, TypeError):
+            raise CaptureError(f"rid {rid}: {url} answered HTTP 200 without SGLang's JSON (no meta_info): "
+                               f"{response.text[:120]!r}; is it an SGLang server?") from None
+        check_meta(meta, rid, len(input_ids))
         read = partial(read_capture, dump_dir, rid, input_ids, aux_layer_ids=aux_layer_ids)
         return await _read_when_written(read, dump_wait_s, executor)
     except CaptureError:

@@ -238,6 +238,7 @@ def extract_batch(
     transport: httpx.AsyncBaseTransport | None = None,
     dump_wait_s: float = DUMP_WAIT_S,
     guard: FailureGuard | None = None,
+    request_timeout_s: float = 600.0,
 ) -> BatchResult:
     """Capture one batch, write it as one shard, commit it to the ledger.
 
@@ -251,7 +252,9 @@ def extract_batch(
     the HTTP requests instead of a server (benchmarks). With a `guard`, the
     batch does not start once the run has been stopped, and records its
     outcomes after committing what it captured (raising TooManyFailures if
-    the run must stop).
+    the run must stop). A request not answered within `request_timeout_s`
+    fails its sample's attempt (a server that stops answering /health as
+    well counts as down).
     """
     if guard is not None:
         guard.check()
@@ -290,7 +293,7 @@ def extract_batch(
 
         outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in group], keep,
                             concurrency=width, aux_layer_ids=aux_layer_ids, read_workers=store_workers,
-                            transport=transport, dump_wait_s=dump_wait_s)
+                            transport=transport, dump_wait_s=dump_wait_s, timeout_s=request_timeout_s)
         down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
         if down and not server_healthy(url):
             in_flight = [s.sample_id for s, o in zip(group, outs) if isinstance(o, Exception) and _was_in_flight(o)]

@@ -94,6 +94,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """SGLang would start, load the model and only then fail to bind, or a
+    health check could find whatever else answers there; refuse first."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ServerError(f"port {port} on {host} is taken by another process ({e.strerror}): choose another "
+                              "port, or leave it unset for a free one") from None
+
+
 def _architecture(cfg: ServerConfig) -> Architecture | None:
     """The target's entry, or None for a path that is no checkpoint or an
     architecture the table lacks: SGLang refuses or serves those with its own
@@ -244,6 +256,7 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
         raise ValueError(f"tp_size must be >= 1, got {cfg.tp_size}")
     cpu = (not gpu_present()) if cfg.cpu is None else cfg.cpu
     port = cfg.port or free_port(cfg.host)
+    check_port_free(cfg.host, port)
     if cfg.capture:
         ensure_private_dir(cfg.dump_dir)
     log_path = Path(log_path)
