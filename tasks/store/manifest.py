@@ -1,6 +1,6 @@
 """The store's manifest: what produced its data, and the rule for adding to it.
 
-    <store>/manifest.json     target (name, config hash, architecture),
+    <store>/manifest.json     target (name, config hash, weights fingerprint, architecture),
                               tokenizer and chat-template hashes, aux layer ids
                               in both conventions, final state post-norm,
                               hidden size, dtype (the storage dtype of the hidden
@@ -23,6 +23,7 @@ from typing import Sequence
 from tasks.durable import replace_durably
 from tasks.store.shards import BF16, FORMAT, STORAGE_DTYPES, file_sha256
 from tasks.target.architectures import Architecture
+from tasks.target.fingerprint import weights_fingerprint
 
 # What must be equal for two runs to write into the same store.
 IDENTITY_KEYS = ("format", "target", "architecture", "tokenizer", "aux_layers", "hidden_size", "dtype",
@@ -48,6 +49,7 @@ def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Archit
     return {
         "format": FORMAT,
         "target": {"name": model_path.name, "config_sha256": file_sha256(model_path / "config.json"),
+                   "weights_sha256": weights_fingerprint(model_path),
                    "architectures": config.get("architectures"), "num_hidden_layers": sizes["num_hidden_layers"],
                    "vocab_size": sizes.get("vocab_size")},
         "architecture": architecture.as_record(),
@@ -90,6 +92,18 @@ def create_or_check(store: Path, manifest: dict) -> None:
     # config hash (part of the identity) already fixes its architecture.
     if "architecture" not in existing and existing.get("target") == manifest.get("target"):
         existing["architecture"] = manifest.get("architecture")
+    # Stores written before the weights were fingerprinted: recorded now,
+    # checked from this run on.
+    target, new_target = existing.get("target") or {}, manifest.get("target") or {}
+    if "weights_sha256" not in target and "weights_sha256" in new_target:
+        existing["target"] = target = {**target, "weights_sha256": new_target["weights_sha256"]}
+    if (target.get("weights_sha256") != new_target.get("weights_sha256")
+            and {**target, "weights_sha256": None} == {**new_target, "weights_sha256": None}):
+        raise StoreError(
+            f"store {store} was captured from other weights than {manifest.get('target_path')} (same config.json, "
+            f"weights fingerprint {target.get('weights_sha256', '')[:12]} vs {new_target.get('weights_sha256', '')[:12]}: "
+            "a fine-tune, or a re-download that changed?). States from two models must not mix: use a new store "
+            "directory for this run.")
     diff = [k for k in IDENTITY_KEYS if existing.get(k) != manifest.get(k)]
     if diff:
         raise StoreError(
