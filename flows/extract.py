@@ -24,7 +24,7 @@ from flows.cli import described
 from flows.verify import verify_task
 from tasks.capture import extraction
 from tasks.paths import default_dump_root
-from tasks.server.launch import ServerConfig
+from tasks.server.launch import ServerConfig, check_serves
 from tasks.server.supervisor import ServerSupervisor
 from tasks.store.ledger import open_ledger, open_store
 from tasks.store.lock import hold_lock
@@ -92,6 +92,7 @@ def launch_task(model_path: Path, dump_dir: str, arch: Architecture, layers: Aux
         supervisor = ServerSupervisor(cfg, Path(log_path), max_restarts=max_server_restarts)
         log.info("launching SGLang on %s (tp=%d), log: %s", model_path, tp_size, log_path)
     log.info("SGLang server ready at %s", supervisor.start())
+    check_serves(supervisor.url, model_path)
     return supervisor
 
 

@@ -66,3 +66,40 @@ def test_a_store_from_before_fingerprints_gets_one_then_is_checked(tiny_model, f
     assert json.loads(manifest_path(store).read_text())["target"]["weights_sha256"] == weights_fingerprint(tiny_model)
     with pytest.raises(StoreError, match="captured from other weights"):
         open_store(store, manifest_for(fine_tune))
+
+
+def model_info_server(model_path: str):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"model_path": model_path}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_a_server_that_serves_another_model_is_refused(tiny_model, fine_tune, tmp_path):
+    from tasks.server.launch import ServerError, check_serves
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    for served, ok in ((tiny_model, True), (copy, True), (fine_tune, False), (tmp_path / "nothing", False)):
+        url, server = model_info_server(str(served))
+        try:
+            if ok:
+                check_serves(url, tiny_model)
+            else:
+                with pytest.raises(ServerError, match=f"serves {served}, not the target"):
+                    check_serves(url, tiny_model)
+        finally:
+            server.shutdown()

@@ -30,6 +30,7 @@ from tasks.capture.dump import RID_PREFIX
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.cpu_shim import gpu_present, resolve_dtype, server_environment
 from tasks.target.architectures import Architecture, architecture_at
+from tasks.target.fingerprint import weights_fingerprint
 
 logger = logging.getLogger("eagle3.server")
 
@@ -445,6 +446,31 @@ def reap_orphan(path: Path, grace_s: float = 20.0) -> int | None:
         reaped = pid
     Path(path).unlink(missing_ok=True)
     return reaped
+
+
+def check_serves(url: str, model_path: Path) -> None:
+    """Refuse a server that serves another model than the run's target (an
+    attached server started on something else, or --model-path overridden):
+    its states would go into the store as the target's. Its own /model_info
+    says what it serves; a path elsewhere is accepted when it holds the same
+    config and weights (a copy)."""
+    try:
+        served = httpx.get(f"{url}/model_info", timeout=30.0).json()["model_path"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise ServerError(f"{url}/model_info did not say which model it serves ({e!r}): is it an SGLang "
+                          "server?") from None
+    ours, theirs = Path(model_path).resolve(), Path(served).expanduser()
+    if theirs.resolve() == ours:
+        return
+    try:
+        same = ((theirs / "config.json").read_bytes() == (ours / "config.json").read_bytes()
+                and weights_fingerprint(theirs) == weights_fingerprint(ours))
+    except OSError:
+        same = False
+    if not same:
+        raise ServerError(f"the SGLang server at {url} serves {served}, not the target {ours}: its states are "
+                          f"not the target's. Attach to a server started on {ours}, or leave server_url unset "
+                          "to launch one.")
 
 
 def server_healthy(url: str) -> bool:
