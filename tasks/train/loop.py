@@ -309,11 +309,17 @@ def _distributed() -> tuple[int, int]:
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
-def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
+          on_step: Callable[[dict], None] | None = None) -> TrainResult:
     """Train (or resume) a drafter; returns its exported directory and metrics.
     Checkpoints hold the weights, the optimizer, the draft vocabulary and the
     data position (epoch, batch); the batch order is a function of the seed
-    and the epoch, so a resumed run replays exactly what is left."""
+    and the epoch, so a resumed run replays exactly what is left.
+
+    on_step, on every rank after each optimizer step (and its checkpoint, if
+    one was due): epoch, step, rank, the sample ids this rank trained on, its
+    loss and the step's gradient norm (before clipping), so a caller can
+    account for every batch the run consumed."""
     started = time.time()
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -382,6 +388,7 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
         t_epoch, tok_epoch = time.time(), 0
         t_wait = time.time()
         for i, batch in enumerate(prefetch(lambda b: collate(run.reader, b), mine[batch_pos:]), start=batch_pos):
+            ids = [run.reader.sample_ids[j] for j in mine[i]]
             t0 = time.time()
             wait_s += t0 - t_wait
             batch = _to(batch, run.device)
@@ -440,6 +447,9 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
                 # the checkpoint on disk is the one before it, and a resume
                 # (say at a lower lr) replays its batches.
                 save(epoch, i + 1)
+            if on_step:
+                on_step({"epoch": epoch, "step": step, "rank": rank, "world": world, "sample_ids": ids, "weight": 1.0,
+                         "loss": out.loss.item(), "grad_norm": grad_norm.item()})
         epoch, batch_pos = epoch + 1, 0
         if rank == 0:
             history.append({"epoch": epoch, "step": step, **evaluate(run)})
