@@ -8,7 +8,6 @@ Training runs for real on the tiny target, on stores of random hidden states
 under torchrun."""
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
