@@ -48,3 +48,6 @@ Precision = Annotated[Literal["auto", "fp32", "bf16"],
 VocabPositions = Annotated[int, Field(description="training positions (a seeded random subset) counted to pick the "
                                                   "draft vocabulary", ge=1)]
 ServeSteps = Annotated[int, Field(description="speculative steps the drafter will be served with (for tau@S)", ge=1)]
+OnStoreChange = Annotated[Literal["refuse", "replan"], Field(
+    description="a resume whose store has changed since the checkpoint (samples added, removed or altered): refuse "
+                "(train in a new out_dir), or replan: start the current epoch again over the store as it is now")]

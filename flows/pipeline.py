@@ -91,6 +91,7 @@ def eagle3_pipeline(
     devices: params.Devices = params.TRAIN.devices,
     precision: params.Precision = params.TRAIN.precision,
     vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
+    on_store_change: params.OnStoreChange = params.TRAIN.on_store_change,
     serve_prompts: Annotated[int, Field(description="held-out prompts for the serving check", ge=1)] = 8,
     serve_new_tokens: Annotated[int, Field(description="greedy tokens per serving prompt", ge=1)] = 48,
     serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
@@ -107,7 +108,8 @@ def eagle3_pipeline(
     verify_store(store=store)
     trained = train_drafter(store=store, out_dir=train_dir, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
                             epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, serve_steps=serve_steps,
-                            devices=devices, precision=precision, vocab_positions=vocab_positions)
+                            devices=devices, precision=precision, vocab_positions=vocab_positions,
+                            on_store_change=on_store_change)
     served = serve_check(drafter_dir=trained["drafter_dir"], store=store, target=trained["target"],
                          num_prompts=serve_prompts, max_new_tokens=serve_new_tokens, num_steps=serve_steps,
                          num_draft_tokens=serve_steps + 1)

@@ -108,6 +108,7 @@ def train_drafter(
     vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
     checkpoint_every: Annotated[int, Field(description="steps between checkpoints", ge=1)] = params.TRAIN.checkpoint_every,
     seed: Annotated[int, Field(description="initialisation and data-order seed")] = params.TRAIN.seed,
+    on_store_change: params.OnStoreChange = params.TRAIN.on_store_change,
 ) -> dict:
     """Train an EAGLE-3 drafter on a verified store and export it for SGLang."""
     cfg = TrainConfig(
@@ -115,7 +116,7 @@ def train_drafter(
         draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, step_decay=step_decay, epochs=epochs, lr=lr,
         tokens_per_batch=tokens_per_batch, heldout_fraction=heldout_fraction, serve_steps=serve_steps,
         devices=devices, precision=precision, vocab_positions=vocab_positions, checkpoint_every=checkpoint_every,
-        seed=seed)
+        seed=seed, on_store_change=on_store_change)
     # One run per out_dir: two would interleave checkpoints and exports.
     with hold_lock(Path(cfg.out_dir), f"train_drafter on {cfg.store}"):
         check_verified_task(cfg.store)

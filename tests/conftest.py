@@ -87,6 +87,43 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
+def random_store(d: Path, model: Path, rows: int, max_length: int = 256) -> Path:
+    """A verified store of the first `rows` demo conversations with random
+    hidden states (seeded), built with tasks.store and no server, for
+    training tests. Called again with more rows on the same d, the store
+    grows: the dataset gains the rows and a second shard their samples."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from tasks.data.dataset import prepare_samples
+    from tasks.store.ledger import open_store
+    from tasks.store.reader import StoreReader
+    from tasks.store.shards import FORMAT, write_shard
+    from tasks.store.verification import verify_store
+
+    config = json.loads((model / "config.json").read_text())
+    hidden = config["hidden_size"]
+    store = d / "store"
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
+    manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
+                "aux_layers": AuxLayers.for_model(config["num_hidden_layers"]).as_record(), "hidden_size": hidden,
+                "dtype": "bfloat16", "max_length": max_length, "max_length_policy": "truncate",
+                "target_path": str(model), "sources": [str(dataset)]}
+    ledger = open_store(store, manifest)
+    have = set(StoreReader(store).sample_ids) if ledger.shards().shape[0] else set()
+    samples, _ = prepare_samples(dataset, AutoTokenizer.from_pretrained(model), max_length=max_length)
+    g = torch.Generator().manual_seed(len(have))
+    items = [{"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
+              "loss_mask": s.loss_mask, "aux_hidden_states": torch.randn(s.num_tokens, 3, hidden, generator=g),
+              "final_hidden_state": torch.randn(s.num_tokens, hidden, generator=g)}
+             for s in samples if s.sample_id not in have]
+    ledger.commit_shard(*write_shard(store, items, source=str(dataset)))
+    assert verify_store(store).ok
+    return store
+
+
 @pytest.fixture(scope="session")
 def postgres_url():
     """One private PostgreSQL server per session (tests/pg_server.py); its

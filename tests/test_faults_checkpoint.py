@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from tasks.data.dataset import prepare_samples
-from tasks.store.ledger import open_store
-from tasks.store.shards import FORMAT, write_shard
-from tasks.store.verification import verify_store
-from tasks.target.layers import AuxLayers
 from tasks.train.export import export_weights, load_exported
 from tasks.train.loop import CHECKPOINT, TrainConfig, TrainingError, train, trained_drafter
-from tests.conftest import demo_rows, write_jsonl
+from tests.conftest import random_store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,22 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def trained(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    config = json.loads((tiny_model / "config.json").read_text())
-    hidden = config["hidden_size"]
-    dataset = write_jsonl(d / "data.jsonl", demo_rows(16))
-    manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
-                "aux_layers": AuxLayers.for_model(config["num_hidden_layers"]).as_record(), "hidden_size": hidden,
-                "dtype": "bfloat16", "max_length": 256, "max_length_policy": "truncate",
-                "target_path": str(tiny_model), "sources": [str(dataset)]}
-    ledger = open_store(d / "store", manifest)
-    samples, _ = prepare_samples(dataset, AutoTokenizer.from_pretrained(tiny_model), max_length=256)
-    g = torch.Generator().manual_seed(0)
-    items = [{"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
-              "loss_mask": s.loss_mask, "aux_hidden_states": torch.randn(s.num_tokens, 3, hidden, generator=g),
-              "final_hidden_state": torch.randn(s.num_tokens, hidden, generator=g)} for s in samples]
-    ledger.commit_shard(*write_shard(d / "store", items, source=str(dataset)))
-    assert verify_store(d / "store").ok
-    cfg = TrainConfig(store=str(d / "store"), out_dir=str(d / "train"), draft_vocab_size=64, ttt_steps=2, epochs=1,
+    store = random_store(d, tiny_model, 16)
+    cfg = TrainConfig(store=str(store), out_dir=str(d / "train"), draft_vocab_size=64, ttt_steps=2, epochs=1,
                       tokens_per_batch=1024, heldout_fraction=0.25, eval_max_samples=8, checkpoint_every=1)
     return cfg, train(cfg)
 

@@ -139,7 +139,7 @@ def test_a_killed_run_resumes_to_the_same_result(trained, tmp_path):
         while time.time() < deadline:
             if (out / CHECKPOINT).exists():
                 state = torch.load(out / CHECKPOINT, weights_only=False)
-                if state["epoch"] == 1 and state["batch"] > 0:
+                if state["epoch"] == 1 and state["batches_done"] > 0:
                     break
             assert proc.poll() is None, "training exited before it could be killed"
             time.sleep(0.5)
@@ -152,7 +152,8 @@ def test_a_killed_run_resumes_to_the_same_result(trained, tmp_path):
     assert not (out / "drafter").exists()
 
     resumed = train(killed_cfg)
-    assert resumed.resumed_from == {"epoch": killed_at["epoch"], "batch": killed_at["batch"], "step": killed_at["step"]}
+    assert resumed.resumed_from == {"epoch": killed_at["epoch"], "batches_done": killed_at["batches_done"],
+                                    "step": killed_at["step"]}
     assert resumed.steps == uninterrupted.steps
     for a, b in zip(resumed.history, uninterrupted.history):
         assert a["epoch"] == b["epoch"]

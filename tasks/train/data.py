@@ -1,5 +1,6 @@
-"""Training data straight from a verified store: the held-out split,
-length-bucketed batches, collation and a prefetching thread."""
+"""Training data straight from a verified store: the held-out split and its
+fingerprint, length-bucketed batches and their assignment to ranks,
+collation and a prefetching thread."""
 from __future__ import annotations
 
 import hashlib
@@ -30,6 +31,36 @@ def split(reader: StoreReader, fraction: float) -> tuple[np.ndarray, np.ndarray]
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
+def split_fingerprint(reader: StoreReader, train_idx: np.ndarray, held_idx: np.ndarray) -> dict:
+    """What a checkpoint's batch position means depends on: the training
+    split's sample ids and token counts in store order (each epoch's batches
+    are cut from them), and the held-out split's (the history's metrics are
+    over it). Per split: samples, tokens and a sha256 of (id, tokens) in order."""
+    out = {}
+    for name, idx in (("train", train_idx), ("heldout", held_idx)):
+        h = hashlib.sha256()
+        for i in idx:
+            h.update(f"{reader.sample_ids[i]}\t{int(reader.num_tokens[i])}\n".encode())
+        out[name] = {"samples": len(idx), "tokens": int(reader.num_tokens[idx].sum()), "sha256": h.hexdigest()}
+    return out
+
+
+def describe_split_change(then: dict, now: dict) -> str:
+    """Two split fingerprints' differences, in words."""
+    changes = []
+    for name, what in (("train", "training split"), ("heldout", "held-out split")):
+        a, b = then[name], now[name]
+        if a == b:
+            continue
+        if (a["samples"], a["tokens"]) == (b["samples"], b["tokens"]):
+            changes.append(f"{what}: {a['samples']} samples ({a['tokens']:,} tokens) then and now, but other "
+                           f"samples or another order")
+        else:
+            changes.append(f"{what}: {a['samples']} samples ({a['tokens']:,} tokens) then, {b['samples']} "
+                           f"({b['tokens']:,} tokens) now")
+    return "; ".join(changes)
+
+
 def plan_batches(lengths: np.ndarray, indices: np.ndarray, tokens_per_batch: int,
                  seed: int | None, epoch: int = 0) -> list[list[int]]:
     """Length-bucketed batches cut at a padded-token budget. With a seed the
@@ -51,6 +82,26 @@ def plan_batches(lengths: np.ndarray, indices: np.ndarray, tokens_per_batch: int
         if current:
             batches.append(current)
     return [batches[i] for i in rng.permutation(len(batches))] if rng is not None else batches
+
+
+def assign_batches(n: int, start: int, rank: int, world: int) -> list[tuple[int, int, float]]:
+    """This rank's part of an epoch's batches start..n-1 (indices into the
+    epoch's order), one per optimizer step, as (first batch of the step,
+    this rank's batch, its loss weight).
+
+    Each step takes the next `world` batches of the order, rank r the r-th,
+    so the batches done after any step are a prefix of the order whatever
+    the world size: a checkpoint records its length, and a resume under
+    another world size goes on at the next batch. Where fewer than `world`
+    batches are left (m), ranks m.. run the step's first batch again at
+    weight 0 (DDP needs every rank's backward) and the m others weigh
+    world/m: DDP averages gradients over all ranks, so the step's gradient
+    is the mean over its m batches, as on m devices."""
+    steps = []
+    for first in range(start, n, world):
+        m = min(world, n - first)
+        steps.append((first, first + rank, world / m) if rank < m else (first, first, 0.0))
+    return steps
 
 
 def collate(reader: StoreReader, indices: list[int]) -> dict[str, torch.Tensor]:

@@ -2,9 +2,13 @@
 vocabulary, drafter), train with TTT, evaluate on held-out samples per
 epoch, checkpoint atomically with the data position, export at the end.
 
-The batch order is a function of the seed and the epoch, so a resumed run
-replays exactly what is left. Under torchrun (tasks/train/launch.py) each
-rank trains its slice of every global batch order under DDP.
+Each epoch's batch order is a function of the seed, the epoch and the
+training split alone, never of the device count; the checkpoint records how
+many of its batches are done and a fingerprint of the split, so a resumed
+run, on as many devices as before or not, trains exactly the batches left,
+and a store changed since is refused (or re-planned on request). Under
+torchrun (tasks/train/launch.py) each optimizer step takes the next batch of
+the order on every rank under DDP (tasks/train/data.py assign_batches).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from tasks.durable import replace_durably
 from tasks.store.reader import StoreReader
 from tasks.store.verification import require_verified
 from tasks.target.layers import AuxLayers
-from tasks.train.data import collate, plan_batches, prefetch, split
+from tasks.train.data import (assign_batches, collate, describe_split_change, plan_batches, prefetch, split,
+                              split_fingerprint)
 from tasks.train.drafter import Eagle3Drafter, build_drafter, load_target_embeddings
 from tasks.train.export import export_drafter
 from tasks.train.metrics import write_metrics
@@ -38,6 +43,7 @@ logger = logging.getLogger("eagle3.training")
 CHECKPOINT = "checkpoint.pt"
 RESULT = "result.json"
 PRECISIONS = ("auto", "fp32", "bf16")
+STORE_CHANGES = ("refuse", "replan")
 
 
 @dataclass
@@ -52,7 +58,7 @@ class TrainConfig:
     lr: float = 3e-4
     warmup_fraction: float = 0.05
     max_grad_norm: float = 0.5
-    tokens_per_batch: int = 4096  # padded tokens per optimizer step (per device)
+    tokens_per_batch: int = 4096  # padded tokens per batch: one per device and optimizer step
     heldout_fraction: float = 0.05
     eval_max_samples: int = 256
     serve_steps: int = 3  # tau@serve_steps is what SGLang's --speculative-num-steps serves
@@ -72,12 +78,18 @@ class TrainConfig:
     # A safety limit, not a training setting: a run that stopped on it may be
     # resumed with another (a good step is the same under any value).
     max_nonfinite_steps: int = 3
+    # A resume whose store split differs from the checkpoint's (samples added,
+    # removed or changed since): "refuse", or "replan": start the current
+    # epoch again, its batches cut from the split as it is now.
+    on_store_change: str = "refuse"
 
-    RESUMABLE = ("checkpoint_every", "log_every", "devices", "max_nonfinite_steps")
+    RESUMABLE = ("checkpoint_every", "log_every", "devices", "max_nonfinite_steps", "on_store_change")
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.on_store_change not in STORE_CHANGES:
+            raise ValueError(f"on_store_change {self.on_store_change!r}: use one of {', '.join(STORE_CHANGES)}")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps {self.max_nonfinite_steps}: at least 1")
 
@@ -123,8 +135,10 @@ class TrainingError(RuntimeError):
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine to 10%: a function of the step alone, so a
-    resume needs no scheduler state."""
+    """Linear warm-up, then cosine to 10%, over `total` (the run's batches:
+    `step` is the batches done before this step, so the schedule is the same
+    on any number of devices): a function of the position alone, so a resume
+    needs no scheduler state."""
     warm = max(1, int(cfg.warmup_fraction * total))
     if step < warm:
         return cfg.lr * (step + 1) / warm
@@ -168,6 +182,65 @@ def _load_checkpoint(path: Path) -> dict:
                                                                    "Please file an issue"))) or str(e)
         raise TrainingError(f"checkpoint {path} cannot be loaded as plain tensors and values ({why[:300]}); it "
                             f"is not one this trainer wrote, or it is damaged: delete it to start over") from e
+
+
+def resume_position(ckpt: dict, cfg: TrainConfig, plans: list[list[list[int]]], fingerprint: dict | None,
+                    world: int, path: Path) -> tuple[int, int]:
+    """(epoch, batches of its order done) to resume a checkpoint from, on
+    `world` devices, with `plans` the epochs' batch orders over the split
+    whose fingerprint is given. A split changed since the checkpoint is
+    refused, or with on_store_change "replan" the epoch starts again."""
+    epoch = ckpt["epoch"]
+    if "batches_done" not in ckpt:
+        return epoch, _old_position(ckpt, cfg, plans, world, path)
+    if ckpt["fingerprint"] == fingerprint:
+        return epoch, ckpt["batches_done"]
+    change = describe_split_change(ckpt["fingerprint"], fingerprint)
+    if epoch >= cfg.epochs:
+        if cfg.on_store_change != "replan":
+            raise TrainingError(f"store {cfg.store} changed since {path} was written ({change}), and that run has "
+                                f"finished on the old split: train the store as it is now in a new out_dir")
+        logger.warning("store %s changed since %s was written (%s), and that run has finished: nothing is left "
+                       "to re-plan", cfg.store, path, change)
+        return epoch, 0
+    if cfg.on_store_change != "replan":
+        raise TrainingError(
+            f"store {cfg.store} changed since {path} was written ({change}): the checkpoint's position (epoch "
+            f"{epoch + 1}, {ckpt['batches_done']} batches done) is in batches cut from the old split, so going on "
+            f"would skip or repeat samples. Train the store as it is now in a new out_dir, or pass "
+            f"on_store_change='replan' to go on with this run from the start of epoch {epoch + 1}, its batches cut "
+            f"from the current split (the samples it trained on this epoch are trained again)")
+    logger.warning("store %s changed since %s was written (%s): on_store_change=replan, so epoch %d starts again "
+                   "over the current split (%d batches of the old split's order were done); the draft vocabulary "
+                   "stays the one counted at the start, and the history's earlier held-out rows are over the old "
+                   "held-out split", cfg.store, path, change, epoch + 1, ckpt["batches_done"])
+    return epoch, 0
+
+
+def _old_position(ckpt: dict, cfg: TrainConfig, plans: list[list[list[int]]], world: int, path: Path) -> int:
+    """A checkpoint from before the position counted the epoch's batches:
+    its `batch` counted each rank's, rank r took batches r, r+devices, ... of
+    the same order (it never depended on the device count), and each epoch
+    was cut at the shortest epoch's batches // devices. So it resumes exactly
+    at batch x devices, on the device count it ran with, which it did not
+    record; the learning rate it recorded does tell: the old schedule ran
+    over epochs x that cut, a length per device count."""
+    logger.warning("%s predates the store fingerprint: a store changed since it was written goes unnoticed", path)
+    if ckpt["batch"] == 0:  # an epoch's start: the same on any device count
+        return 0
+    shortest = min(len(p) for p in plans)
+    lr = ckpt["optimizer"]["param_groups"][0]["lr"]
+    fits = [w for w in range(1, shortest + 1)
+            if ckpt["batch"] <= shortest // w and lr_at(ckpt["step"] - 1, cfg.epochs * (shortest // w), cfg) == lr]
+    if world not in fits:
+        said = (f"its learning rate says devices={' or '.join(map(str, fits))}" if fits else
+                "its learning rate fits no device count (has the store changed since?)")
+        raise TrainingError(
+            f"{path} was written by an earlier version of this trainer, which recorded its position per device "
+            f"(epoch {ckpt['epoch'] + 1}, {ckpt['batch']} batches on each) and not the device count; {said}, not "
+            f"{world}. Resume it with that many devices (the run then goes on with a position any device count "
+            f"can resume), or train in a new out_dir")
+    return ckpt["batch"] * world
 
 
 @dataclass
@@ -309,11 +382,21 @@ def _distributed() -> tuple[int, int]:
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
-def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
+          on_step: Callable[[dict], None] | None = None) -> TrainResult:
     """Train (or resume) a drafter; returns its exported directory and metrics.
-    Checkpoints hold the weights, the optimizer, the draft vocabulary and the
-    data position (epoch, batch); the batch order is a function of the seed
-    and the epoch, so a resumed run replays exactly what is left."""
+    Checkpoints hold the weights, the optimizer, the draft vocabulary, the
+    data position (epoch, batches of its order done) and the split's
+    fingerprint; the batch order is a function of the seed, the epoch and the
+    split, so a resumed run, on any number of devices, trains exactly what
+    is left.
+
+    on_step, on every rank after each optimizer step (and its checkpoint, if
+    one was due): epoch, step, rank, world, this rank's batch (its index in
+    the epoch's order), sample ids and loss weight (0: a repeat on a rank
+    left without a batch at an epoch's end), its loss and the step's gradient
+    norm (before clipping), so a caller can account for every batch the run
+    consumed."""
     started = time.time()
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -332,24 +415,33 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     history: list[dict] = []
-    epoch, batch_pos, step = 0, 0, 0
-    resumed = None
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"], strict=False)
-        opt.load_state_dict(ckpt["optimizer"])
-        epoch, batch_pos, step, history = ckpt["epoch"], ckpt["batch"], ckpt["step"], ckpt["history"]
-        resumed = {"epoch": epoch, "batch": batch_pos, "step": step}
-        logger.info("resuming from %s: epoch %d, batch %d, step %d", ckpt_path, epoch + 1, batch_pos, step)
-    ttt = TTT(model)
-    ttt = torch.nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
+    fingerprint = split_fingerprint(run.reader, run.train_idx, run.held_idx)
     plans = [plan_batches(run.reader.num_tokens, run.train_idx, cfg.tokens_per_batch, cfg.seed, e)
              for e in range(cfg.epochs)]
-    per_epoch = min(len(p) for p in plans) // world
-    total = per_epoch * cfg.epochs
-    logger.info("training on %d samples (%s tokens), held out %d; %d epochs x %d steps, TTT %d steps, "
-                "draft vocab %d, device %s x %d, %s", len(run.train_idx),
-                f"{int(run.reader.num_tokens[run.train_idx].sum()):,}", len(run.held_idx), cfg.epochs, per_epoch,
-                cfg.ttt_steps, run.vocab.size, run.device, world,
+    epoch, done, step = 0, 0, 0
+    resumed = None
+    if ckpt is not None:
+        epoch, done = resume_position(ckpt, cfg, plans, fingerprint, world, ckpt_path)
+        model.load_state_dict(ckpt["model"], strict=False)
+        opt.load_state_dict(ckpt["optimizer"])
+        step, history = ckpt["step"], ckpt["history"]
+        resumed = {"epoch": epoch, "batches_done": done, "step": step}
+        logger.info("resuming from %s: epoch %d, %d of its %d batches done, step %d; written on %s device(s), "
+                    "resumed on %d", ckpt_path, epoch + 1, done, len(plans[epoch]) if epoch < cfg.epochs else 0,
+                    step, ckpt.get("world", "an unrecorded number of"), world)
+    ttt = TTT(model)
+    ttt = torch.nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
+    # Every batch of every epoch is trained (the last step of an epoch may
+    # have fewer batches than devices); the learning rate follows batches.
+    batches_before = np.cumsum([0] + [len(p) for p in plans])  # in the epochs before each
+    total = int(batches_before[-1])
+    total_steps = step + sum(-(-(len(p) - (done if e == epoch else 0)) // world)
+                             for e, p in enumerate(plans) if e >= epoch)
+    logger.info("training on %d samples (%s tokens), held out %d; %d epochs of %s batches, %d per step, TTT %d "
+                "steps, draft vocab %d, device %s x %d, %s", len(run.train_idx),
+                f"{int(run.reader.num_tokens[run.train_idx].sum()):,}", len(run.held_idx), cfg.epochs,
+                "/".join(str(len(p)) for p in plans) if len({len(p) for p in plans}) > 1 else len(plans[0]),
+                world, cfg.ttt_steps, run.vocab.size, run.device, world,
                 "bf16 autocast" if autocast_dtype(cfg.precision, run.device) else "fp32")
 
     def require_finite(what: str) -> None:
@@ -361,13 +453,15 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
                                 f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; {ckpt_path} "
                                 f"(the last good checkpoint) is kept")
 
-    def save(epoch_: int, batch_: int) -> None:
+    def save(epoch_: int, done_: int) -> None:
         require_finite(f"checkpoint {ckpt_path}")
         if rank == 0:
+            # batches_done: of the epoch's order, whatever the device count;
+            # world: for the log only, a resume may use another.
             _save_atomic({"identity": cfg.identity(), "model": model.trainable_state(),
-                          "optimizer": opt.state_dict(), "epoch": epoch_, "batch": batch_, "step": step,
-                          "history": history, "d2t": model.d2t.cpu(), "vocab_size": model.cfg.vocab_size},
-                         ckpt_path)
+                          "optimizer": opt.state_dict(), "epoch": epoch_, "batches_done": done_,
+                          "fingerprint": fingerprint, "world": world, "step": step, "history": history,
+                          "d2t": model.d2t.cpu(), "vocab_size": model.cfg.vocab_size}, ckpt_path)
 
     if not history and rank == 0:
         history.append({"epoch": 0, "step": 0, **evaluate(run)})
@@ -378,19 +472,23 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
     tokens = 0
     skipped = in_a_row = 0
     while epoch < cfg.epochs:
-        mine = plans[epoch][rank::world][:per_epoch]
-        t_epoch, tok_epoch = time.time(), 0
+        plan = plans[epoch]
+        mine = assign_batches(len(plan), done, rank, world)
+        t_epoch, tok_epoch, steps_epoch = time.time(), 0, 0
         t_wait = time.time()
-        for i, batch in enumerate(prefetch(lambda b: collate(run.reader, b), mine[batch_pos:]), start=batch_pos):
+        for (first, b, weight), batch in zip(mine, prefetch(lambda a: collate(run.reader, plan[a[1]]), mine)):
             t0 = time.time()
             wait_s += t0 - t_wait
             batch = _to(batch, run.device)
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, total, cfg)
+                g["lr"] = lr_at(int(batches_before[epoch]) + first, total, cfg)
             with _autocast(run):
                 out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
             opt.zero_grad(set_to_none=True)
-            out.loss.backward()
+            # weight: world/m on the m ranks with a batch of their own, 0 on
+            # a rank repeating one (assign_batches), so that DDP's mean over
+            # the ranks is the mean over the step's batches; 1 in the rest.
+            (out.loss * weight).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             # 1 where the loss / the total gradient norm is NaN or infinite.
             # Under DDP the gradients (so the norm) agree across ranks but the
@@ -423,24 +521,30 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None) ->
                 opt.step()
                 in_a_row = 0
             step += 1
-            n_tok = int(batch["lengths"].sum())
+            steps_epoch += 1
+            done = min(len(plan), first + world)
+            n_tok = int(batch["lengths"].sum()) if weight else 0
             tokens += n_tok
             tok_epoch += n_tok
             t_wait = time.time()
             compute_s += t_wait - t0
             if step % cfg.log_every == 0 and rank == 0:
                 rate = tok_epoch / max(1e-9, time.time() - t_epoch)
-                left = (total - step) * (time.time() - t_epoch) / max(1, i + 1 - batch_pos)
+                left = (total_steps - step) * (time.time() - t_epoch) / steps_epoch
                 acc0 = float(out.correct[0]) / max(1, int(out.counted[0]))
                 logger.info("epoch %d/%d step %d/%d: loss %.3f, acc0 %.2f, lr %.2e, %.0f tok/s, ETA %.0f s",
-                            epoch + 1, cfg.epochs, step, total, out.loss.item(), acc0, lr_at(step, total, cfg),
+                            epoch + 1, cfg.epochs, step, total_steps, out.loss.item(), acc0, opt.param_groups[0]["lr"],
                             rate, left)
             if step % cfg.checkpoint_every == 0 and in_a_row == 0:
                 # Not inside a run of skipped steps: should it end the run,
                 # the checkpoint on disk is the one before it, and a resume
                 # (say at a lower lr) replays its batches.
-                save(epoch, i + 1)
-        epoch, batch_pos = epoch + 1, 0
+                save(epoch, done)
+            if on_step:
+                on_step({"epoch": epoch, "step": step, "rank": rank, "world": world, "batch": b,
+                         "sample_ids": [run.reader.sample_ids[i] for i in plan[b]], "weight": weight,
+                         "loss": out.loss.item(), "grad_norm": grad_norm.item()})
+        epoch, done = epoch + 1, 0
         if rank == 0:
             history.append({"epoch": epoch, "step": step, **evaluate(run)})
             logger.info("epoch %d/%d held out: %s", epoch, cfg.epochs, _describe(history[-1]))

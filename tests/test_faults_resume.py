@@ -1,0 +1,204 @@
+"""Resumes that used to be silently wrong: a run resumed on another device
+count trains every batch of the epoch's order exactly once (it used to skip
+or repeat some), a remainder batch under DDP is averaged as one device would,
+an old checkpoint is resumed only where its position holds, and a store that
+changed since the checkpoint is refused (or re-planned on request).
+Training runs for real on the tiny target, on stores of random hidden states
+(tests/conftest.py random_store); two devices are two CPU processes on gloo
+under torchrun."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.store.reader import StoreReader
+from tasks.train.data import plan_batches, split
+from tasks.train.loop import CHECKPOINT, TrainConfig, TrainingError, train
+from tests.conftest import random_store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config(store: Path, out_dir: Path, **kw) -> TrainConfig:
+    # Short samples, two or three per batch: ~10 batches an epoch, cheap steps.
+    base = dict(store=str(store), out_dir=str(out_dir), draft_vocab_size=64, ttt_steps=1, epochs=2,
+                tokens_per_batch=128, heldout_fraction=0.1, eval_max_samples=2, checkpoint_every=3)
+    return TrainConfig(**{**base, **kw})
+
+
+class Stop(Exception):
+    """Ends an in-process run after a step, as a kill would (the checkpoint
+    on disk is whatever was written before)."""
+
+
+def recording(records: list, stop_after: int | None = None):
+    def on_step(s: dict) -> None:
+        records.append(s)
+        if s["step"] == stop_after:
+            raise Stop
+    return on_step
+
+
+# The same `train` under torchrun with a recording on_step; rank 0 SIGKILLs
+# itself after a chosen step (after that step's checkpoint, if one was due),
+# and torchrun ends the other rank.
+RECORDING_RUN = """
+import json, os, signal, sys
+from tasks.train.loop import TrainConfig, train
+cfg = TrainConfig(**json.loads(open(sys.argv[1]).read()))
+records, kill_after = sys.argv[2], int(sys.argv[3])
+def on_step(s):
+    with open(f"{records}.{s['rank']}", "a") as f:
+        f.write(json.dumps(s) + "\\n")
+    if s["step"] == kill_after and s["rank"] == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+train(cfg, on_step=on_step)
+"""
+
+
+def torchrun(cfg: TrainConfig, tmp: Path, kill_after: int = -1) -> tuple[int, list[dict], str]:
+    """Run cfg on two CPU processes: the exit code, every rank's step records, the output."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "cfg.json").write_text(json.dumps(cfg.__dict__))
+    (tmp / "run.py").write_text(RECORDING_RUN)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(tmp / "run.py"), str(tmp / "cfg.json"), str(tmp / "records"), str(kill_after)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    records = [json.loads(line) for f in sorted(tmp.glob("records.*")) for line in f.read_text().splitlines()]
+    return proc.returncode, records, proc.stdout + proc.stderr
+
+
+def trained_batches(records: list[dict], up_to_step: int | None = None) -> list[tuple]:
+    """(epoch, sample ids) of every batch trained, in the order of the
+    epoch's batches (step, then rank), leaving out steps after `up_to_step`
+    (lost with the kill: not in the checkpoint) and weight-0 repeats."""
+    kept = [r for r in records if r["weight"] > 0 and (up_to_step is None or r["step"] <= up_to_step)]
+    return [(r["epoch"], tuple(r["sample_ids"])) for r in sorted(kept, key=lambda r: (r["step"], r["rank"]))]
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model, tmp_path_factory):
+    return random_store(tmp_path_factory.mktemp("resume"), tiny_model, 24, max_length=64)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(store, tmp_path_factory):
+    """One device, start to end: the batches each epoch's order holds."""
+    records: list[dict] = []
+    train(config(store, tmp_path_factory.mktemp("ref") / "run"), on_step=recording(records))
+    batches = trained_batches(records)
+    reader = StoreReader(store)
+    train_ids = sorted(reader.sample_ids[i] for i in split(reader, 0.1)[0])
+    for epoch in (0, 1):  # the reference itself: every training sample once an epoch
+        assert sorted(s for e, b in batches if e == epoch for s in b) == train_ids
+    return batches
+
+
+def test_a_two_device_run_resumed_on_one_device_trains_every_batch_once(store, uninterrupted, tmp_path):
+    cfg = config(store, tmp_path / "run", devices=2)
+    rc, killed, log = torchrun(cfg, tmp_path / "ddp", kill_after=4)
+    assert rc != 0 and max(r["step"] for r in killed) == 4, log
+    ckpt = torch.load(tmp_path / "run" / CHECKPOINT, weights_only=True)
+    assert (ckpt["epoch"], ckpt["step"]) == (0, 3)  # steps 1-3 (six batches) kept, step 4 lost with the kill
+    records: list[dict] = []
+    resumed = train(config(store, tmp_path / "run", devices=1), on_step=recording(records))
+    assert trained_batches(killed, up_to_step=3) + trained_batches(records) == uninterrupted
+    assert resumed.resumed_from == {"epoch": 0, "batches_done": 6, "step": 3}
+
+
+def test_a_one_device_run_resumed_on_two_devices_trains_every_batch_once(store, uninterrupted, tmp_path):
+    first: list[dict] = []
+    with pytest.raises(Stop):
+        train(config(store, tmp_path / "run"), on_step=recording(first, stop_after=5))
+    ckpt = torch.load(tmp_path / "run" / CHECKPOINT, weights_only=True)
+    assert (ckpt["epoch"], ckpt["step"]) == (0, 3)
+    rc, resumed, log = torchrun(config(store, tmp_path / "run", devices=2), tmp_path / "ddp")
+    assert rc == 0, log
+    assert trained_batches(first, up_to_step=3) + trained_batches(resumed) == uninterrupted
+    # Both ranks ran every step; where an odd number of an epoch's batches
+    # was left, its last step had one batch, and rank 1 ran it again at weight 0.
+    for epoch in (0, 1):
+        left = sum(1 for e, _ in uninterrupted if e == epoch) - (3 if epoch == 0 else 0)
+        mine = [r for r in resumed if r["epoch"] == epoch]
+        assert len(mine) == 2 * -(-left // 2)
+        assert [r["rank"] for r in mine if r["weight"] == 0] == [1] * (left % 2)
+    assert any(r["weight"] == 0 for r in resumed)  # (7 batches were left of epoch 1: the case did arise)
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["resumed_from"]["batches_done"] == 3
+
+
+def test_a_two_device_step_over_one_batch_equals_the_one_device_step(store, tmp_path):
+    """An epoch of one batch: under two devices rank 1 has none of its own,
+    and the step's gradient must still be that batch's, not half of it (nor
+    no step at all)."""
+    one_step: list[dict] = []
+    result = train(config(store, tmp_path / "one", epochs=1, tokens_per_batch=4096), on_step=recording(one_step))
+    assert result.steps == 1
+    rc, records, log = torchrun(config(store, tmp_path / "two", epochs=1, tokens_per_batch=4096), tmp_path / "ddp")
+    assert rc == 0, log
+    assert sorted((r["rank"], r["weight"]) for r in records) == [(0, 2.0), (1, 0.0)]
+    # Adam's first step hardly depends on the gradient's scale, so the
+    # gradient norm (before clipping) is what tells a halved gradient.
+    assert records[0]["grad_norm"] == pytest.approx(one_step[0]["grad_norm"], rel=1e-5)
+    a = torch.load(tmp_path / "one" / CHECKPOINT, weights_only=True)["model"]
+    b = torch.load(tmp_path / "two" / CHECKPOINT, weights_only=True)["model"]
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_a_store_grown_since_the_checkpoint_is_refused_or_replanned(tiny_model, tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    store = random_store(d, tiny_model, 16, max_length=64)
+    with pytest.raises(Stop):
+        train(config(store, tmp_path / "run", checkpoint_every=2), on_step=recording([], stop_after=2))
+    before = StoreReader(store)
+    n_train, n_held = (len(x) for x in split(before, 0.1))
+    random_store(d, tiny_model, 24, max_length=64)  # 8 more conversations, verified
+    now = StoreReader(store)
+    n_train_now, n_held_now = (len(x) for x in split(now, 0.1))
+    assert n_train_now > n_train
+    with pytest.raises(TrainingError, match=(
+            rf"changed since .*{CHECKPOINT}.*training split: {n_train} samples .* then, {n_train_now} .* now.*"
+            r"new out_dir.*on_store_change='replan'")):
+        train(config(store, tmp_path / "run"))
+    records: list[dict] = []
+    result = train(config(store, tmp_path / "run", on_store_change="replan"), on_step=recording(records))
+    assert result.resumed_from == {"epoch": 0, "batches_done": 0, "step": 2}
+    # The epoch starts again over the split as it is now: each of its samples once, the new ones included.
+    train_ids = sorted(now.sample_ids[i] for i in split(now, 0.1)[0])
+    for epoch in (0, 1):
+        assert sorted(s for r in records if r["epoch"] == epoch for s in r["sample_ids"]) == train_ids
+    assert result.train_samples == n_train_now and result.heldout_samples == n_held_now
+
+
+def test_an_old_checkpoint_resumes_only_on_the_device_count_it_was_written_with(store, uninterrupted, tmp_path):
+    """A checkpoint from before the global position (`batch`: each rank's
+    batches; no store fingerprint). Made here from a one-device run of one
+    epoch, which the old trainer ran exactly so (the same batches and
+    learning rates), with the new fields taken out."""
+    from tasks.train.loop import resume_position
+
+    out = tmp_path / "run"
+    first: list[dict] = []
+    with pytest.raises(Stop):
+        train(config(store, out, epochs=1), on_step=recording(first, stop_after=3))
+    ckpt = torch.load(out / CHECKPOINT, weights_only=True)
+    old = {k: v for k, v in ckpt.items() if k not in ("batches_done", "fingerprint", "world")}
+    old["batch"] = ckpt["batches_done"]
+    torch.save(old, out / CHECKPOINT)
+
+    reader = StoreReader(store)
+    plans = [plan_batches(reader.num_tokens, split(reader, 0.1)[0], 128, 0, 0)]
+    cfg = config(store, out, epochs=1)
+    with pytest.raises(TrainingError, match=r"earlier version.*per device.*devices=1\b.*not 2.*new out_dir"):
+        resume_position(old, cfg, plans, None, 2, out / CHECKPOINT)
+    assert resume_position(old, cfg, plans, None, 1, out / CHECKPOINT) == (0, 3)
+    records: list[dict] = []
+    train(cfg, on_step=recording(records))
+    epoch0 = [b for b in uninterrupted if b[0] == 0]
+    assert trained_batches(first) + trained_batches(records) == epoch0
