@@ -7,18 +7,29 @@ dump is written by our forward hook (`tasks/capture/hook.py`), loaded through
 `--forward-hooks` on the target architecture's decoder stack. The prefix
 cache is off, because tokens it serves are not recomputed and so never reach
 the hook.
+
+Each server gets its own random API key (SGLang's `--api-key`: every request
+but its health and metrics endpoints needs `Authorization: Bearer KEY`) and,
+for capture, its own random rid prefix, so no other local process can use the
+server or make the hook write. Both go to SGLang in a private options file
+(`--config`), not on the command line, which any local user can read in
+/proc; the server log, where SGLang prints them, is private too, and every
+line of it we pass on has the key blanked.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +37,7 @@ from typing import Sequence
 
 import httpx
 
-from tasks.capture.dump import RID_PREFIX
+from tasks.capture.dump import check_rid_prefix, new_rid_prefix
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.cpu_shim import gpu_present, resolve_dtype, server_environment
 from tasks.target.architectures import Architecture, architecture_at
@@ -67,7 +78,11 @@ class ServerConfig:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
-    rid_prefix: str = RID_PREFIX
+    # Rids the capture hook captures, and the key every request must carry.
+    # None: launch_server draws fresh random ones for this server
+    # (with_run_secrets); a relaunch from the same config keeps them.
+    rid_prefix: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     capture_all: bool = False
     # The module the capture hook attaches to; None: the decoder stack of
     # the model's architecture (tasks/target/architectures.py).
@@ -144,7 +159,60 @@ def hook_spec(cfg: ServerConfig) -> list[dict]:
     ]
 
 
+def with_run_secrets(cfg: ServerConfig) -> ServerConfig:
+    """`cfg` with a fresh random rid prefix and API key where it has none."""
+    return dataclasses.replace(
+        cfg, rid_prefix=new_rid_prefix() if cfg.rid_prefix is None else check_rid_prefix(cfg.rid_prefix),
+        api_key=cfg.api_key or secrets.token_urlsafe(32))
+
+
+def auth_headers(api_key: str | None) -> dict:
+    """What every request to a server started with `--api-key` must carry."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def client_options(api_key: str | None, transport=None) -> dict:
+    """httpx client arguments for talking to a server: its API key on every
+    request, and our one TLS context, or `transport` in place of the network
+    (tests, benchmarks)."""
+    network = {"transport": transport} if transport is not None else {"verify": ssl_context()}
+    return {"headers": auth_headers(api_key), **network}
+
+
+def redact(text: str, hidden: Sequence[str | None]) -> str:
+    for secret in hidden:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
+def secret_options(cfg: ServerConfig) -> dict:
+    """The options that go to SGLang through the private options file: the
+    API key and, on a capture server, the hooks (whose config holds the rid
+    prefix)."""
+    if cfg.api_key is None or cfg.rid_prefix is None:
+        raise ValueError("this server config has no API key or rid prefix yet: launch it with launch_server, "
+                         "which draws them (with_run_secrets)")
+    options = {"api-key": cfg.api_key}
+    if cfg.capture:
+        options["forward-hooks"] = json.dumps(hook_spec(cfg))
+    return options
+
+
+def write_options_file(cfg: ServerConfig) -> Path:
+    """secret_options(cfg) in a new file only this user can read, in the form
+    SGLang's `--config` takes (YAML; JSON is YAML). The caller deletes it once
+    the server has read it."""
+    fd, path = tempfile.mkstemp(prefix="eagle3-sglang-", suffix=".yaml")  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        json.dump(secret_options(cfg), f)
+    return Path(path)
+
+
 def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
+    """The server's command line, less the API key and the capture hooks:
+    launch_server adds those as `--config` and a private file
+    (write_options_file)."""
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(cfg.model_path),
@@ -162,10 +230,7 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         if bad:
             raise ValueError(f"{bad}: not supported on a capture server (two-batch overlap skips captured layers; "
                              "attention context parallelism splits requests over ranks)")
-        cmd += [
-            "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-            "--forward-hooks", json.dumps(hook_spec(cfg)),
-        ]
+        cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
         if cfg.aux_layer_ids is not None:
             cmd += ["--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layer_ids)]
     if cfg.draft_model_path is not None:
@@ -203,8 +268,16 @@ class ServerHandle:
     url: str
     log_path: Path
 
+    @property
+    def api_key(self) -> str | None:
+        return self.config.api_key
+
+    @property
+    def rid_prefix(self) -> str | None:
+        return self.config.rid_prefix
+
     def log_tail(self, lines: int = 40) -> str:
-        return log_tail(self.log_path, lines)
+        return log_tail(self.log_path, lines, hidden=(self.config.api_key,))
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -219,7 +292,9 @@ class ServerHandle:
         self.stop()
 
 
-def log_tail(path: Path, lines: int = 40) -> str:
+def log_tail(path: Path, lines: int = 40, hidden: Sequence[str | None] = ()) -> str:
+    """The last lines of a server log, with the `hidden` strings blanked
+    (SGLang prints its arguments, API key included, when it starts)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -227,16 +302,19 @@ def log_tail(path: Path, lines: int = 40) -> str:
             text = f.read().decode("utf-8", "replace")
     except FileNotFoundError:
         return "(no server log)"
-    return "\n".join(text.splitlines()[-lines:])
+    return redact("\n".join(text.splitlines()[-lines:]), hidden)
 
 
 def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0,
                   follower: LogFollower | None = None) -> ServerHandle:
     """Start the server in its own process group and wait until it serves.
+    The handle's config holds the rid prefix and API key the server was
+    started with (drawn at random unless cfg gives them).
 
     Raises ServerError quoting the server log's tail if it exits or is not
     healthy within `timeout_s`; no process is left behind then.
     """
+    cfg = with_run_secrets(cfg)
     if cfg.tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {cfg.tp_size}")
     cpu = (not gpu_present()) if cfg.cpu is None else cfg.cpu
@@ -251,22 +329,32 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
     # imported inside the server's processes.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     cmd = build_command(cfg, port, cpu=cpu)
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        log_start = log.tell()
-        process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=str(REPO_ROOT), start_new_session=True,
-        )
-    handle = ServerHandle(cfg, process, f"http://{cfg.host}:{port}", log_path)
+    if follower is not None:
+        follower.hide(cfg.api_key)
+    options_file = write_options_file(cfg)
     try:
-        wait_healthy(handle, timeout_s, follower)
-        if cfg.capture:
-            check_hook_attached(handle, log_start)
-    except BaseException:
-        stop_server(handle)
-        raise
+        cmd += ["--config", str(options_file)]
+        # Private: SGLang prints its arguments, the API key among them, into it.
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+            os.fchmod(log.fileno(), 0o600)
+            log.write(f"$ {redact(' '.join(cmd), [cfg.api_key])}\n".encode())
+            log.flush()
+            log_start = log.tell()
+            process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=str(REPO_ROOT), start_new_session=True,
+            )
+        handle = ServerHandle(cfg, process, f"http://{cfg.host}:{port}", log_path)
+        try:
+            wait_healthy(handle, timeout_s, follower)
+            if cfg.capture:
+                check_hook_attached(handle, log_start)
+        except BaseException:
+            stop_server(handle)
+            raise
+    finally:
+        # SGLang reads it once, at start-up; a relaunch writes a new one.
+        options_file.unlink(missing_ok=True)
     return handle
 
 
@@ -291,6 +379,12 @@ class LogFollower:
 
     def __init__(self, path: Path):
         self.path, self.pos = Path(path), 0
+        self.hidden: set[str] = set()
+
+    def hide(self, secret: str | None) -> None:
+        """Blank `secret` in every line passed on (SGLang logs its API key)."""
+        if secret:
+            self.hidden.add(secret)
 
     def new_lines(self) -> list[str]:
         try:
@@ -301,7 +395,7 @@ class LogFollower:
             return []
         end = data.rfind(b"\n") + 1  # only whole lines
         self.pos += end
-        return data[:end].decode("utf-8", "replace").splitlines()
+        return redact(data[:end].decode("utf-8", "replace"), sorted(self.hidden)).splitlines()
 
     def forward(self, log: logging.Logger, *, everything: bool = False) -> None:
         for line in self.new_lines():
@@ -313,26 +407,22 @@ class LogFollower:
 
 def wait_healthy(handle: ServerHandle, timeout_s: float, follower: LogFollower | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=10.0) as client:
-        while True:
-            if follower is not None:
-                follower.forward(logger, everything=True)
-            if not handle.alive():
-                raise ServerError(
-                    f"SGLang server exited with code {handle.process.returncode} before it "
-                    f"became healthy. Last lines of {handle.log_path}:\n{handle.log_tail()}"
-                )
-            try:
-                if client.get(f"{handle.url}/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerError(
-                    f"SGLang server not healthy after {timeout_s:.0f} s. Last lines of "
-                    f"{handle.log_path}:\n{handle.log_tail()}"
-                )
-            time.sleep(1.0)
+    while True:
+        if follower is not None:
+            follower.forward(logger, everything=True)
+        if not handle.alive():
+            raise ServerError(
+                f"SGLang server exited with code {handle.process.returncode} before it "
+                f"became healthy. Last lines of {handle.log_path}:\n{handle.log_tail()}"
+            )
+        if server_healthy(handle.url, api_key=handle.api_key, timeout_s=10.0):
+            return
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"SGLang server not healthy after {timeout_s:.0f} s. Last lines of "
+                f"{handle.log_path}:\n{handle.log_tail()}"
+            )
+        time.sleep(1.0)
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -376,8 +466,12 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
     raise ServerError(f"processes {_group_members(pgid)} of the SGLang server survived SIGKILL")
 
 
-def server_healthy(url: str) -> bool:
+def server_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 30.0) -> bool:
+    """Whether the server answers /health. SGLang serves /health without the
+    key, but every request we make carries it: one rule, nothing to keep
+    track of per endpoint."""
     try:
-        return httpx.get(f"{url}/health", timeout=30.0).status_code == 200
+        with httpx.Client(timeout=timeout_s, **client_options(api_key)) as client:
+            return client.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
