@@ -167,7 +167,7 @@ def extract_hidden_states(
     tp_size: Annotated[int, Field(description="tensor-parallel size of a launched server", ge=1)] = 1,
     max_total_tokens: Annotated[int, Field(description="KV pool size of a launched server, in tokens")] = 65536,
     chunked_prefill_size: Annotated[Optional[int], Field(description="SGLang chunked prefill size (default: SGLang's)")] = None,
-    extra_server_args: Annotated[list[str], Field(description="extra arguments for sglang.launch_server")] = [],
+    extra_server_args: Annotated[list[str], Field(description="extra arguments for sglang.launch_server (a flag the launcher sets from another parameter is refused, naming that parameter)")] = [],
     sample_attempts: Annotated[int, Field(description="tries per sample before it is quarantined", ge=1)] = 3,
     batch_retries: Annotated[int, Field(description="retries of a failed batch task (server or network faults)", ge=0)] = 3,
     batch_retry_delay_s: Annotated[float, Field(description="first retry delay in seconds; doubles each retry, with jitter", ge=0)] = 5.0,

@@ -344,3 +344,62 @@ def test_sglang_reads_the_key_and_the_hooks_from_the_options_file(tmp_path):
                                                "rid_prefix": cfg.rid_prefix, "capture_all": False}
     assert (args.model_path, args.port, args.enable_return_aux_hidden_states) == ("m", 1234, True)
 
+
+# Each flag build_command sets (or always owns), as a user might give it in
+# extra_args, with the config and machine where the launcher sets it, and
+# the field or flow parameter the refusal must name.
+OWNED = [
+    (["--model-path=other"], {}, "ServerConfig.model_path (flow parameter model)"),
+    (["--model", "other"], {}, "ServerConfig.model_path"),          # SGLang's alias
+    (["--model-pa", "other"], {}, "ServerConfig.model_path"),       # an abbreviation argparse expands
+    (["--host", "0.0.0.0"], {}, "ServerConfig.host"),
+    (["--port", "1"], {}, "ServerConfig.port"),
+    (["--dtype", "float16"], {}, "ServerConfig.dtype"),
+    (["--tp-size", "2"], {}, "flow parameter tp_size"),
+    (["--tensor-parallel-size=2"], {}, "flow parameter tp_size"),
+    (["--max-total-tokens", "1"], {}, "flow parameter max_total_tokens"),
+    (["--disable-radix-cache"], {}, "without the prefix cache"),
+    (["--enable-return-aux-hidden-states"], {}, "ServerConfig.capture"),
+    (["--return-aux-hidden-state-layer-ids", "1", "2", "3"], {}, "flow parameter aux_layer_ids"),
+    (["--speculative-algorithm", "NGRAM"], {}, "ServerConfig.draft_model_path"),
+    (["--speculative-draft-model-path", "d"], {}, "ServerConfig.draft_model_path"),
+    (["--speculative-num-steps", "5"], {}, "ServerConfig.speculative_num_steps"),
+    (["--speculative-eagle-topk", "2"], {}, "ServerConfig.speculative_eagle_topk"),
+    (["--speculative-num-draft-tokens", "8"], {}, "ServerConfig.speculative_num_draft_tokens"),
+    (["--forward-hooks", "[]"], {}, "ServerConfig.capture_module"),
+    (["--api-key", "k"], {}, "flow parameter server_api_key"),
+    (["--config", "x.yaml"], {}, "the launcher passes its own --config"),
+    (["--chunked-prefill-size", "64"], {"chunked_prefill_size": 128}, "flow parameter chunked_prefill_size"),
+    (["--mem-fraction-static", "0.5"], {"mem_fraction_static": 0.8}, "ServerConfig.mem_fraction_static"),
+    (["--sleep-on-idle"], {}, "ServerConfig.sleep_on_idle"),
+    (["--cuda-graph-backend-prefill", "full"], {"cpu": False}, "would skip the capture hook"),
+]
+
+
+@pytest.mark.parametrize("extra, fields, instead", OWNED, ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_a_flag_the_launcher_sets_is_refused_in_extra_args_naming_what_to_use(tmp_path, extra, fields, instead):
+    from tasks.server.launch import build_command
+
+    fields = dict(fields)
+    cpu = fields.pop("cpu", True)
+    cfg = capture_config(tmp_path, extra_args=("--dp-size", "2", *extra), **fields)
+    flag = extra[0].split("=")[0]
+    with pytest.raises(ValueError, match=f"must not set {re.escape(flag)}\\b") as err:
+        build_command(cfg, 1234, cpu=cpu)
+    assert instead in str(err.value)
+
+
+@pytest.mark.parametrize("extra, fields", [
+    (["--dp-size", "2", "--enable-dp-attention"], {}),
+    (["--attention-backend", "torch_native"], {}),
+    (["--trust-remote-code"], {}),
+    (["--chunked-prefill-size", "64"], {}),         # the launcher sets it only from the config
+    (["--mem-fraction-static=0.5"], {}),
+    (["--forward-hooks", "[]"], {"capture": False}),  # a plain server's hooks are the user's
+    (["--speculative-draft-attention-backend", "triton"], {}),
+])
+def test_a_flag_the_launcher_leaves_alone_passes_through(tmp_path, extra, fields):
+    from tasks.server.launch import build_command
+
+    cmd = build_command(capture_config(tmp_path, extra_args=tuple(extra), **fields), 1234, cpu=True)
+    assert cmd[-len(extra):] == extra

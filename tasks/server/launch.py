@@ -209,6 +209,85 @@ def write_options_file(cfg: ServerConfig) -> Path:
     return Path(path)
 
 
+# Flags build_command sets from ServerConfig fields (or always), by SGLang's
+# own name for the option, and what to use instead. Given again in extra_args
+# such a flag would silently win or lose (SGLang keeps the last one), so the
+# server would not be the one the config, the flow's parameters and the store
+# describe.
+_USE_INSTEAD = {
+    "model_path": "ServerConfig.model_path (flow parameter model)",
+    "host": "ServerConfig.host",
+    "port": "ServerConfig.port",
+    "dtype": "ServerConfig.dtype",
+    "tp_size": "ServerConfig.tp_size (flow parameter tp_size)",
+    "max_total_tokens": "ServerConfig.max_total_tokens (flow parameter max_total_tokens)",
+    "disable_radix_cache": "nothing: every server the launcher starts runs without the prefix cache",
+    "enable_return_aux_hidden_states": "ServerConfig.capture",
+    "return_aux_hidden_state_layer_ids": "ServerConfig.aux_layer_ids (flow parameter aux_layer_ids)",
+    "forward_hooks": "ServerConfig.capture_module: a capture server's hooks are the launcher's",
+    "speculative_algorithm": "ServerConfig.draft_model_path",
+    "speculative_draft_model_path": "ServerConfig.draft_model_path",
+    "speculative_num_steps": "ServerConfig.speculative_num_steps",
+    "speculative_eagle_topk": "ServerConfig.speculative_eagle_topk",
+    "speculative_num_draft_tokens": "ServerConfig.speculative_num_draft_tokens",
+    "api_key": "nothing: the launcher gives each server its own key (ServerConfig.api_key; to attach to a "
+               "server you started, flow parameter server_api_key)",
+    "config": "the options themselves in extra_args: the launcher passes its own --config",
+    "chunked_prefill_size": "ServerConfig.chunked_prefill_size (flow parameter chunked_prefill_size)",
+    "mem_fraction_static": "ServerConfig.mem_fraction_static",
+    "sleep_on_idle": "ServerConfig.sleep_on_idle",
+    "cuda_graph_backend_prefill": "nothing: prefill CUDA graph replay would skip the capture hook",
+    "attention_backend": "--attention-backend spelt in full: the launcher then leaves its own out",
+    "trust_remote_code": "--trust-remote-code spelt in full: the launcher then leaves its own out",
+}
+# Owned whatever this config sets: the secrets and the options file, and the
+# flags that would turn a server into a speculative one behind its config.
+_ALWAYS_OWNED = ("api_key", "config", "speculative_algorithm", "speculative_draft_model_path",
+                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+_CAPTURE_OWNED = ("forward_hooks", "enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids")
+
+
+@functools.cache
+def _sglang_options() -> dict[str, str]:
+    """SGLang's option strings (aliases included) -> the option's name."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return {s: a.dest for a in parser._actions for s in a.option_strings}
+
+
+def _option_name(flag: str) -> str | None:
+    """The SGLang option `flag` sets, as its parser reads it: exact, or an
+    unambiguous abbreviation (argparse's allow_abbrev); None if neither."""
+    options = _sglang_options()
+    if flag in options:
+        return options[flag]
+    matches = [s for s in options if s.startswith(flag)]
+    return options[matches[0]] if len(matches) == 1 else None
+
+
+def refuse_owned_flags(cfg: ServerConfig, launcher_args: Sequence[str]) -> None:
+    """Raise ValueError for a flag in cfg.extra_args that sets an option the
+    launcher sets (in `launcher_args`, or always its own)."""
+    given = [a.split("=", 1)[0] for a in cfg.extra_args if a.startswith("--")]
+    if not given:
+        return
+    owned = {_option_name(a) for a in launcher_args if a.startswith("--")} | set(_ALWAYS_OWNED)
+    if cfg.capture:
+        owned |= set(_CAPTURE_OWNED)
+    for flag in given:
+        name = _option_name(flag)
+        if name in owned:
+            canonical = "--" + name.replace("_", "-")
+            spelt = "" if flag == canonical else f" (SGLang reads it as {canonical})"
+            raise ValueError(f"extra_args (flow parameter extra_server_args) must not set {flag}{spelt}: the "
+                             f"launcher sets it itself and SGLang would keep only one of the two. Use "
+                             f"{_USE_INSTEAD.get(name, 'its ServerConfig field')} instead")
+
+
 def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
     """The server's command line, less the API key and the capture hooks:
     launch_server adds those as `--config` and a private file
@@ -258,6 +337,7 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
     if not cpu:
         # Prefill CUDA graph replay skips Python forward hooks: no captures.
         cmd += ["--cuda-graph-backend-prefill", "disabled"]
+    refuse_owned_flags(cfg, cmd)
     return cmd + list(cfg.extra_args)
 
 
