@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 from tasks.capture.extraction import extract_batch
 from tasks.data.dataset import DEMO_DATASET, prepare_samples
 from tasks.paths import default_dump_root
-from tasks.server.launch import ServerConfig, launch_server
+from tasks.server.launch import ServerConfig, auth_headers, launch_server
 from tasks.store.ledger import open_ledger, open_store
 from tasks.store.manifest import build_manifest
 from tasks.store.shards import bytes_per_token
@@ -41,9 +41,9 @@ from tasks.target.layers import AuxLayers
 from tasks.target.models import resolve_model
 
 
-async def _prefill_all(url: str, id_lists, in_flight: int) -> None:
+async def _prefill_all(url: str, id_lists, in_flight: int, api_key: str) -> None:
     limit = asyncio.Semaphore(in_flight)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, headers=auth_headers(api_key)) as client:
         async def one(i, ids):
             async with limit:
                 r = await client.post(f"{url}/generate", json={
@@ -54,32 +54,35 @@ async def _prefill_all(url: str, id_lists, in_flight: int) -> None:
 
 def plain_prefill(cfg: ServerConfig, id_lists, in_flight: int, log: Path) -> float:
     with launch_server(cfg, log) as server:
-        asyncio.run(_prefill_all(server.url, id_lists[:8], in_flight))  # warm-up
+        asyncio.run(_prefill_all(server.url, id_lists[:8], in_flight, server.api_key))  # warm-up
         t0 = time.perf_counter()
-        asyncio.run(_prefill_all(server.url, id_lists, in_flight))
+        asyncio.run(_prefill_all(server.url, id_lists, in_flight, server.api_key))
         return time.perf_counter() - t0
 
 
-def pipeline(url, dump_dir, store, source, samples, layers, batch_size, concurrency) -> float:
+def pipeline(server, dump_dir, store, source, samples, layers, batch_size, concurrency) -> float:
     batches = [samples[i: i + batch_size] for i in range(0, len(samples), batch_size)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for result in pool.map(lambda b: extract_batch(url, dump_dir, store, source, b, aux_layer_ids=layers.sglang_ids,
-                                                       concurrency=concurrency), batches):
+        for result in pool.map(lambda b: extract_batch(server.url, dump_dir, store, source, b,
+                                                       aux_layer_ids=layers.sglang_ids, api_key=server.api_key,
+                                                       rid_prefix=server.rid_prefix, concurrency=concurrency),
+                               batches):
             assert not result.quarantined, result.quarantined
     return time.perf_counter() - t0
 
 
-def clear_and_scan(url: str, dump_dir: Path, out_dir: Path, id_lists) -> float:
+def clear_and_scan(server, dump_dir: Path, out_dir: Path, id_lists) -> float:
     """The design this project replaces: correct only because it is serial."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    url = server.url
     t0 = time.perf_counter()
-    with httpx.Client(timeout=600) as client:
+    with httpx.Client(timeout=600, headers=auth_headers(server.api_key)) as client:
         for i, ids in enumerate(id_lists):
             for f in dump_dir.iterdir():
                 f.unlink()
             r = client.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-                                                     "rid": f"e3-serial-{i}"})
+                                                     "rid": f"{server.rid_prefix}serial-{i}"})
             r.raise_for_status()
             tensors = {}
             for f in sorted(dump_dir.iterdir()):  # "whatever appeared"
@@ -114,10 +117,11 @@ def main() -> None:
         open_store(store, build_manifest(model, tok, layers, architecture_of(config), max_length=4096,
                                          policy="truncate", sources=[str(DEMO_DATASET)]))
         with launch_server(ServerConfig(**base, aux_layer_ids=layers.sglang_ids), work / "capture.log") as server:
-            asyncio.run(_prefill_all(server.url, id_lists[:8], 2 * args.concurrency))  # warm-up (not captured)
-            t_pipe = pipeline(server.url, dump_dir, store, str(DEMO_DATASET), samples, layers,
+            # warm-up (not captured: plain rids)
+            asyncio.run(_prefill_all(server.url, id_lists[:8], 2 * args.concurrency, server.api_key))
+            t_pipe = pipeline(server, dump_dir, store, str(DEMO_DATASET), samples, layers,
                               args.batch_size, args.concurrency)
-            t_serial = clear_and_scan(server.url, dump_dir, work / "serial", id_lists)
+            t_serial = clear_and_scan(server, dump_dir, work / "serial", id_lists)
 
         summary = open_ledger(store).summary()
         assert summary["tokens"] == tokens, summary

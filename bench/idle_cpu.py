@@ -36,7 +36,7 @@ def idle_cpu(model: Path, work: Path, sleep_on_idle: bool, idle_s: float) -> flo
     cfg = ServerConfig(model_path=str(model), dump_dir=work / "dumps", max_total_tokens=8192,
                        sleep_on_idle=sleep_on_idle)
     with launch_server(cfg, work / f"server-{sleep_on_idle}.log") as server:
-        probe_capture(server.url, cfg.dump_dir)
+        probe_capture(server.url, cfg.dump_dir, api_key=server.api_key, rid_prefix=server.rid_prefix)
         time.sleep(5)  # start-up work settles
         pgid = server.process.pid
         t0, c0 = time.monotonic(), group_cpu_s(pgid)

@@ -195,7 +195,7 @@ def main() -> None:
              torch.randn(args.max_len + 997, args.hidden, generator=g).to(torch.bfloat16))
     # Each batch's dumps are named by their index in it, so the timed part
     # finds the files it asks for; every other step of the client is the real one.
-    client.new_rid = lambda tag="": f"e3-bench-{tag}"
+    client.new_rid = lambda tag="", prefix="": f"e3-bench-{tag}"
 
     work = Path(tempfile.mkdtemp(prefix="e3-ingest-", dir=args.work_dir))
     dump_dir = default_dump_root() / f"bench-{work.name}"

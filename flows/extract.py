@@ -23,9 +23,10 @@ from flows.artifacts import artifact_key
 from flows.cli import described
 from flows.verify import verify_task
 from tasks.capture import extraction
+from tasks.capture.dump import RID_PREFIX
 from tasks.paths import default_dump_root
 from tasks.server.launch import ServerConfig, check_serves
-from tasks.server.supervisor import ServerSupervisor
+from tasks.server.supervisor import ServerSupervisor, attach_api_key
 from tasks.store.ledger import open_ledger, open_store
 from tasks.store.lock import hold_lock
 from tasks.store.manifest import build_manifest
@@ -79,33 +80,39 @@ def preflight_task(plan, store: str, dump_dir: str, hidden_size: int, in_flight_
 @task(name="launch-server", cache_policy=NO_CACHE)
 def launch_task(model_path: Path, dump_dir: str, arch: Architecture, layers: AuxLayers, server_url: Optional[str],
                 tp_size: int, max_total_tokens: int, chunked_prefill_size: Optional[int], extra_server_args: list[str],
-                max_server_restarts: int, log_path: str) -> ServerSupervisor:
+                max_server_restarts: int, log_path: str, server_api_key: Optional[str] = None,
+                server_rid_prefix: str = RID_PREFIX) -> ServerSupervisor:
     log = get_run_logger()
     if server_url:
-        supervisor = ServerSupervisor(attach_url=server_url, max_restarts=0)
-        log.info("attaching to the SGLang server at %s", server_url)
+        supervisor = ServerSupervisor(attach_url=server_url, api_key=attach_api_key(server_api_key),
+                                      rid_prefix=server_rid_prefix, max_restarts=0)
+        log.info("attaching to the SGLang server at %s (rid prefix %r, %s)", server_url, server_rid_prefix,
+                 "with an API key" if supervisor.api_key else "no API key")
     else:
         cfg = ServerConfig(model_path=str(model_path), dump_dir=Path(dump_dir),
                            aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids), capture_module=arch.decoder_stack,
                            tp_size=tp_size, max_total_tokens=max_total_tokens,
                            chunked_prefill_size=chunked_prefill_size, extra_args=tuple(extra_server_args))
-        supervisor = ServerSupervisor(cfg, Path(log_path), max_restarts=max_server_restarts)
+        # A launched server draws its own rid prefix and API key; explicit ones are refused there.
+        supervisor = ServerSupervisor(cfg, Path(log_path), api_key=server_api_key, rid_prefix=server_rid_prefix,
+                                      max_restarts=max_server_restarts)
         log.info("launching SGLang on %s (tp=%d), log: %s", model_path, tp_size, log_path)
     log.info("SGLang server ready at %s", supervisor.start())
-    check_serves(supervisor.url, model_path)
+    check_serves(supervisor.url, model_path, api_key=supervisor.api_key)
     return supervisor
 
 
 @task(name="warm-up", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
-def warm_up_task(url: str, dump_dir: str, layers: AuxLayers) -> dict:
-    summary = extraction.warm_up(url, Path(dump_dir), aux_layer_ids=layers.sglang_ids)
+def warm_up_task(server: ServerSupervisor, dump_dir: str, layers: AuxLayers) -> dict:
+    summary = extraction.warm_up(server.url, Path(dump_dir), aux_layer_ids=layers.sglang_ids,
+                                 api_key=server.api_key, rid_prefix=server.rid_prefix)
     get_run_logger().info("warm-up probes round-trip: %s", summary)
     return summary
 
 
 @task(name="reset-dump-dir", cache_policy=NO_CACHE)
-def reset_dump_dir_task(dump_dir: str) -> int:
-    removed = extraction.reset_dump_dir(Path(dump_dir))
+def reset_dump_dir_task(dump_dir: str, rid_prefix: str) -> int:
+    removed = extraction.reset_dump_dir(Path(dump_dir), rid_prefix=rid_prefix)
     get_run_logger().info("dump dir %s ready (%d stale dumps of this pipeline removed)", dump_dir, removed)
     return removed
 
@@ -125,7 +132,8 @@ def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: str, sto
                        guard: extraction.FailureGuard | None = None) -> dict:
     log = get_run_logger()
     result = extraction.extract_batch(server.url, Path(dump_dir), Path(store), source, batch,
-                                      aux_layer_ids=layers.sglang_ids, concurrency=concurrency,
+                                      aux_layer_ids=layers.sglang_ids, api_key=server.api_key,
+                                      rid_prefix=server.rid_prefix, concurrency=concurrency,
                                       sample_attempts=sample_attempts, on_server_down=server.recover,
                                       guard=guard)
     server.forward_log(log)
@@ -153,6 +161,8 @@ def extract_hidden_states(
     model: params.Model = params.DEFAULT_MODEL,
     store: Annotated[str, Field(description="store directory (created, or resumed if it exists)")] = "runs/demo/store",
     server_url: params.ServerUrl = None,
+    server_api_key: params.ServerApiKey = None,
+    server_rid_prefix: params.ServerRidPrefix = RID_PREFIX,
     dump_dir: params.DumpDir = None,
     batch_size: params.BatchSize = 32,
     concurrency: Annotated[int, Field(description="requests in flight per batch", ge=1)] = 8,
@@ -162,7 +172,7 @@ def extract_hidden_states(
     tp_size: Annotated[int, Field(description="tensor-parallel size of a launched server", ge=1)] = 1,
     max_total_tokens: Annotated[int, Field(description="KV pool size of a launched server, in tokens")] = 65536,
     chunked_prefill_size: Annotated[Optional[int], Field(description="SGLang chunked prefill size (default: SGLang's)")] = None,
-    extra_server_args: Annotated[list[str], Field(description="extra arguments for sglang.launch_server")] = [],
+    extra_server_args: Annotated[list[str], Field(description="extra arguments for sglang.launch_server (a flag the launcher sets from another parameter is refused, naming that parameter)")] = [],
     sample_attempts: Annotated[int, Field(description="tries per sample before it is quarantined", ge=1)] = 3,
     batch_retries: Annotated[int, Field(description="retries of a failed batch task (server or network faults)", ge=0)] = 3,
     batch_retry_delay_s: Annotated[float, Field(description="first retry delay in seconds; doubles each retry, with jitter", ge=0)] = 5.0,
@@ -196,9 +206,10 @@ def extract_hidden_states(
         try:
             if plan.todo:
                 server = launch_task(model_path, dump_dir, arch, layers, server_url, tp_size, max_total_tokens,
-                                     chunked_prefill_size, extra_server_args, max_server_restarts, log_path)
-                warm_up_task(server.url, dump_dir, layers)
-                reset_dump_dir_task(dump_dir)
+                                     chunked_prefill_size, extra_server_args, max_server_restarts, log_path,
+                                     server_api_key, server_rid_prefix)
+                warm_up_task(server, dump_dir, layers)
+                reset_dump_dir_task(dump_dir, server.rid_prefix)
                 batch_task = extract_batch_task.with_options(
                     retries=batch_retries, retry_jitter_factor=0.5,
                     retry_delay_seconds=exponential_backoff(backoff_factor=batch_retry_delay_s) if batch_retry_delay_s else 0)

@@ -8,6 +8,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import Field
 
+from tasks.capture.dump import RID_PREFIX
 from tasks.data.dataset import DEMO_DATASET
 from tasks.target.models import SMOLLM2
 from tasks.train.loop import TrainConfig
@@ -24,6 +25,14 @@ Model = Annotated[str, Field(description="target model: a checkpoint folder, or 
                                          "'tiny-llama'")]
 ServerUrl = Annotated[Optional[str], Field(description="attach to this running capture server instead of "
                                                        "launching one")]
+ServerApiKey = Annotated[Optional[str], Field(
+    description="attach mode only: the --api-key the attached server was started with (default: $EAGLE3_API_KEY "
+                "if set, else none). A key given here is kept with the run's parameters in Prefect: prefer the "
+                "environment variable. A launched server gets a random key of its own")]
+ServerRidPrefix = Annotated[str, Field(
+    description="attach mode only: the rid_prefix in the attached server's capture hook config (the hook's "
+                f"default is {RID_PREFIX!r}); the hook captures only rids that start with it. A launched server "
+                "gets a random prefix of its own")]
 DumpDir = Annotated[Optional[str], Field(description="where the server writes captures (default: one dir per store "
                                                      "under /dev/shm)")]
 MaxLength = Annotated[int, Field(description="longest sample in tokens", ge=1)]

@@ -21,6 +21,7 @@ from flows.extract import extract_hidden_states
 from flows.serve import serve_check
 from flows.train import train_drafter
 from flows.verify import verify_store
+from tasks.capture.dump import RID_PREFIX
 from tasks.data import regeneration
 from tasks.server.launch import ServerConfig, launch_server
 from tasks.store.lock import hold_lock
@@ -44,7 +45,7 @@ def regenerate_task(dataset: str, model: str, out_path: str, max_new_tokens: int
                        max_total_tokens=65536)
     with launch_server(cfg, out.parent / "logs" / "regenerate-server.log") as server:
         result = regeneration.regenerate(server.url, Path(dataset), out, load_tokenizer(model_path),
-                                         max_new_tokens=max_new_tokens)
+                                         api_key=server.api_key, max_new_tokens=max_new_tokens)
     stamp.write_text(fingerprint)
     log.info("%d answers (%s tokens) by %s -> %s; %d rows without a user turn skipped", result["rows"],
              f"{result['tokens']:,}", model_path.name, out, result["skipped"])
@@ -78,6 +79,8 @@ def eagle3_pipeline(
     regenerate: Annotated[bool, Field(description="first replace every answer with the target's own (greedy), on a plain SGLang server")] = False,
     regenerate_max_tokens: Annotated[int, Field(description="longest regenerated answer, in tokens", ge=1)] = 256,
     server_url: params.ServerUrl = None,
+    server_api_key: params.ServerApiKey = None,
+    server_rid_prefix: params.ServerRidPrefix = RID_PREFIX,
     dump_dir: params.DumpDir = None,
     max_length: params.MaxLength = 2048,
     batch_size: params.BatchSize = 32,
@@ -102,7 +105,8 @@ def eagle3_pipeline(
     store, train_dir = str(run / "store"), str(run / "train")
     if regenerate:
         dataset = regenerate_task(dataset, model, str(run / "regenerated.jsonl"), regenerate_max_tokens)
-    extract_hidden_states(dataset=dataset, model=model, store=store, server_url=server_url, dump_dir=dump_dir,
+    extract_hidden_states(dataset=dataset, model=model, store=store, server_url=server_url,
+                          server_api_key=server_api_key, server_rid_prefix=server_rid_prefix, dump_dir=dump_dir,
                           max_length=max_length, batch_size=batch_size, verify=False,
                           store_dtype=store_dtype, ledger_url=ledger_url)
     verify_store(store=store)

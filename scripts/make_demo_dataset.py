@@ -23,8 +23,8 @@ def main() -> None:
                        max_total_tokens=65536)
     with launch_server(cfg, cache_root() / "logs" / "make-demo-dataset.log") as server:
         result = regenerate(server.url, DATA_DIR / "demo_prompts.jsonl", DATA_DIR / "demo_conversations.jsonl",
-                            AutoTokenizer.from_pretrained(model), sampling=SAMPLING, max_new_tokens=320,
-                            concurrency=64)
+                            AutoTokenizer.from_pretrained(model), api_key=server.api_key, sampling=SAMPLING,
+                            max_new_tokens=320, concurrency=64)
     print(f"{result['rows']} conversations, {result['tokens']} generated tokens in {result['seconds']:.0f} s "
           f"-> {result['path']}")
 

@@ -53,9 +53,10 @@ def prefect_api():
 
 
 def attach(server, **kw):
-    """extract_hidden_states parameters that attach to the session's server."""
-    return {"model": server.config.model_path, "server_url": server.url,
-            "dump_dir": str(server.config.dump_dir), **kw}
+    """extract_hidden_states parameters that attach to the session's server
+    (its own random API key and rid prefix included)."""
+    return {"model": server.config.model_path, "server_url": server.url, "server_api_key": server.api_key,
+            "server_rid_prefix": server.rid_prefix, "dump_dir": str(server.config.dump_dir), **kw}
 
 
 @pytest.fixture(scope="session")

@@ -123,7 +123,7 @@ def test_captures_equal_hf_on_each_architecture(name, tmp_path):
 
     with launch_server(cfg, ARTIFACTS / f"{name}-server.log", timeout_s=600) as server:
         results = capture_many(server.url, cfg.dump_dir, prompts, check, concurrency=3,
-                               aux_layer_ids=layers.sglang_ids)
+                               aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix)
     for n, result in zip((5, 70, 300), results):
         assert not isinstance(result, Exception), f"{name}, {n} tokens: {result!r}"
         assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (name, n, result)
@@ -156,7 +156,7 @@ def test_data_parallel_attention_captures_the_requests_of_every_dp_group(tmp_pat
 
     with launch_server(cfg, log, timeout_s=600) as server:
         results = capture_many(server.url, cfg.dump_dir, prompts, check, concurrency=4,
-                               aux_layer_ids=layers.sglang_ids)
+                               aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix)
     for n, result in zip((9, 40, 70, 120), results):
         assert not isinstance(result, Exception), f"{n} tokens: {result!r}"
         assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (n, result)

@@ -8,6 +8,7 @@ import torch
 
 from tasks.capture.client import capture_many, capture_one, probe_capture
 from tasks.server.cpu_shim import gpu_present, resolve_dtype
+from tasks.server.launch import auth_headers
 from tasks.target.reference import compare_with_reference, load_reference_model, reference_states
 from tests.conftest import CHUNKED_PREFILL
 
@@ -34,8 +35,14 @@ def reference(tiny_model):
     return load_reference_model(str(tiny_model), getattr(torch, server_dtype()))
 
 
+def access(server) -> dict:
+    """The session server's own API key and rid prefix, as the pipeline sends them."""
+    return {"api_key": server.api_key, "rid_prefix": server.rid_prefix}
+
+
 def test_probe_round_trips(capture_server, tiny_layers):
-    summary = probe_capture(capture_server.url, capture_server.config.dump_dir, aux_layer_ids=tiny_layers.sglang_ids)
+    summary = probe_capture(capture_server.url, capture_server.config.dump_dir, aux_layer_ids=tiny_layers.sglang_ids,
+                            **access(capture_server))
     assert summary == {"tokens": 16, "aux_layer_ids": [1, 3, 4], "hidden_size": 128, "dtype": server_dtype()}
 
 
@@ -51,7 +58,7 @@ def test_captures_equal_an_independent_hf_forward(capture_server, tiny_layers, r
         assert capture.aux_layer_ids == tiny_layers.sglang_ids
         return compare_with_reference(capture, ref_aux, ref_final)
 
-    results = capture_many(server.url, server.config.dump_dir, id_lists, check, concurrency=1)
+    results = capture_many(server.url, server.config.dump_dir, id_lists, check, concurrency=1, **access(server))
     for n, result in zip(LENGTHS, results):
         assert not isinstance(result, Exception), f"{n} tokens: {result!r}"
         assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (n, result)
@@ -67,8 +74,8 @@ def test_concurrent_requests_give_the_same_data_per_rid_as_serial(capture_server
     def keep(i, capture):
         return capture.input_ids.clone(), capture.aux_hidden_states.clone(), capture.final_hidden_state.clone()
 
-    serial = capture_many(server.url, server.config.dump_dir, id_lists, keep, concurrency=1)
-    concurrent = capture_many(server.url, server.config.dump_dir, id_lists, keep, concurrency=16)
+    serial = capture_many(server.url, server.config.dump_dir, id_lists, keep, concurrency=1, **access(server))
+    concurrent = capture_many(server.url, server.config.dump_dir, id_lists, keep, concurrency=16, **access(server))
     for i, (s, c) in enumerate(zip(serial, concurrent)):
         assert not isinstance(s, Exception) and not isinstance(c, Exception), (i, s, c)
         assert torch.equal(s[0], c[0]) and s[0].tolist() == id_lists[i]
@@ -84,20 +91,21 @@ def test_unsafe_rids_write_nothing_anywhere(capture_server, tmp_path):
     dump_dir = server.config.dump_dir
     outside = dump_dir.parent
     before_outside = set(outside.iterdir())
-    with httpx.Client(timeout=60) as client:
-        for rid in ["e3-../../escape", "e3-a/../../b", "e3-" + "x" * 200, ".e3-hidden"]:
+    prefix = server.rid_prefix  # unsafe rids that do carry the server's prefix
+    with httpx.Client(timeout=60, headers=auth_headers(server.api_key)) as client:
+        for rid in [f"{prefix}../../escape", f"{prefix}a/../../b", prefix + "x" * 200, f".{prefix}hidden"]:
             r = client.post(f"{server.url}/generate", json={
                 "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}, "rid": rid})
             assert r.status_code in (200, 400), r.text
     assert list(dump_dir.iterdir()) == []
     assert set(outside.iterdir()) == before_outside
     # ...and the server still captures afterwards.
-    probe_capture(server.url, dump_dir)
+    probe_capture(server.url, dump_dir, **access(server))
 
 
 def test_requests_the_pipeline_did_not_issue_are_not_captured(capture_server):
     server = capture_server
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=auth_headers(server.api_key)) as client:
         for _ in range(3):
             assert client.get(f"{server.url}/health_generate").status_code == 200
         r = client.post(f"{server.url}/generate", json={
@@ -113,8 +121,9 @@ def test_a_prompt_from_the_prefix_cache_would_be_refused(capture_server):
     ids = prompts([40], seed=3)[0]
 
     async def twice():
-        async with httpx.AsyncClient(timeout=60) as client:
-            return [await capture_one(client, server.url, server.config.dump_dir, ids) for _ in range(2)]
+        async with httpx.AsyncClient(timeout=60, headers=auth_headers(server.api_key)) as client:
+            return [await capture_one(client, server.url, server.config.dump_dir, ids, rid_prefix=server.rid_prefix)
+                    for _ in range(2)]
 
     first, second = asyncio.run(twice())
     assert first.rid != second.rid

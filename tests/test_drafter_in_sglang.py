@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tasks.server.launch import ServerConfig, launch_server
+from tasks.server.launch import ServerConfig, auth_headers, launch_server
 from tasks.train.drafter import load_target_embeddings
 from tasks.train.export import export_random_drafter, export_weights, load_exported
 from tasks.target.models import TINY, TINY_KIMI_K25, ensure_model
@@ -34,7 +34,7 @@ def test_sglang_loads_our_drafter_and_computes_what_we_train(target, tmp_path):
                        extra_args=("--forward-hooks", json.dumps(hooks)))
     prompt = list(range(40, 90))
     with launch_server(cfg, ARTIFACTS / f"draft-probe-server-{target}.log", timeout_s=600) as server:
-        reply = httpx.post(f"{server.url}/generate", timeout=300, json={
+        reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
             "input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     first_token = reply["output_ids"][0]
 

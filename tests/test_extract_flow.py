@@ -191,7 +191,8 @@ def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_
 
     monkeypatch.setattr(capture_client, "read_capture", tampering_read)
     result = extract_batch(server.url, server.config.dump_dir, tmp_path / "store", str(dataset), samples,
-                           aux_layer_ids=layers.sglang_ids, sample_attempts=3,
+                           aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix,
+                           sample_attempts=3,
                            dump_wait_s=0.5)  # the short dump never completes: don't wait the default for it
     assert calls["foreign"] == 1
     assert result.samples == 5 and result.quarantined == [samples[4].sample_id]
@@ -208,7 +209,7 @@ def test_a_transient_request_failure_is_retried(capture_server, prefect_api, tmp
     failed = []
 
     async def flaky_post(self, url, *a, **kw):
-        if url.endswith("/generate") and not failed and not kw.get("json", {}).get("rid", "").startswith("e3-probe"):
+        if url.endswith("/generate") and not failed and "-probe-" not in kw.get("json", {}).get("rid", ""):
             failed.append(url)
             raise httpx.ReadError("connection reset by peer (injected)")
         return await real_post(self, url, *a, **kw)
@@ -220,16 +221,18 @@ def test_a_transient_request_failure_is_retried(capture_server, prefect_api, tmp
     assert failed and result["samples"] == 10 and result["quarantined"] == 0 and result["verification"]["ok"]
 
 
-def servers_on(dump_dir) -> list[int]:
-    """Pids of SGLang server leaders whose capture hook writes into `dump_dir`."""
+def servers_logging_to(log_path) -> list[int]:
+    """Pids of SGLang server leaders writing their output to `log_path` (the
+    dump dir is not on their command line: it is in their private options file)."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
             cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
             leader = entry.isdigit() and os.getpgid(int(entry)) == int(entry)
+            stdout = os.readlink(f"/proc/{entry}/fd/1")
         except OSError:
             continue
-        if leader and b"sglang.launch_server" in cmd and any(str(dump_dir).encode() in arg for arg in cmd):
+        if leader and b"sglang.launch_server" in cmd and stdout == os.path.realpath(log_path):
             pids.append(int(entry))
     return pids
 
@@ -242,7 +245,7 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
     def kill_server_midway():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not killed:
-            launched = servers_on(tmp_path / "dumps")
+            launched = servers_logging_to(store.parent / "logs" / "sglang-server.log")
             if launched and (store / "ledger.sqlite").exists() and open_ledger(store).summary()["shards"] >= 2:
                 os.killpg(launched[0], signal.SIGKILL)
                 killed.append(open_ledger(store).summary()["samples"])
@@ -258,7 +261,7 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
     assert result["samples"] == 120 and result["quarantined"] == 0 and result["verification"]["ok"]
     log = (store.parent / "logs" / "sglang-server.log").read_text()
     assert log.count("$ ") == 2  # launched once, relaunched once
-    assert not servers_on(tmp_path / "dumps")  # the run stopped the server it launched
+    assert not servers_logging_to(store.parent / "logs" / "sglang-server.log")  # the run stopped its server
 
 
 def test_a_batch_task_that_fails_once_shows_its_retry_and_completes(capture_server, prefect_api, tmp_path,

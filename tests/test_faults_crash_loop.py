@@ -50,7 +50,8 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
         for attempt in range(4):  # as the flow's batch task retries
             try:
                 result = extract_batch(server.url, cfg.dump_dir, store, "data.jsonl", samples,
-                                       aux_layer_ids=layers.sglang_ids, concurrency=4,
+                                       aux_layer_ids=layers.sglang_ids, api_key=server.api_key,
+                                       rid_prefix=server.rid_prefix, concurrency=4,
                                        on_server_down=server.recover)
                 break
             except ServerUnavailable as e:

@@ -15,7 +15,7 @@ import pytest
 
 from tasks.server.launch import ServerConfig, _group_members, _start_ticks, launch_server, pidfile_for, \
     reap_orphan
-from tests.test_extract_flow import servers_on
+from tests.test_extract_flow import servers_logging_to
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,13 +50,13 @@ launch_server(ServerConfig(model_path={str(tiny_model)!r}, dump_dir=Path({str(du
 os.kill(os.getpid(), signal.SIGKILL)
 """], cwd=ROOT, timeout=900)
     assert run.returncode == -signal.SIGKILL
-    orphans = servers_on(dumps)
+    orphans = servers_logging_to(log)
     assert len(orphans) == 1 and pidfile_for(log).exists()  # the server outlived its run
     cfg = ServerConfig(model_path=str(tiny_model), dump_dir=dumps, max_total_tokens=4096)
     with caplog.at_level("WARNING", logger="eagle3.server"):
         server = launch_server(cfg, log, timeout_s=600)
     with server:
         assert not _group_members(orphans[0])  # the orphan's whole process group is gone
-        assert servers_on(dumps) == [server.process.pid]
+        assert servers_logging_to(log) == [server.process.pid]
         assert f"stopping SGLang server pid {orphans[0]}" in caplog.text
-    assert not servers_on(dumps) and not pidfile_for(log).exists()
+    assert not servers_logging_to(log) and not pidfile_for(log).exists()

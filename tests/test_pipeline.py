@@ -20,7 +20,8 @@ def test_pipeline_trains_a_drafter_sglang_accepts(capture_server, tiny_store, pr
     run_dir = Path(tiny_store).parent
     summary = eagle3_pipeline(
         dataset=str(run_dir / "data.jsonl"), model=capture_server.config.model_path, run_dir=str(run_dir),
-        server_url=capture_server.url, dump_dir=str(capture_server.config.dump_dir), max_length=512,
+        server_url=capture_server.url, server_api_key=capture_server.api_key,
+        server_rid_prefix=capture_server.rid_prefix, dump_dir=str(capture_server.config.dump_dir), max_length=512,
         batch_size=32, draft_vocab_size=512, ttt_steps=3, epochs=8, lr=5e-3, tokens_per_batch=2048,
         serve_prompts=4, serve_new_tokens=24, serve_steps=3)
     assert summary["store"] == str(tiny_store)

@@ -202,7 +202,9 @@ def deployment(prefect_stack, capture_server, tmp_path_factory):
     d = tmp_path_factory.mktemp("ui-run")
     dataset = write_jsonl(d / "data.jsonl", demo_rows(8))
     params = {"model": capture_server.config.model_path, "dataset": str(dataset), "store": str(d / "store"),
-              "server_url": capture_server.url, "dump_dir": str(capture_server.config.dump_dir), "batch_size": 4}
+              "server_url": capture_server.url, "server_api_key": capture_server.api_key,
+              "server_rid_prefix": capture_server.rid_prefix, "dump_dir": str(capture_server.config.dump_dir),
+              "batch_size": 4}
     # All of prefect.yaml first, as scripts/prefect-ui.sh deploys it, then
     # `extract` again with the tests' parameters.
     cli(["--no-prompt", "deploy", "--all"], prefect_stack["env"])

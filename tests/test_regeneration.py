@@ -35,7 +35,8 @@ def test_regenerated_answers_are_the_targets_greedy_tokens(tiny_model, tmp_path)
     cfg = ServerConfig(model_path=str(tiny_model), dump_dir=tmp_path / "unused", capture=False, dtype="float32",
                        max_total_tokens=8192)
     with launch_server(cfg, ARTIFACTS / "regenerate-server.log") as server:
-        result = regenerate(server.url, source, tmp_path / "out.jsonl", tokenizer, max_new_tokens=12)
+        result = regenerate(server.url, source, tmp_path / "out.jsonl", tokenizer, api_key=server.api_key,
+                            max_new_tokens=12)
     assert (result["rows"], result["skipped"]) == (3, 1)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()

@@ -2,7 +2,9 @@
 back exactly that rid's dump and check it against what was sent.
 
 Nothing here looks at what else is in the dump directory: a capture is found
-by its rid alone, so any number of requests can be in flight at once. Dumps
+by its rid alone, so any number of requests can be in flight at once. Every
+rid starts with the capture server's own prefix (the hook captures nothing
+else) and every request carries the server's API key. Dumps
 are read and checked in a pool of threads (safetensors reads and torch's
 checks release the GIL), so the event loop keeps sending while they load.
 """
@@ -18,9 +20,9 @@ from typing import Callable, Sequence, TypeVar
 import httpx
 
 from tasks.capture.dump import (
-    Capture, CaptureError, CaptureMissing, discard_rid, new_rid, read_capture, remove_capture,
+    RID_PREFIX, Capture, CaptureError, CaptureMissing, discard_rid, new_rid, read_capture, remove_capture,
 )
-from tasks.server.launch import ServerError, ssl_context
+from tasks.server.launch import ServerError, client_options
 from tasks.store.shards import default_workers
 
 T = TypeVar("T")
@@ -53,13 +55,15 @@ async def capture_one(
     input_ids: Sequence[int],
     *,
     tag: str = "",
+    rid_prefix: str = RID_PREFIX,
     aux_layer_ids: Sequence[int] | None = None,
     executor: Executor | None = None,
     dump_wait_s: float = DUMP_WAIT_S,
 ) -> Capture:
     """Prefill `input_ids` (no generation) and return its checked capture,
-    read in `executor` (the loop's default one if None)."""
-    rid = new_rid(tag)
+    read in `executor` (the loop's default one if None). `client` carries
+    the server's API key (client_options); `rid_prefix` is the server's."""
+    rid = new_rid(tag, rid_prefix)
     response = await client.post(f"{url}/generate", json={
         "input_ids": [int(i) for i in input_ids],
         "sampling_params": {"max_new_tokens": 0},
@@ -106,6 +110,8 @@ def capture_many(
     id_lists: Sequence[Sequence[int]],
     consume: Callable[[int, Capture], T],
     *,
+    api_key: str | None = None,
+    rid_prefix: str = RID_PREFIX,
     concurrency: int = 8,
     aux_layer_ids: Sequence[int] | None = None,
     timeout_s: float = 600.0,
@@ -117,19 +123,22 @@ def capture_many(
     flight. `consume(i, capture)` runs as each capture arrives; the dump
     files are deleted after it returns. Returns, per input, what `consume`
     returned or the exception that request ended with (in input order).
-    `read_workers` threads read and check dumps (default: one per core, at
-    most 8); `transport` replaces the network (benchmarks, tests)."""
+    `api_key` and `rid_prefix` are the capture server's (ServerHandle and
+    ServerSupervisor have both). `read_workers` threads read and check dumps
+    (default: one per core, at most 8); `transport` replaces the network
+    (benchmarks, tests)."""
 
     async def run(pool: Executor) -> list:
         limit = asyncio.Semaphore(concurrency)
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        extra = {"transport": transport} if transport is not None else {"verify": ssl_context()}
-        async with httpx.AsyncClient(timeout=timeout_s, limits=limits, **extra) as client:
+        options = client_options(api_key, transport)
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits, **options) as client:
 
             async def one(i: int, ids: Sequence[int]):
                 async with limit:
-                    capture = await capture_one(client, url, dump_dir, ids, tag=str(i), aux_layer_ids=aux_layer_ids,
-                                                executor=pool, dump_wait_s=dump_wait_s)
+                    capture = await capture_one(client, url, dump_dir, ids, tag=str(i), rid_prefix=rid_prefix,
+                                                aux_layer_ids=aux_layer_ids, executor=pool,
+                                                dump_wait_s=dump_wait_s)
                 try:
                     return consume(i, capture)
                 finally:
@@ -141,15 +150,17 @@ def capture_many(
         return asyncio.run(run(pool))
 
 
-def probe_capture(url: str, dump_dir: Path, *, num_tokens: int = 16, aux_layer_ids=None) -> dict:
+def probe_capture(url: str, dump_dir: Path, *, api_key: str | None = None, rid_prefix: str = RID_PREFIX,
+                  num_tokens: int = 16, aux_layer_ids=None) -> dict:
     """Send one small request and check its capture round-trips: the dump
     holds exactly the ids sent, `prompt_tokens` equals their count, nothing
     came from the prefix cache, the values are finite. Returns a summary."""
     ids = list(range(1, num_tokens + 1))
 
     async def probe():
-        async with httpx.AsyncClient(timeout=120.0, verify=ssl_context()) as client:
-            return await capture_one(client, url, dump_dir, ids, tag="probe", aux_layer_ids=aux_layer_ids)
+        async with httpx.AsyncClient(timeout=120.0, **client_options(api_key)) as client:
+            return await capture_one(client, url, dump_dir, ids, tag="probe", rid_prefix=rid_prefix,
+                                     aux_layer_ids=aux_layer_ids)
 
     try:
         capture = asyncio.run(probe())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+# The hook's default prefix, and what every prefix we draw starts with. It is
+# public, so a server the launcher starts captures under a fresh random
+# prefix instead (new_rid_prefix): a local process that does not know it
+# cannot make the hook write. A server started without one (attach mode)
+# captures this one.
 RID_PREFIX = "e3-"
 # A rid becomes a file name: plain characters only, bounded, and never a
 # leading dot (no hidden files, no "." or "..").
 RID_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+# A prefix, a 64-character tag and a uuid must still fit RID_PATTERN.
+RID_PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,29}$")
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 
@@ -55,11 +63,24 @@ def is_safe_rid(rid: str) -> bool:
     return isinstance(rid, str) and RID_PATTERN.fullmatch(rid) is not None
 
 
-def new_rid(tag: str = "") -> str:
-    """A fresh rid for one attempt at one request. Never reuse a rid: a retry
-    gets a new one, so a late or stale dump can never be taken for it."""
+def new_rid_prefix() -> str:
+    """A fresh random prefix for one server: RID_PREFIX, 8 random hex digits, '-'."""
+    return f"{RID_PREFIX}{secrets.token_hex(4)}-"
+
+
+def check_rid_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not RID_PREFIX_PATTERN.fullmatch(prefix):
+        raise ValueError(f"rid prefix {prefix!r} is not usable: it must be 1 to 30 of A-Z a-z 0-9 _ . - and not "
+                         "start with a dot; give the rid_prefix the capture server's hook was started with")
+    return prefix
+
+
+def new_rid(tag: str = "", prefix: str = RID_PREFIX) -> str:
+    """A fresh rid for one attempt at one request, under the capture
+    server's `prefix`. Never reuse a rid: a retry gets a new one, so a late or
+    stale dump can never be taken for it."""
     tag = re.sub(r"[^A-Za-z0-9_-]", "", tag)[:64]
-    return f"{RID_PREFIX}{tag + '-' if tag else ''}{uuid.uuid4().hex}"
+    return f"{check_rid_prefix(prefix)}{tag + '-' if tag else ''}{uuid.uuid4().hex}"
 
 
 def chunk_path(dump_dir: Path, rid: str, start: int) -> Path:

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import httpx
 
 from tasks.capture.client import DUMP_WAIT_S, capture_many, probe_capture
-from tasks.capture.dump import CaptureError, RID_PREFIX, TMP_PREFIX
+from tasks.capture.dump import CaptureError, RID_PREFIX, SUFFIX, TMP_PREFIX, check_rid_prefix
 from tasks.paths import ensure_private_dir
 from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.server.launch import server_healthy
@@ -100,17 +100,20 @@ def _gib(n: int) -> str:
 
 
 def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
-    """Remove dumps this pipeline wrote earlier (only its own files: its rid
-    prefix, or its temp files), check the directory is writable. Returns the
-    number removed."""
+    """Remove dumps this pipeline wrote earlier (only its own files, and
+    their temp files: rids under the capture server's `rid_prefix`, or under
+    RID_PREFIX, which every prefix a launched server draws starts with, so an
+    earlier run's orphans go too), check the directory is writable. Returns
+    the number removed."""
     dump_dir = ensure_private_dir(Path(dump_dir))
+    prefixes = tuple({check_rid_prefix(rid_prefix), RID_PREFIX})
     removed = 0
     for path in dump_dir.iterdir():
         name = path.name
-        # Dumps, and the hook's temps of dumps it never finished
-        # (`.tmp-<rid>@<start>.safetensors.<pid>`).
-        if path.is_file() and ((name.startswith(rid_prefix) and name.endswith(".safetensors"))
-                               or name.startswith(TMP_PREFIX + rid_prefix)):
+        dump = name.endswith(SUFFIX) and name.startswith(prefixes)
+        # write_chunk's temp files: .tmp-<rid>@<start>.safetensors.<pid>
+        temp = name.startswith(TMP_PREFIX) and name[len(TMP_PREFIX):].startswith(prefixes) and SUFFIX in name
+        if path.is_file() and (dump or temp):
             path.unlink(missing_ok=True)
             removed += 1
     probe = dump_dir / f"{TMP_PREFIX}write-check"
@@ -124,13 +127,15 @@ def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
     return removed
 
 
-def warm_up(url: str, dump_dir: Path, *, aux_layer_ids: Sequence[int], requests: int = 3) -> dict:
+def warm_up(url: str, dump_dir: Path, *, aux_layer_ids: Sequence[int], api_key: str | None = None,
+            rid_prefix: str = RID_PREFIX, requests: int = 3) -> dict:
     """A few probe captures of growing length: the first forwards on a fresh
     server are slow, and a capture that does not round-trip stops the run
     before any batch is sent."""
     summary = {}
     for k in range(requests):
-        summary = probe_capture(url, dump_dir, num_tokens=16 * (k + 1), aux_layer_ids=aux_layer_ids)
+        summary = probe_capture(url, dump_dir, api_key=api_key, rid_prefix=rid_prefix, num_tokens=16 * (k + 1),
+                                aux_layer_ids=aux_layer_ids)
     return summary
 
 
@@ -231,6 +236,8 @@ def extract_batch(
     samples: list[Sample],
     *,
     aux_layer_ids: Sequence[int],
+    api_key: str | None = None,
+    rid_prefix: str = RID_PREFIX,
     concurrency: int = 8,
     sample_attempts: int = 3,
     on_server_down: Callable[[], None] | None = None,
@@ -242,10 +249,11 @@ def extract_batch(
 ) -> BatchResult:
     """Capture one batch, write it as one shard, commit it to the ledger.
 
-    Each sample gets up to `sample_attempts` tries, each under a fresh rid; a
-    sample whose dump is missing, foreign, short or non-finite every time is
-    quarantined with the reason, and the rest of the batch is stored. If the
-    server itself stops answering, ServerUnavailable is raised (after calling
+    `api_key` and `rid_prefix` are the capture server's. Each sample gets up
+    to `sample_attempts` tries, each under a fresh rid; a sample whose dump
+    is missing, foreign, short or non-finite every time is quarantined with
+    the reason, and the rest of the batch is stored. If the server itself
+    stops answering, ServerUnavailable is raised (after calling
     `on_server_down`, e.g. the run's supervisor relaunching it) so the task
     is retried as a whole. `store_workers` threads read the dumps back and
     write the shard (default: one per core, at most 8); `transport` answers
@@ -291,11 +299,12 @@ def extract_batch(
                     "loss_mask": s.loss_mask, "aux_hidden_states": capture.aux_hidden_states,
                     "final_hidden_state": capture.final_hidden_state}
 
-        outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in group], keep,
-                            concurrency=width, aux_layer_ids=aux_layer_ids, read_workers=store_workers,
-                            transport=transport, dump_wait_s=dump_wait_s, timeout_s=request_timeout_s)
+        outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in group], keep, api_key=api_key,
+                            rid_prefix=rid_prefix, concurrency=width, aux_layer_ids=aux_layer_ids,
+                            read_workers=store_workers, transport=transport, dump_wait_s=dump_wait_s,
+                            timeout_s=request_timeout_s)
         down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
-        if down and not server_healthy(url):
+        if down and not server_healthy(url, api_key=api_key):
             in_flight = [s.sample_id for s, o in zip(group, outs) if isinstance(o, Exception) and _was_in_flight(o)]
             counts = ledger.record_crash(in_flight) if in_flight else {}
             if on_server_down is not None:

@@ -36,7 +36,7 @@ import logging
 import threading
 from pathlib import Path
 
-from tasks.capture.dump import RID_PREFIX, is_safe_rid
+from tasks.capture.dump import RID_PREFIX, check_rid_prefix, is_safe_rid
 from tasks.capture.writer import DEFAULT_MAX_PENDING_BYTES, DumpWriter
 from tasks.target.layers import FINAL_STATE_NORM
 
@@ -103,14 +103,15 @@ def make_capture_hook(config: dict):
     """Hook factory named in `--forward-hooks`.
 
     config: `dump_dir` (required), `rid_prefix` (rids to capture; default
-    RID_PREFIX), `capture_all` (also capture rids the pipeline did not issue,
+    RID_PREFIX, the public one: the launcher gives each server a random
+    one), `capture_all` (also capture rids the pipeline did not issue,
     such as SGLang's health checks; unsafe rids are refused regardless),
     `max_pending_bytes` (copies waiting for the writer before the forward
     blocks; default 1 GiB). The hook's `writer` attribute is its DumpWriter.
     """
     dump_dir = Path(config["dump_dir"])
     dump_dir.mkdir(parents=True, exist_ok=True)
-    prefix = str(config.get("rid_prefix", RID_PREFIX))
+    prefix = check_rid_prefix(config.get("rid_prefix", RID_PREFIX))
     capture_all = bool(config.get("capture_all", False))
     if not writes_on_this_rank(_parallel_ranks()):
         return lambda module, args, output: None

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from tasks.data.dataset import Rejected, read_rows, to_messages
-from tasks.server.launch import ssl_context
+from tasks.server.launch import client_options
 
 logger = logging.getLogger("eagle3.regeneration")
 
@@ -47,11 +47,11 @@ def fingerprint(source: Path, model_path: Path, sampling: dict, max_new_tokens: 
 
 
 async def _answer_all(url: str, prompts: list[list[int]], sampling: dict, max_new_tokens: int,
-                      concurrency: int) -> list[dict]:
+                      concurrency: int, api_key: str | None) -> list[dict]:
     limit = asyncio.Semaphore(concurrency)
     done = [0]
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=3600, verify=ssl_context()) as client:
+    async with httpx.AsyncClient(timeout=3600, **client_options(api_key)) as client:
         async def one(i, ids):
             params = {**sampling, "max_new_tokens": max_new_tokens}
             if sampling.get("temperature", 1.0) > 0:
@@ -67,13 +67,14 @@ async def _answer_all(url: str, prompts: list[list[int]], sampling: dict, max_ne
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
-def regenerate(url: str, source: Path, out_path: Path, tokenizer, *, sampling: dict = GREEDY,
-               max_new_tokens: int = 256, concurrency: int = 16) -> dict:
+def regenerate(url: str, source: Path, out_path: Path, tokenizer, *, api_key: str | None = None,
+               sampling: dict = GREEDY, max_new_tokens: int = 256, concurrency: int = 16) -> dict:
     """Write `out_path` (JSONL): each usable row of `source` with the target's
     answer to its last user turn, as `messages` (to read) and as the exact
     token ids with the answer loss-masked (`input_ids`, `loss_mask`: what
     extraction uses). Rows that cannot be used
-    are left out and counted; the file is written whole or not at all."""
+    are left out and counted; the file is written whole or not at all. Every
+    request carries the server's `api_key`."""
     prompts, kept, skipped = [], [], 0
     for _, row in read_rows(Path(source)):
         try:
@@ -91,7 +92,7 @@ def regenerate(url: str, source: Path, out_path: Path, tokenizer, *, sampling: d
     logger.info("asking the target for %d answers (%d rows skipped), up to %d tokens each", len(prompts), skipped,
                 max_new_tokens)
     started = time.monotonic()
-    replies = asyncio.run(_answer_all(url, prompts, sampling, max_new_tokens, concurrency))
+    replies = asyncio.run(_answer_all(url, prompts, sampling, max_new_tokens, concurrency, api_key))
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}")

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import httpx
 
-from tasks.server.launch import ServerConfig, ServerError, launch_server, ssl_context
+from tasks.server.launch import ServerConfig, ServerError, client_options, launch_server
 from tasks.target.architectures import architecture_at
 
 logger = logging.getLogger("eagle3.serving")
@@ -125,9 +125,10 @@ def serve_check(
             logger.info("%s server up after %.0f s; generating %d prompts x %d tokens",
                         name, time.monotonic() - started, len(prompts), max_new_tokens)
             try:
-                runs[name] = asyncio.run(generate_all(server.url, prompts, max_new_tokens=max_new_tokens,
-                                                      ignore_eos=ignore_eos, concurrency=concurrency,
-                                                      timeout_s=request_timeout_s, tag=name))
+                runs[name] = asyncio.run(generate_all(server.url, prompts, api_key=server.api_key,
+                                                      max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                                                      concurrency=concurrency, timeout_s=request_timeout_s,
+                                                      tag=name))
             except (httpx.HTTPError, ServerError) as e:
                 raise ServerError(f"generation on the {name} server failed: {e}\n"
                                   f"last lines of {log_path}:\n{server.log_tail()}") from e
@@ -185,8 +186,9 @@ def _sum_if_present(metas: list[dict], key: str) -> int | None:
 
 
 async def generate_all(url: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, ignore_eos: bool,
-                       concurrency: int, timeout_s: float, tag: str) -> GenerationRun:
-    """Greedy generation for every prompt, at most `concurrency` in flight."""
+                       concurrency: int, timeout_s: float, tag: str, api_key: str | None = None) -> GenerationRun:
+    """Greedy generation for every prompt, at most `concurrency` in flight,
+    each request carrying the server's `api_key`."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     limit = asyncio.Semaphore(concurrency)
@@ -208,7 +210,7 @@ async def generate_all(url: str, prompts: Sequence[Sequence[int]], *, max_new_to
         return list(body["output_ids"]), body.get("meta_info", {})
 
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=timeout_s, verify=ssl_context()) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, **client_options(api_key)) as client:
         results = await asyncio.gather(*(one(client, i, ids) for i, ids in enumerate(prompts)))
     wall_s = time.monotonic() - started
     return GenerationRun([r[0] for r in results], [r[1] for r in results], wall_s)

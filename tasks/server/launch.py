@@ -7,18 +7,29 @@ dump is written by our forward hook (`tasks/capture/hook.py`), loaded through
 `--forward-hooks` on the target architecture's decoder stack. The prefix
 cache is off, because tokens it serves are not recomputed and so never reach
 the hook.
+
+Each server gets its own random API key (SGLang's `--api-key`: every request
+but its health and metrics endpoints needs `Authorization: Bearer KEY`) and,
+for capture, its own random rid prefix, so no other local process can use the
+server or make the hook write. Both go to SGLang in a private options file
+(`--config`), not on the command line, which any local user can read in
+/proc; the server log, where SGLang prints them, is private too, and every
+line of it we pass on has the key blanked.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +37,7 @@ from typing import Sequence
 
 import httpx
 
-from tasks.capture.dump import RID_PREFIX
+from tasks.capture.dump import check_rid_prefix, new_rid_prefix
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.cpu_shim import gpu_present, resolve_dtype, server_environment
 from tasks.target.architectures import Architecture, architecture_at
@@ -68,7 +79,11 @@ class ServerConfig:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
-    rid_prefix: str = RID_PREFIX
+    # Rids the capture hook captures, and the key every request must carry.
+    # None: launch_server draws fresh random ones for this server
+    # (with_run_secrets); a relaunch from the same config keeps them.
+    rid_prefix: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     capture_all: bool = False
     # The module the capture hook attaches to; None: the decoder stack of
     # the model's architecture (tasks/target/architectures.py).
@@ -160,7 +175,139 @@ def hook_spec(cfg: ServerConfig) -> list[dict]:
     ]
 
 
+def with_run_secrets(cfg: ServerConfig) -> ServerConfig:
+    """`cfg` with a fresh random rid prefix and API key where it has none."""
+    return dataclasses.replace(
+        cfg, rid_prefix=new_rid_prefix() if cfg.rid_prefix is None else check_rid_prefix(cfg.rid_prefix),
+        api_key=cfg.api_key or secrets.token_urlsafe(32))
+
+
+def auth_headers(api_key: str | None) -> dict:
+    """What every request to a server started with `--api-key` must carry."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def client_options(api_key: str | None, transport=None) -> dict:
+    """httpx client arguments for talking to a server: its API key on every
+    request, and our one TLS context, or `transport` in place of the network
+    (tests, benchmarks)."""
+    network = {"transport": transport} if transport is not None else {"verify": ssl_context()}
+    return {"headers": auth_headers(api_key), **network}
+
+
+def redact(text: str, hidden: Sequence[str | None]) -> str:
+    for secret in hidden:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
+def secret_options(cfg: ServerConfig) -> dict:
+    """The options that go to SGLang through the private options file: the
+    API key and, on a capture server, the hooks (whose config holds the rid
+    prefix)."""
+    if cfg.api_key is None or cfg.rid_prefix is None:
+        raise ValueError("this server config has no API key or rid prefix yet: launch it with launch_server, "
+                         "which draws them (with_run_secrets)")
+    options = {"api-key": cfg.api_key}
+    if cfg.capture:
+        options["forward-hooks"] = json.dumps(hook_spec(cfg))
+    return options
+
+
+def write_options_file(cfg: ServerConfig) -> Path:
+    """secret_options(cfg) in a new file only this user can read, in the form
+    SGLang's `--config` takes (YAML; JSON is YAML). The caller deletes it once
+    the server has read it."""
+    fd, path = tempfile.mkstemp(prefix="eagle3-sglang-", suffix=".yaml")  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        json.dump(secret_options(cfg), f)
+    return Path(path)
+
+
+# Flags build_command sets from ServerConfig fields (or always), by SGLang's
+# own name for the option, and what to use instead. Given again in extra_args
+# such a flag would silently win or lose (SGLang keeps the last one), so the
+# server would not be the one the config, the flow's parameters and the store
+# describe.
+_USE_INSTEAD = {
+    "model_path": "ServerConfig.model_path (flow parameter model)",
+    "host": "ServerConfig.host",
+    "port": "ServerConfig.port",
+    "dtype": "ServerConfig.dtype",
+    "tp_size": "ServerConfig.tp_size (flow parameter tp_size)",
+    "max_total_tokens": "ServerConfig.max_total_tokens (flow parameter max_total_tokens)",
+    "disable_radix_cache": "nothing: every server the launcher starts runs without the prefix cache",
+    "enable_return_aux_hidden_states": "ServerConfig.capture",
+    "return_aux_hidden_state_layer_ids": "ServerConfig.aux_layer_ids (flow parameter aux_layer_ids)",
+    "forward_hooks": "ServerConfig.capture_module: a capture server's hooks are the launcher's",
+    "speculative_algorithm": "ServerConfig.draft_model_path",
+    "speculative_draft_model_path": "ServerConfig.draft_model_path",
+    "speculative_num_steps": "ServerConfig.speculative_num_steps",
+    "speculative_eagle_topk": "ServerConfig.speculative_eagle_topk",
+    "speculative_num_draft_tokens": "ServerConfig.speculative_num_draft_tokens",
+    "api_key": "nothing: the launcher gives each server its own key (ServerConfig.api_key; to attach to a "
+               "server you started, flow parameter server_api_key)",
+    "config": "the options themselves in extra_args: the launcher passes its own --config",
+    "chunked_prefill_size": "ServerConfig.chunked_prefill_size (flow parameter chunked_prefill_size)",
+    "mem_fraction_static": "ServerConfig.mem_fraction_static",
+    "sleep_on_idle": "ServerConfig.sleep_on_idle",
+    "cuda_graph_backend_prefill": "nothing: prefill CUDA graph replay would skip the capture hook",
+    "attention_backend": "--attention-backend spelt in full: the launcher then leaves its own out",
+    "trust_remote_code": "--trust-remote-code spelt in full: the launcher then leaves its own out",
+}
+# Owned whatever this config sets: the secrets and the options file, and the
+# flags that would turn a server into a speculative one behind its config.
+_ALWAYS_OWNED = ("api_key", "config", "speculative_algorithm", "speculative_draft_model_path",
+                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+_CAPTURE_OWNED = ("forward_hooks", "enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids")
+
+
+@functools.cache
+def _sglang_options() -> dict[str, str]:
+    """SGLang's option strings (aliases included) -> the option's name."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return {s: a.dest for a in parser._actions for s in a.option_strings}
+
+
+def _option_name(flag: str) -> str | None:
+    """The SGLang option `flag` sets, as its parser reads it: exact, or an
+    unambiguous abbreviation (argparse's allow_abbrev); None if neither."""
+    options = _sglang_options()
+    if flag in options:
+        return options[flag]
+    matches = [s for s in options if s.startswith(flag)]
+    return options[matches[0]] if len(matches) == 1 else None
+
+
+def refuse_owned_flags(cfg: ServerConfig, launcher_args: Sequence[str]) -> None:
+    """Raise ValueError for a flag in cfg.extra_args that sets an option the
+    launcher sets (in `launcher_args`, or always its own)."""
+    given = [a.split("=", 1)[0] for a in cfg.extra_args if a.startswith("--")]
+    if not given:
+        return
+    owned = {_option_name(a) for a in launcher_args if a.startswith("--")} | set(_ALWAYS_OWNED)
+    if cfg.capture:
+        owned |= set(_CAPTURE_OWNED)
+    for flag in given:
+        name = _option_name(flag)
+        if name in owned:
+            canonical = "--" + name.replace("_", "-")
+            spelt = "" if flag == canonical else f" (SGLang reads it as {canonical})"
+            raise ValueError(f"extra_args (flow parameter extra_server_args) must not set {flag}{spelt}: the "
+                             f"launcher sets it itself and SGLang would keep only one of the two. Use "
+                             f"{_USE_INSTEAD.get(name, 'its ServerConfig field')} instead")
+
+
 def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
+    """The server's command line, less the API key and the capture hooks:
+    launch_server adds those as `--config` and a private file
+    (write_options_file)."""
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(cfg.model_path),
@@ -178,10 +325,7 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
         if bad:
             raise ValueError(f"{bad}: not supported on a capture server (two-batch overlap skips captured layers; "
                              "attention context parallelism splits requests over ranks)")
-        cmd += [
-            "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-            "--forward-hooks", json.dumps(hook_spec(cfg)),
-        ]
+        cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
         if cfg.aux_layer_ids is not None:
             cmd += ["--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layer_ids)]
     if cfg.draft_model_path is not None:
@@ -209,6 +353,7 @@ def build_command(cfg: ServerConfig, port: int, *, cpu: bool) -> list[str]:
     if not cpu:
         # Prefill CUDA graph replay skips Python forward hooks: no captures.
         cmd += ["--cuda-graph-backend-prefill", "disabled"]
+    refuse_owned_flags(cfg, cmd)
     return cmd + list(cfg.extra_args)
 
 
@@ -219,8 +364,16 @@ class ServerHandle:
     url: str
     log_path: Path
 
+    @property
+    def api_key(self) -> str | None:
+        return self.config.api_key
+
+    @property
+    def rid_prefix(self) -> str | None:
+        return self.config.rid_prefix
+
     def log_tail(self, lines: int = 40) -> str:
-        return log_tail(self.log_path, lines)
+        return log_tail(self.log_path, lines, hidden=(self.config.api_key,))
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -235,7 +388,9 @@ class ServerHandle:
         self.stop()
 
 
-def log_tail(path: Path, lines: int = 40) -> str:
+def log_tail(path: Path, lines: int = 40, hidden: Sequence[str | None] = ()) -> str:
+    """The last lines of a server log, with the `hidden` strings blanked
+    (SGLang prints its arguments, API key included, when it starts)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -243,16 +398,19 @@ def log_tail(path: Path, lines: int = 40) -> str:
             text = f.read().decode("utf-8", "replace")
     except FileNotFoundError:
         return "(no server log)"
-    return "\n".join(text.splitlines()[-lines:])
+    return redact("\n".join(text.splitlines()[-lines:]), hidden)
 
 
 def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0,
                   follower: LogFollower | None = None) -> ServerHandle:
     """Start the server in its own process group and wait until it serves.
+    The handle's config holds the rid prefix and API key the server was
+    started with (drawn at random unless cfg gives them).
 
     Raises ServerError quoting the server log's tail if it exits or is not
     healthy within `timeout_s`; no process is left behind then.
     """
+    cfg = with_run_secrets(cfg)
     if cfg.tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {cfg.tp_size}")
     cpu = (not gpu_present()) if cfg.cpu is None else cfg.cpu
@@ -270,23 +428,33 @@ def launch_server(cfg: ServerConfig, log_path: Path, *, timeout_s: float = 600.0
     cmd = build_command(cfg, port, cpu=cpu)
     pidfile = pidfile_for(log_path)
     reap_orphan(pidfile)
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        log_start = log.tell()
-        process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=str(REPO_ROOT), start_new_session=True,
-        )
-    handle = ServerHandle(cfg, process, f"http://{cfg.host}:{port}", log_path)
-    write_pidfile(pidfile, process.pid, port)
+    if follower is not None:
+        follower.hide(cfg.api_key)
+    options_file = write_options_file(cfg)
     try:
-        wait_healthy(handle, timeout_s, follower)
-        if cfg.capture:
-            check_hook_attached(handle, log_start)
-    except BaseException:
-        stop_server(handle)
-        raise
+        cmd += ["--config", str(options_file)]
+        # Private: SGLang prints its arguments, the API key among them, into it.
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+            os.fchmod(log.fileno(), 0o600)
+            log.write(f"$ {redact(' '.join(cmd), [cfg.api_key])}\n".encode())
+            log.flush()
+            log_start = log.tell()
+            process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=str(REPO_ROOT), start_new_session=True,
+            )
+        handle = ServerHandle(cfg, process, f"http://{cfg.host}:{port}", log_path)
+        write_pidfile(pidfile, process.pid, port)
+        try:
+            wait_healthy(handle, timeout_s, follower)
+            if cfg.capture:
+                check_hook_attached(handle, log_start)
+        except BaseException:
+            stop_server(handle)
+            raise
+    finally:
+        # SGLang reads it once, at start-up; a relaunch writes a new one.
+        options_file.unlink(missing_ok=True)
     return handle
 
 
@@ -311,6 +479,12 @@ class LogFollower:
 
     def __init__(self, path: Path):
         self.path, self.pos = Path(path), 0
+        self.hidden: set[str] = set()
+
+    def hide(self, secret: str | None) -> None:
+        """Blank `secret` in every line passed on (SGLang logs its API key)."""
+        if secret:
+            self.hidden.add(secret)
 
     def new_lines(self) -> list[str]:
         try:
@@ -321,7 +495,7 @@ class LogFollower:
             return []
         end = data.rfind(b"\n") + 1  # only whole lines
         self.pos += end
-        return data[:end].decode("utf-8", "replace").splitlines()
+        return redact(data[:end].decode("utf-8", "replace"), sorted(self.hidden)).splitlines()
 
     def forward(self, log: logging.Logger, *, everything: bool = False) -> None:
         for line in self.new_lines():
@@ -333,26 +507,22 @@ class LogFollower:
 
 def wait_healthy(handle: ServerHandle, timeout_s: float, follower: LogFollower | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=10.0) as client:
-        while True:
-            if follower is not None:
-                follower.forward(logger, everything=True)
-            if not handle.alive():
-                raise ServerError(
-                    f"SGLang server exited with code {handle.process.returncode} before it "
-                    f"became healthy. Last lines of {handle.log_path}:\n{handle.log_tail()}"
-                )
-            try:
-                if client.get(f"{handle.url}/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerError(
-                    f"SGLang server not healthy after {timeout_s:.0f} s. Last lines of "
-                    f"{handle.log_path}:\n{handle.log_tail()}"
-                )
-            time.sleep(1.0)
+    while True:
+        if follower is not None:
+            follower.forward(logger, everything=True)
+        if not handle.alive():
+            raise ServerError(
+                f"SGLang server exited with code {handle.process.returncode} before it "
+                f"became healthy. Last lines of {handle.log_path}:\n{handle.log_tail()}"
+            )
+        if server_healthy(handle.url, api_key=handle.api_key, timeout_s=10.0):
+            return
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"SGLang server not healthy after {timeout_s:.0f} s. Last lines of "
+                f"{handle.log_path}:\n{handle.log_tail()}"
+            )
+        time.sleep(1.0)
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -448,14 +618,15 @@ def reap_orphan(path: Path, grace_s: float = 20.0) -> int | None:
     return reaped
 
 
-def check_serves(url: str, model_path: Path) -> None:
+def check_serves(url: str, model_path: Path, *, api_key: str | None = None) -> None:
     """Refuse a server that serves another model than the run's target (an
     attached server started on something else, or --model-path overridden):
     its states would go into the store as the target's. Its own /model_info
     says what it serves; a path elsewhere is accepted when it holds the same
     config and weights (a copy)."""
     try:
-        served = httpx.get(f"{url}/model_info", timeout=30.0).json()["model_path"]
+        with httpx.Client(timeout=30.0, **client_options(api_key)) as client:
+            served = client.get(f"{url}/model_info").json()["model_path"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ServerError(f"{url}/model_info did not say which model it serves ({e!r}): is it an SGLang "
                           "server?") from None
@@ -473,8 +644,12 @@ def check_serves(url: str, model_path: Path) -> None:
                           "to launch one.")
 
 
-def server_healthy(url: str) -> bool:
+def server_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 30.0) -> bool:
+    """Whether the server answers /health. SGLang serves /health without the
+    key, but every request we make carries it: one rule, nothing to keep
+    track of per endpoint."""
     try:
-        return httpx.get(f"{url}/health", timeout=30.0).status_code == 200
+        with httpx.Client(timeout=timeout_s, **client_options(api_key)) as client:
+            return client.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
