@@ -199,7 +199,7 @@ def extract_hidden_states(
                                                            aux_layer_ids, store_dtype, ledger_url)
         # Before the preflight: dumps a killed run left in RAM-backed /dev/shm
         # would otherwise count against the space it asks for, for good.
-        reset_dump_dir_task(dump_dir)
+        reset_dump_dir_task(dump_dir, server_rid_prefix)
         preflight_task(plan, store, dump_dir, hidden, in_flight_tokens=2 * concurrency * max_length,
                        storage=store_dtype)
         server = None
