@@ -118,3 +118,35 @@ def test_device_states_are_copied_after_the_forward_on_a_side_stream(tmp_path):
     writer.close(timeout=30)
     cap = read_capture(tmp_path, "e3-gpu", ids.tolist())
     assert torch.equal(cap.aux_hidden_states, expect)
+
+
+def test_a_full_dump_dir_mid_file_leaves_no_partial_dump(tmp_path, caplog, monkeypatch):
+    # The disk fills while the hook's writer is inside a dump file: safetensors'
+    # write stops with ENOSPC after part of the file. That request gets no
+    # dump (its capture is retried by the client), nothing partial stays
+    # behind to be read or to hold space, and the writer goes on once there
+    # is room again.
+    import errno
+
+    from tasks.capture import dump
+
+    real_save, full = dump.save_file, [True]
+
+    def fills_up(tensors, path, metadata=None):
+        if full[0]:
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(dump, "save_file", fills_up)
+    writer = DumpWriter(tmp_path)
+    with caplog.at_level(logging.ERROR, logger="eagle3.capture_writer"):
+        writer.submit("e3-full", 0, *states(4, 1), LAYERS, "post-norm")
+        assert writer.flush(timeout=30)
+    assert writer.errors == 1 and "No space left on device" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # the partial temp file is gone
+    full[0] = False
+    writer.submit("e3-later", 0, *states(4, 1), LAYERS, "post-norm")
+    writer.close(timeout=30)
+    assert [p.name for p in tmp_path.iterdir()] == ["e3-later@0.safetensors"]

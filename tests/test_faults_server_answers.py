@@ -95,3 +95,34 @@ def test_a_port_another_process_holds_is_refused_before_anything_starts(tmp_path
         with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is taken by another process"):
             launch_server(cfg, tmp_path / "server.log")
         assert time.monotonic() - t0 < 5 and not (tmp_path / "server.log").exists()  # no server was started
+
+
+def test_a_request_the_server_refuses_is_quarantined_at_once_with_its_answer(tmp_path):
+    seen = []
+
+    class Refuses(Answers):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body["input_ids"])
+            long = len(body["input_ids"]) > 4
+            answer = (b'{"error": "input is longer than the model\'s context length (4)"}' if long else
+                      json.dumps({"meta_info": {"id": body["rid"], "prompt_tokens": len(body["input_ids"]),
+                                                "cached_tokens": 0}}).encode())
+            self.send_response(400 if long else 200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+    url, server = serve(Refuses)
+    store = tmp_path / "store"
+    open_store(store, MANIFEST)
+    batch = samples(2) + [Sample("long", 9, np.arange(9, dtype=np.int32), np.ones(9, np.uint8))]
+    try:
+        result = extract_batch(url, tmp_path / "dumps", store, "d.jsonl", batch, aux_layer_ids=(1, 3, 4),
+                               sample_attempts=3, dump_wait_s=0.2)
+    finally:
+        server.shutdown()
+    assert "long" in result.quarantined
+    assert sum(len(ids) == 9 for ids in seen) == 1  # asked once, not three times
+    row = open_ledger(store).quarantined().set_index("sample_id").loc["long"]
+    assert "HTTP 400" in row.reason and "context length" in row.reason and row.attempts == 1

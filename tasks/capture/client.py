@@ -20,7 +20,7 @@ from typing import Callable, Sequence, TypeVar
 import httpx
 
 from tasks.capture.dump import (
-    RID_PREFIX, Capture, CaptureError, CaptureMissing, discard_rid, new_rid, read_capture, remove_capture,
+    RID_PREFIX, Capture, CaptureError, CaptureMissing, CaptureRefused, discard_rid, new_rid, read_capture, remove_capture,
 )
 from tasks.server.launch import ServerError, client_options
 from tasks.store.shards import default_workers
@@ -33,6 +33,9 @@ T = TypeVar("T")
 # it is full), so a healthy one is at most a second or so behind; a dump
 # still missing after this is one the writer failed to write.
 DUMP_WAIT_S = 10.0
+# Answers about the request itself, the same on every try (401 and 403 are
+# not among them: a wrong key is the run's fault, not the sample's).
+REFUSALS = (400, 413, 422)
 
 
 def check_meta(meta: dict, rid: str, num_sent: int) -> None:
@@ -69,6 +72,9 @@ async def capture_one(
         "sampling_params": {"max_new_tokens": 0},
         "rid": rid,
     })
+    if response.status_code in REFUSALS:
+        raise CaptureRefused(f"rid {rid}: server refused the request, HTTP {response.status_code}: "
+                             f"{response.text[:300]}")
     if response.status_code != 200:
         raise CaptureError(f"rid {rid}: server answered HTTP {response.status_code}: {response.text[:300]}")
     try:

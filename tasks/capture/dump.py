@@ -55,6 +55,12 @@ class CaptureError(RuntimeError):
     """A capture is missing or does not match what was sent."""
 
 
+class CaptureRefused(CaptureError):
+    """The server refused the request as such (HTTP 400, 413, 422: too long,
+    a token id out of the vocabulary, ...): sending it again gets the same
+    answer, so it is not retried."""
+
+
 class CaptureMissing(CaptureError):
     """No (complete) capture exists for a rid."""
 

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import httpx
 
 from tasks.capture.client import DUMP_WAIT_S, capture_many, probe_capture
-from tasks.capture.dump import CaptureError, RID_PREFIX, SUFFIX, TMP_PREFIX, check_rid_prefix
+from tasks.capture.dump import CaptureError, CaptureRefused, RID_PREFIX, SUFFIX, TMP_PREFIX, check_rid_prefix
 from tasks.paths import ensure_private_dir
 from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.server.launch import server_healthy
@@ -324,6 +324,7 @@ def extract_batch(
             captured[s.sample_id] = out
     pending = [s for s in pending if s.sample_id not in captured]
 
+    refused: list[tuple[Sample, int]] = []
     for attempt in range(1, sample_attempts + 1):
         if not pending:
             break
@@ -335,13 +336,22 @@ def extract_batch(
         for s, out in zip(pending, outs):
             if isinstance(out, Exception):
                 errors[s.sample_id] = f"{type(out).__name__}: {out}"
-                failed.append(s)
+                if isinstance(out, CaptureRefused):
+                    refused.append((s, attempt))  # the same request gets the same answer: not retried
+                else:
+                    failed.append(s)
                 if not isinstance(out, (CaptureError, httpx.HTTPError)):
                     logger.error("sample %s (row %d): %r", s.sample_id, s.source_row, out)
             else:
                 captured[s.sample_id] = out
         pending = failed
 
+    if refused:
+        ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
+                            "reason": errors[s.sample_id], "attempts": tries} for s, tries in refused])
+        for s, _ in refused:
+            logger.error("quarantined sample %s (row %d): %s", s.sample_id, s.source_row, errors[s.sample_id])
+        quarantined += [s.sample_id for s, _ in refused]
     if pending:
         ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
                             "reason": errors[s.sample_id], "attempts": sample_attempts} for s in pending])
