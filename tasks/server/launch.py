@@ -38,6 +38,7 @@ from typing import Sequence
 import httpx
 
 from tasks.capture.dump import check_rid_prefix, new_rid_prefix
+from tasks.durable import replace_durably
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.cpu_shim import gpu_present, resolve_dtype, server_environment
 from tasks.target.architectures import Architecture, architecture_at
@@ -594,9 +595,7 @@ def _start_ticks(pid: int) -> int | None:
 def write_pidfile(path: Path, pid: int, port: int) -> None:
     record = {"pid": pid, "start_ticks": _start_ticks(pid), "port": port, "host": socket.gethostname(),
               "started": time.time()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    replace_durably(path, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
 
 
 def reap_orphan(path: Path, grace_s: float = 20.0) -> int | None:
