@@ -44,8 +44,11 @@ def build_parser(flow, prog: str) -> argparse.ArgumentParser:
             base = next(a for a in args if a is not type(None))
             args = typing.get_args(base)
         # A description that explains its default itself ("default: ...") keeps its own words.
-        shown = help_text if "default" in help_text else f"{help_text} (default: {param.default!r})"
-        kw: dict = {"default": param.default, "help": shown}
+        if param.default is inspect.Parameter.empty:
+            kw: dict = {"required": True, "help": help_text}
+        else:
+            shown = help_text if "default" in help_text else f"{help_text} (default: {param.default!r})"
+            kw = {"default": param.default, "help": shown}
         origin = typing.get_origin(base)
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -14,6 +15,7 @@ from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
+from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from pydantic import Field
@@ -26,9 +28,9 @@ from tasks.capture import extraction
 from tasks.capture.dump import RID_PREFIX
 from tasks.paths import default_dump_root
 from tasks.server.launch import ServerConfig, check_serves
-from tasks.server.supervisor import ServerSupervisor, attach_api_key
+from tasks.server.supervisor import ServerSupervisor, attach_api_key, from_node_env
 from tasks.store.ledger import open_ledger, open_store
-from tasks.store.lock import hold_lock
+from tasks.store.lock import check_held_by, hold_lock
 from tasks.store.manifest import build_manifest
 from tasks.store.shards import remove_leaked_temps
 from tasks.target.architectures import Architecture, architecture_of, load_tokenizer
@@ -38,7 +40,8 @@ from tasks.target.models import resolve_model
 
 @task(name="plan", cache_policy=NO_CACHE)
 def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str, aux_layer_ids,
-              store_dtype: str = "bfloat16", ledger_url: Optional[str] = None):
+              store_dtype: str = "bfloat16", ledger_url: Optional[str] = None, rows: Optional[list[int]] = None,
+              owner: bool = True):
     log = get_run_logger()
     model_path = resolve_model(model)
     config = json.loads((model_path / "config.json").read_text())
@@ -48,10 +51,13 @@ def plan_task(dataset: str, model: str, store: str, max_length: int, policy: str
     manifest = build_manifest(model_path, tokenizer, layers, arch, max_length=max_length, policy=policy,
                               sources=[str(Path(dataset).resolve())], storage=store_dtype)
     ledger = open_store(Path(store), manifest, ledger_url)
-    leaked = remove_leaked_temps(Path(store))  # the run holds the store's lock: nobody is writing one
-    if leaked:
-        log.warning("removed %d unfinished shard temp files of a killed run: %s", len(leaked), ", ".join(leaked[:5]))
-    plan = extraction.plan_extraction(Path(dataset), tokenizer, ledger, max_length=max_length, policy=policy)
+    if owner:  # the run holds the store's lock: nobody is writing a temp (a child's siblings may be)
+        leaked = remove_leaked_temps(Path(store))
+        if leaked:
+            log.warning("removed %d unfinished shard temp files of a killed run: %s", len(leaked),
+                        ", ".join(leaked[:5]))
+    plan = extraction.plan_extraction(Path(dataset), tokenizer, ledger, max_length=max_length, policy=policy,
+                                      rows=rows)
     log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; %s, aux layers: %s",
              plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
              len(plan.rejected), arch.name, layers.describe())
@@ -129,13 +135,13 @@ def _worth_retrying(task, task_run, state) -> bool:
       retry_condition_fn=_worth_retrying)
 def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: str, store: str, source: str,
                        layers: AuxLayers, concurrency: int, sample_attempts: int,
-                       guard: extraction.FailureGuard | None = None) -> dict:
+                       guard: extraction.FailureGuard | None = None, node: str = "") -> dict:
     log = get_run_logger()
     result = extraction.extract_batch(server.url, Path(dump_dir), Path(store), source, batch,
                                       aux_layer_ids=layers.sglang_ids, api_key=server.api_key,
                                       rid_prefix=server.rid_prefix, concurrency=concurrency,
                                       sample_attempts=sample_attempts, on_server_down=server.recover,
-                                      guard=guard)
+                                      guard=guard, writer=node)
     server.forward_log(log)
     log.info("batch of %d: stored %d samples, %d tokens in %.1f s (%.0f tok/s) -> %s; retried %d, quarantined %d",
              len(batch), result.samples, result.tokens, result.seconds, result.tokens_per_s, result.shard,
@@ -182,11 +188,21 @@ def extract_hidden_states(
     verify: Annotated[bool, Field(description="verify the store at the end")] = True,
     store_dtype: params.StoreDtype = "bfloat16",
     ledger_url: params.LedgerUrl = None,
+    rows: Annotated[Optional[list[int]], Field(description="only these dataset rows (0-based): a node's share, "
+                                                           "set by extract_across_nodes")] = None,
+    parent_run: Annotated[Optional[str], Field(description="the extract_across_nodes run holding the store, "
+                                                           "set by it: this run writes under its lock")] = None,
+    node: Annotated[str, Field(description="this node's name, in the names of the shards it writes (a store "
+                                           "many nodes write)", pattern=r"^([a-z0-9][a-z0-9-]{0,39})?$")] = "",
 ) -> dict:
     """Capture EAGLE-3 hidden states (3 aux layers + final) for every token of a
     dataset into a verified, sharded store."""
     log = get_run_logger()
     store = str(Path(store).resolve())
+    # A child of extract_across_nodes on a node: "env" is that node's server.
+    server_url = from_node_env("server_url", server_url)
+    dump_dir = from_node_env("dump_dir", dump_dir)
+    server_rid_prefix = from_node_env("server_rid_prefix", server_rid_prefix)
     # One dump dir per store: a rerun after a killed run resets the same dir,
     # so orphaned dumps never pile up in RAM-backed /dev/shm.
     dump_dir = str(dump_dir or default_dump_root() / f"store-{hashlib.sha256(store.encode()).hexdigest()[:12]}")
@@ -194,9 +210,12 @@ def extract_hidden_states(
 
     # The whole run holds the store: a second run would plan the same samples
     # and race this one for the same shard names and ledger rows.
-    with hold_lock(Path(store), f"extract_hidden_states of {dataset}"):
+    held = (nullcontext(check_held_by(Path(store), parent_run)) if parent_run else
+            hold_lock(Path(store), f"extract_hidden_states of {dataset}", run=flow_run.get_id()))
+    with held:
         plan, model_path, arch, layers, hidden = plan_task(dataset, model, store, max_length, max_length_policy,
-                                                           aux_layer_ids, store_dtype, ledger_url)
+                                                           aux_layer_ids, store_dtype, ledger_url, rows,
+                                                           owner=not parent_run)
         # Before the preflight: dumps a killed run left in RAM-backed /dev/shm
         # would otherwise count against the space it asks for, for good.
         reset_dump_dir_task(dump_dir, server_rid_prefix)
@@ -216,7 +235,7 @@ def extract_hidden_states(
                 guard = extraction.FailureGuard(max_ratio=max_quarantine_ratio,
                                                 max_consecutive=max_consecutive_failures)
                 failures = _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
-                                        sample_attempts, guard)
+                                        sample_attempts, guard, node)
                 guard.check()  # this reason first: the batches it stopped are its consequence
                 if failures:
                     raise RuntimeError(f"{len(failures)} batches failed after their retries: "
@@ -236,7 +255,7 @@ def extract_hidden_states(
 
 
 def _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, concurrency,
-                 sample_attempts, guard) -> list[str]:
+                 sample_attempts, guard, node) -> list[str]:
     log = get_run_logger()
     batches = plan.batches(batch_size)
     meter = extraction.ProgressMeter(open_ledger(Path(store)), plan.todo_tokens, len(plan.todo))
@@ -245,7 +264,7 @@ def _extract_all(batch_task, plan, server, dump_dir, store, layers, batch_size, 
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), batch_size)
     futures = batch_task.map(batches, unmapped(server), unmapped(dump_dir), unmapped(store),
                                      unmapped(plan.source), unmapped(layers), unmapped(concurrency),
-                                     unmapped(sample_attempts), unmapped(guard))
+                                     unmapped(sample_attempts), unmapped(guard), unmapped(node))
     failures = []
     for future in as_completed(futures):
         try:

@@ -403,3 +403,27 @@ def test_a_flag_the_launcher_leaves_alone_passes_through(tmp_path, extra, fields
 
     cmd = build_command(capture_config(tmp_path, extra_args=tuple(extra), **fields), 1234, cpu=True)
     assert cmd[-len(extra):] == extra
+
+
+def test_a_key_whose_random_part_starts_with_a_dash_still_starts_the_server(tmp_path, monkeypatch):
+    """SGLang turns the options file into `--api-key KEY`: a key starting with
+    '-' read as an option (exit 2, seen once in 64 launches)."""
+    import argparse
+    import secrets as secrets_module
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    from tasks.server.launch import build_command, with_run_secrets, write_options_file
+
+    monkeypatch.setattr(secrets_module, "token_urlsafe", lambda n: "-" + "x" * (n - 1))
+    cfg = with_run_secrets(capture_config(tmp_path, "d"))
+    options_file = write_options_file(cfg)
+    try:
+        argv = build_command(cfg, 1234, cpu=True)[3:] + ["--config", str(options_file)]
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+    finally:
+        options_file.unlink()
+    assert args.api_key == cfg.api_key and "-" + "x" * 31 in cfg.api_key

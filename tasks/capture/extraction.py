@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -23,7 +24,7 @@ from tasks.paths import ensure_private_dir
 from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.server.launch import server_healthy
 from tasks.store.ledger import Ledger, open_ledger
-from tasks.store.manifest import read_manifest
+from tasks.store.manifest import StoreError, read_manifest
 from tasks.store.shards import BF16, ShardExists, bytes_per_token, remove_uncommitted, write_shard
 
 logger = logging.getLogger("eagle3.extract")
@@ -53,11 +54,14 @@ class Plan:
         return [self.todo[i: i + batch_size] for i in range(0, len(self.todo), batch_size)]
 
 
-def plan_extraction(dataset: Path, tokenizer, ledger: Ledger, *, max_length: int, policy: str) -> Plan:
-    """Tokenise the dataset and keep only what the ledger does not hold yet.
-    Rows that cannot be used go to the quarantine table with their reason."""
+def plan_extraction(dataset: Path, tokenizer, ledger: Ledger, *, max_length: int, policy: str,
+                    rows: Sequence[int] | None = None) -> Plan:
+    """Tokenise the dataset (or only its `rows`) and keep only what the
+    ledger does not hold yet. Rows that cannot be used go to the quarantine
+    table with their reason."""
     source = str(Path(dataset).resolve())
-    samples, rejected = prepare_samples(dataset, tokenizer, max_length=max_length, policy=policy)
+    samples, rejected = prepare_samples(dataset, tokenizer, max_length=max_length, policy=policy,
+                                        rows=None if rows is None else frozenset(rows))
     stored = ledger.stored_ids()
     todo, seen = [], set()
     for s in samples:
@@ -246,6 +250,7 @@ def extract_batch(
     dump_wait_s: float = DUMP_WAIT_S,
     guard: FailureGuard | None = None,
     request_timeout_s: float = 600.0,
+    writer: str = "",
 ) -> BatchResult:
     """Capture one batch, write it as one shard, commit it to the ledger.
 
@@ -262,7 +267,8 @@ def extract_batch(
     outcomes after committing what it captured (raising TooManyFailures if
     the run must stop). A request not answered within `request_timeout_s`
     fails its sample's attempt (a server that stops answering /health as
-    well counts as down).
+    well counts as down). `writer` names this node in a store many nodes
+    write (its shards carry the name: tasks/store/shards.py shard_name).
     """
     if guard is not None:
         guard.check()
@@ -365,16 +371,26 @@ def extract_batch(
     if items:
         # The storage dtype is the store's, fixed in its manifest when it was created.
         storage = read_manifest(store).get("dtype", BF16)
+        write = partial(write_shard, store, items, source=source, storage=storage, workers=store_workers,
+                        writer=writer)
         try:
-            shard_info, rows = write_shard(store, items, source=source, storage=storage, workers=store_workers)
+            shard_info, rows = write()
         except ShardExists as e:
             if ledger.has_shard(e.name):
                 raise
             # An interrupted run wrote this batch but never committed it.
             logger.warning("replacing %s: left uncommitted by an interrupted run", e.path)
             remove_uncommitted(store, e.name)
-            shard_info, rows = write_shard(store, items, source=source, storage=storage, workers=store_workers)
-        ledger.commit_shard(shard_info, rows)
+            shard_info, rows = write()
+        try:
+            ledger.commit_shard(shard_info, rows)
+        except StoreError:
+            # Another writer committed some of these samples first (a node
+            # taken for dead that was not): ours stays out of the store, and a
+            # retry of the batch re-reads the ledger and stores only the rest.
+            if not ledger.has_shard(shard_info.name):
+                remove_uncommitted(store, shard_info.name)
+            raise
         shard = shard_info.name
     tokens = sum(len(it["input_ids"]) for it in items)
     if guard is not None:

@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 
@@ -295,12 +295,17 @@ def renders_tool_calls(tokenizer) -> bool:
     return "tool_calls" in (tokenizer.chat_template or "")
 
 
-def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "truncate") -> tuple[list[Sample], list[Rejected]]:
-    """Every usable row as a Sample, every other row as Rejected (with why)."""
+def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "truncate",
+                    rows: Collection[int] | None = None) -> tuple[list[Sample], list[Rejected]]:
+    """Every usable row as a Sample, every other row as Rejected (with why).
+    With `rows`, only those row indices (a node's share of a fanned-out run:
+    the rest is not tokenised)."""
     if policy not in MAX_LENGTH_POLICIES:
         raise ValueError(f"max-length policy must be one of {MAX_LENGTH_POLICIES}, got {policy!r}")
     samples, rejected = [], []
     for i, row in read_rows(path):
+        if rows is not None and i not in rows:
+            continue
         if isinstance(row, Rejected):
             rejected.append(row)
             continue

@@ -180,7 +180,14 @@ def with_run_secrets(cfg: ServerConfig) -> ServerConfig:
     """`cfg` with a fresh random rid prefix and API key where it has none."""
     return dataclasses.replace(
         cfg, rid_prefix=new_rid_prefix() if cfg.rid_prefix is None else check_rid_prefix(cfg.rid_prefix),
-        api_key=cfg.api_key or secrets.token_urlsafe(32))
+        api_key=cfg.api_key or new_api_key())
+
+
+def new_api_key() -> str:
+    """A random key SGLang's parser takes as a value: its options file becomes
+    `--api-key KEY` arguments, and a key starting with '-' (1 in 64 of
+    token_urlsafe's) reads as an option, so the server would not start."""
+    return "k" + secrets.token_urlsafe(32)
 
 
 def auth_headers(api_key: str | None) -> dict:

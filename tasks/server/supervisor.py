@@ -18,6 +18,24 @@ logger = logging.getLogger("eagle3.server")
 API_KEY_ENV = "EAGLE3_API_KEY"
 
 
+# A node's capture server, as its worker's environment describes it: the
+# child runs of a fanned-out extraction (flows/extract_nodes.py) are sent to
+# a node's work queue with "env" for these, so each finds its own node's
+# server and reads the dumps on the node that wrote them.
+NODE_ENV = {"server_url": "EAGLE3_SERVER_URL", "dump_dir": "EAGLE3_DUMP_DIR", "server_rid_prefix": "EAGLE3_RID_PREFIX"}
+
+
+def from_node_env(parameter: str, value: str | None) -> str | None:
+    """`value`, or for "env" the node's setting in its environment."""
+    if value != "env":
+        return value
+    found = os.environ.get(NODE_ENV[parameter])
+    if not found:
+        raise ValueError(f"{parameter} is 'env' but ${NODE_ENV[parameter]} is not set on this node: start the "
+                         f"node's worker with it set (scripts/node.sh does)")
+    return found
+
+
 def attach_api_key(given: str | None) -> str | None:
     """The API key for an attached server: `given`, else $EAGLE3_API_KEY,
     else none (a server started without --api-key)."""

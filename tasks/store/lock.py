@@ -11,6 +11,10 @@ record left by another host that was not released cleanly is never broken
 here: the run stops and says who held it; whoever knows that holder is gone
 removes the file (or passes `break_foreign=True`).
 
+A run fanned out over many nodes (flows/extract_nodes.py) holds the lock in
+its parent flow run, whose id the record keeps (`run`); its child runs on
+other hosts write under it after `check_held_by` finds that id there.
+
 Re-entrant along one call chain (a pipeline flow holding a store and calling
 the extract flow on it as a subflow): the held locks travel in a context
 variable, which Prefect copies into subflows and task threads. Another run
@@ -76,9 +80,11 @@ def _this_host() -> str:
 
 
 @contextmanager
-def hold_lock(directory: Path, purpose: str, *, break_foreign: bool = False) -> Iterator[dict]:
+def hold_lock(directory: Path, purpose: str, *, break_foreign: bool = False,
+              run: str | None = None) -> Iterator[dict]:
     """Hold `directory` exclusively for the body; raise LockHeld naming the
-    holder if another run has it. Yields this holder's record."""
+    holder if another run has it. Yields this holder's record, which names
+    `run` (a Prefect flow run id) when given."""
     directory = Path(directory).resolve()
     key = str(directory)
     if key in _held.get():
@@ -91,7 +97,7 @@ def hold_lock(directory: Path, purpose: str, *, break_foreign: bool = False) -> 
                            f"{describe(_process_locks[key]['record'])}; wait for it to finish")
         fd = os.open(lock_path(directory), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            record = _acquire(fd, directory, purpose, break_foreign)
+            record = _acquire(fd, directory, purpose, break_foreign, run)
         except BaseException:
             os.close(fd)
             raise
@@ -112,7 +118,7 @@ def hold_lock(directory: Path, purpose: str, *, break_foreign: bool = False) -> 
                 os.close(fd)  # drops the flock
 
 
-def _acquire(fd: int, directory: Path, purpose: str, break_foreign: bool) -> dict:
+def _acquire(fd: int, directory: Path, purpose: str, break_foreign: bool, run: str | None) -> dict:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -133,7 +139,20 @@ def _acquire(fd: int, directory: Path, purpose: str, break_foreign: bool) -> dic
         logger.warning("taking over the lock on %s from %s: that process is gone (killed?)",
                        directory, describe(previous))
     record = {"pid": os.getpid(), "host": _this_host(), "started": time.time(), "purpose": purpose}
+    if run:
+        record["run"] = run
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     os.fsync(fd)
+    return record
+
+
+def check_held_by(directory: Path, run: str) -> dict:
+    """Raise LockHeld unless `directory`'s lock is held for flow run `run`:
+    a child run writes a store only while its parent holds it (a child that
+    outlived a crashed or finished parent must not write beside a new run)."""
+    record = read_holder(Path(directory))
+    if not record or record.get("run") != run:
+        raise LockHeld(f"{directory} is not held by run {run}, which this child run works for, but by "
+                       f"{describe(record)}: the parent run has ended; start the parent flow again")
     return record

@@ -1,6 +1,6 @@
 """Shards: the packed sample files of a store.
 
-    <store>/shards/shard-<hash>.safetensors
+    <store>/shards/shard-<hash>[-<writer>].safetensors
 
 A shard packs whole samples along the token axis, without padding; in file
 order:
@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -135,8 +136,19 @@ def sample_checksum(tensors: dict[str, torch.Tensor], format: str = FORMAT) -> s
     return h.hexdigest()
 
 
-def shard_name(sample_ids: Sequence[str]) -> str:
-    return "shard-" + hashlib.sha256("\n".join(sample_ids).encode()).hexdigest()[:20]
+WRITER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+
+
+def shard_name(sample_ids: Sequence[str], writer: str = "") -> str:
+    """The shard's name: a hash of its sample ids, then, in a store many
+    nodes write, the writing node's name. Two nodes given the same samples
+    (a node taken for dead that still runs, and the one its work went to)
+    then never write one path: the ledger commits one of the two shards and
+    the other writer removes its own file, never the winner's."""
+    if writer and not WRITER_NAME.match(writer):
+        raise ValueError(f"writer name {writer!r}: use 1-40 of a-z, 0-9 and '-', starting with a letter or digit")
+    digest = hashlib.sha256("\n".join(sample_ids).encode()).hexdigest()[:20]
+    return f"shard-{digest}-{writer}" if writer else f"shard-{digest}"
 
 
 def shard_path(store: Path, name: str) -> Path:
@@ -234,7 +246,7 @@ def default_workers() -> int:
 
 def write_shard(store: Path, items: list[dict], *, source: str, storage: str = BF16,
                 workers: int | None = None, format: str = FORMAT,
-                stored: bool = False) -> tuple[ShardInfo, list[dict]]:
+                stored: bool = False, writer: str = "") -> tuple[ShardInfo, list[dict]]:
     """Pack samples into one shard, durably. items: sample_id, source_row,
     input_ids, loss_mask, aux_hidden_states [n,3,H], final_hidden_state [n,H].
     Returns the shard and the ledger rows to commit for it.
@@ -249,14 +261,15 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
     storage dtype, and under FP8 also aux_scale [n,3] and final_scale [n]):
     they are copied byte for byte, never converted, so rewriting a shard
     (tasks/store/prune.py) keeps every sample's checksum. `format` is the
-    store's (a format-1 store gets format-1 shards)."""
+    store's (a format-1 store gets format-1 shards). `writer` names the node
+    writing, in a store many nodes write (`shard_name`)."""
     if not items:
         raise ValueError("no samples to write")
     dtypes = shard_dtypes(storage, format)
     lengths, num_aux, hidden = _check_items(items)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     sample_ids = [it["sample_id"] for it in items]
-    name = shard_name(sample_ids)
+    name = shard_name(sample_ids, writer)
     ids = torch.cat([torch.as_tensor(np.asarray(it["input_ids"])).to(torch.int32) for it in items])
     masks = torch.cat([torch.as_tensor(np.asarray(it["loss_mask"])).to(torch.uint8) for it in items])
     small = {"input_ids": ids, "loss_mask": masks, "offsets": torch.from_numpy(offsets)}
