@@ -88,13 +88,12 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
-def random_store(d: Path, model: Path, rows: int, max_length: int = 256) -> Path:
+def random_store(d: Path, model: Path, rows: int, max_length: int = 256, aux_layer_ids=None) -> Path:
     """A verified store of the first `rows` demo conversations with random
     hidden states (seeded), built with tasks.store and no server, for
-    training tests. Called again with more rows on the same d, the store
+    training tests; recorded as captured from `aux_layer_ids` (default:
+    SGLang's). Called again with more rows on the same d, the store
     grows: the dataset gains the rows and a second shard their samples."""
-    import json
-
     import torch
     from transformers import AutoTokenizer
 
@@ -103,13 +102,15 @@ def random_store(d: Path, model: Path, rows: int, max_length: int = 256) -> Path
     from tasks.store.reader import StoreReader
     from tasks.store.shards import FORMAT, write_shard
     from tasks.store.verification import verify_store
+    from tasks.train.drafter import target_sizes
 
-    config = json.loads((model / "config.json").read_text())
+    config = target_sizes(model)  # the text model's sizes, also under a multimodal wrapper (Kimi-K2.5)
     hidden = config["hidden_size"]
     store = d / "store"
     dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
     manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
-                "aux_layers": AuxLayers.for_model(config["num_hidden_layers"]).as_record(), "hidden_size": hidden,
+                "aux_layers": AuxLayers.for_model(config["num_hidden_layers"], aux_layer_ids).as_record(),
+                "hidden_size": hidden,
                 "dtype": "bfloat16", "max_length": max_length, "max_length_policy": "truncate",
                 "target_path": str(model), "sources": [str(dataset)]}
     ledger = open_store(store, manifest)

@@ -1,8 +1,20 @@
 """A forward hook loaded into an SGLang speculative server (`--forward-hooks`):
 it saves the drafter's parameters as SGLang loaded them (once), and the inputs
-and output of each drafter forward that takes the target's aux states (draft
-extends; SGLang's own warm-up request makes some too), one file per forward.
-tests/test_drafter_in_sglang.py recomputes one of them with our drafter."""
+and outputs of each drafter forward, one file per forward, numbered in call
+order:
+
+    kind "extend"   the draft extends, which take the target's aux states
+                    (after a prefill, and after each verify); SGLang's own
+                    warm-up request makes some too
+    kind "decode"   the draft decode steps k >= 1, which take the drafter's
+                    own hidden state from the forward before
+
+Each file holds input_ids, positions, hidden_in (the aux states or the hidden
+state fed back), out (after the final norm: what the draft lm_head scores),
+out_prenorm (before it: what the next step is fed) and req_pool_indices (which
+request's KV cache the forward reads and writes). With one request in flight,
+a decode step follows the extend or decode just before it.
+tests/test_drafter_in_sglang.py recomputes them with our drafter."""
 from __future__ import annotations
 
 import os
@@ -19,6 +31,10 @@ def _save(tensors: dict, out: Path, **metadata) -> None:
     os.replace(tmp, out)
 
 
+def _cpu(t):
+    return t.detach().float().cpu().contiguous()
+
+
 def make_probe(config: dict):
     out_dir = Path(config["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -29,15 +45,18 @@ def make_probe(config: dict):
         if not hasattr(module, "fc") or calls[0] >= MAX_FORWARDS:
             return
         input_ids, positions, forward_batch = args[0], args[1], args[2]
-        aux = forward_batch.spec_info.hidden_states
-        if aux is None or aux.shape[-1] != module.fc.in_features:
-            return  # a draft decode step: it takes the drafter's own hidden state
+        hidden_in = forward_batch.spec_info.hidden_states
+        if hidden_in is None or hidden_in.shape[0] == 0:
+            return  # an idle batch
         if calls[0] == 0:
-            _save({n: p.detach().float().cpu().contiguous() for n, p in module.named_parameters()},
-                  out_dir / "params.safetensors")
+            _save({n: _cpu(p) for n, p in module.named_parameters()}, out_dir / "params.safetensors")
+        # The drafter's LlamaModel returns (normed, [pre-norm]).
+        normed, (prenorm,) = output
+        kind = "extend" if hidden_in.shape[-1] == module.fc.in_features else "decode"
         _save({"input_ids": input_ids.detach().cpu().long(), "positions": positions.detach().cpu().long(),
-               "aux": aux.detach().float().cpu().contiguous(), "out": output[0].detach().float().cpu().contiguous()},
-              out_dir / f"forward-{calls[0]}.safetensors", mode=forward_batch.forward_mode)
+               "hidden_in": _cpu(hidden_in), "out": _cpu(normed), "out_prenorm": _cpu(prenorm),
+               "req_pool_indices": forward_batch.req_pool_indices.detach().cpu().long()},
+              out_dir / f"forward-{calls[0]:03d}.safetensors", kind=kind, mode=forward_batch.forward_mode)
         calls[0] += 1
 
     return hook

@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tasks.target.architectures import LLAMA
 from tasks.target.layers import AuxLayers
+from tasks.target.models import TINY, TINY_KIMI_K25, ensure_model
 from tasks.train.data import plan_batches
 from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_attention
-from tasks.train.export import export_drafter, export_weights, load_exported
+from tasks.train.export import export_drafter, export_random_drafter, export_weights, load_exported
 from tasks.train.loop import TrainConfig, autocast_dtype, lr_at
 from tasks.train.metrics import write_metrics
 from tasks.train.ttt import acceptance_length, chain_hits, exact_acceptance_length, ttt_forward
@@ -80,7 +82,7 @@ def test_export_has_sglangs_layout_and_reads_back(tiny_model, tmp_path):
     vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256)
     model = build_drafter(tiny_model, vocab, seed=1)
     layers = AuxLayers.for_model(8)
-    out = export_drafter(model, layers, tmp_path / "drafter", extra={"note": "test"})
+    out = export_drafter(model, layers, tmp_path / "drafter", architecture=LLAMA, extra={"note": "test"})
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 256
@@ -112,7 +114,7 @@ def test_a_tied_target_gives_its_embedding_as_head_and_an_untied_drafter(tiny_mo
     embed, head = load_target_embeddings(tied)
     assert torch.equal(embed, head)
     out = export_drafter(build_drafter(tied, DraftVocab.from_counts(np.ones(2048), 64)), AuxLayers.for_model(8),
-                         tmp_path / "drafter")
+                         tmp_path / "drafter", architecture=LLAMA)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
 
 
@@ -124,9 +126,27 @@ def test_the_export_says_the_drafter_has_no_biases_even_if_the_target_has(tiny_m
     (biased / "config.json").write_text(json.dumps({**config, "attention_bias": True, "mlp_bias": True}))
     model = build_drafter(biased, DraftVocab.from_counts(np.ones(2048), 64))
     assert not any(name.endswith("bias") for name, _ in model.named_parameters())
-    out = export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter")
+    out = export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter", architecture=LLAMA)
     config = json.loads((out / "config.json").read_text())
     assert config["attention_bias"] is False and config["mlp_bias"] is False
+
+
+@pytest.mark.parametrize("target, passed", [(TINY, [2, 5, 6]), (TINY_KIMI_K25, [3, 6, 7])])
+def test_the_export_gives_the_aux_layers_as_the_targets_sglang_class_reads_them(target, passed, tmp_path):
+    # Outputs of layers 2, 5, 6 (not the default 1, 3, 4): Llama's class
+    # captures id + 1, DeepSeek-style ones (Kimi-K2.5) take ids not starting
+    # at 1 as they are (tests/test_drafter_in_sglang.py serves both).
+    out = export_random_drafter(ensure_model(target), tmp_path / "drafter", draft_vocab_size=64,
+                                aux_layer_ids=(2, 5, 6))
+    eagle = json.loads((out / "config.json").read_text())["eagle_config"]
+    assert eagle["eagle_aux_hidden_state_layer_ids"] == passed
+    assert eagle["layer_output_ids"] == [2, 5, 6] and eagle["hf_hidden_state_indices"] == [3, 6, 7]
+
+
+def test_a_drafter_on_layer_0_is_refused_for_a_target_sglang_cannot_capture_it_from(tmp_path):
+    with pytest.raises(ValueError, match="output of layer 0"):
+        export_random_drafter(ensure_model(TINY_KIMI_K25), tmp_path / "drafter", draft_vocab_size=64,
+                              aux_layer_ids=(0, 5, 6))
 
 def _naive_step_attention(q, keys, values, valid):
     """Loops: query t attends to step-0 keys s <= t (valid), then to steps 1..k at t."""

@@ -70,6 +70,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_unrun(trained, tmp_path):
 KILLED_EXPORT = """
 import os, shutil, signal, sys
 from pathlib import Path
+from tasks.target.architectures import LLAMA
 from tasks.target.layers import AuxLayers
 from tasks.train.export import export_drafter
 from tasks.train.loop import trained_drafter
@@ -85,7 +86,7 @@ if sys.argv[5] == "no-exchange":  # a filesystem without renameat2's exchange
 model = trained_drafter(Path(sys.argv[1]), Path(sys.argv[2]))
 with __import__("torch").no_grad():
     model.fc.weight.add_(float(sys.argv[6]))  # a different drafter: the new export
-export_drafter(model, AuxLayers(tuple(int(i) for i in sys.argv[4].split(","))), Path(sys.argv[3]))
+export_drafter(model, AuxLayers(tuple(int(i) for i in sys.argv[4].split(","))), Path(sys.argv[3]), architecture=LLAMA)
 """
 
 
@@ -95,7 +96,7 @@ def test_a_kill_while_replacing_an_export_leaves_a_whole_export(trained, tiny_mo
     drafter = Path(result.drafter_dir)
     delta = {"exchange": 1.0, "no-exchange": 2.0}[swap]  # each run's export differs from any before
     trained_fc = trained_drafter(Path(cfg.out_dir), tiny_model).fc.weight.detach()
-    layers = json.loads((drafter / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    layers = json.loads((drafter / "config.json").read_text())["eagle_config"]["layer_output_ids"]
     proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, cfg.out_dir, str(tiny_model), str(drafter),
                            ",".join(map(str, layers)), swap, str(delta)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True)

@@ -3,7 +3,8 @@ and reading an export back.
 
     <dir>/config.json         architectures ["LlamaForCausalLMEagle3"], the
                               target's sizes and rope, num_hidden_layers 1,
-                              draft_vocab_size, eagle_config (aux layer ids)
+                              draft_vocab_size, eagle_config (aux layer ids,
+                              as the target's SGLang class reads them)
     <dir>/model.safetensors   fc, midlayer.*, norm, lm_head, d2t, t2d
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tasks.target.architectures import Architecture, architecture_of, read_config
 from tasks.target.layers import AuxLayers
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, load_target_embeddings, target_sizes
 from tasks.train.vocab import DraftVocab
@@ -53,7 +55,12 @@ def export_weights(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_config(model: Eagle3Drafter, layers: AuxLayers, dtype: torch.dtype) -> dict:
+def export_config(model: Eagle3Drafter, layers: AuxLayers, architecture: Architecture, dtype: torch.dtype) -> dict:
+    """`architecture`: the target's. SGLang hands the drafter's
+    eagle_aux_hidden_state_layer_ids to the target's own class, and the
+    DeepSeek-style ones read them in another convention: written as our
+    "output of layer i" ids, a drafter trained on non-default layers would be
+    fed other layers than it was trained on."""
     config = {k: model.target_config[k] for k in _SHARED_CONFIG_KEYS if k in model.target_config}
     config.update({
         "architectures": [ARCHITECTURE],
@@ -68,19 +75,23 @@ def export_config(model: Eagle3Drafter, layers: AuxLayers, dtype: torch.dtype) -
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(layers.sglang_ids),
+            "eagle_aux_hidden_state_layer_ids": architecture.sglang_layer_ids(layers.sglang_ids),
             "use_aux_hidden_state": True,
-            # The same tensors in the other conventions, for readers of vLLM/EAGLE.
+            # The same tensors in the conventions that do not depend on the
+            # target's class: outputs of decoder layers, and HF hidden_states
+            # indices (vLLM/EAGLE's "input of layer i").
+            "layer_output_ids": list(layers.sglang_ids),
             "hf_hidden_state_indices": list(layers.hf_hidden_state_indices),
         },
     })
     return config
 
 
-def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *,
+def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *, architecture: Architecture,
                    dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
     """Write `config.json` + `model.safetensors`, atomically (a temp dir renamed
-    into place), loadable by `--speculative-draft-model-path out_dir`."""
+    into place), loadable by `--speculative-draft-model-path out_dir` next to
+    a target of `architecture`."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -89,7 +100,7 @@ def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *,
     tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
                for k, v in export_weights(model).items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = export_config(model, layers, dtype)
+    config = export_config(model, layers, architecture, dtype)
     if extra:
         config["eagle3_training"] = extra
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -165,4 +176,4 @@ def export_random_drafter(target_model_path: Path, out_dir: Path, *, draft_vocab
     vocab = DraftVocab.from_counts(np.zeros(target_config["vocab_size"], dtype=np.int64), draft_vocab_size)
     model = build_drafter(Path(target_model_path), vocab, seed=seed)
     layers = AuxLayers.for_model(target_config["num_hidden_layers"], aux_layer_ids)
-    return export_drafter(model, layers, Path(out_dir))
+    return export_drafter(model, layers, Path(out_dir), architecture=architecture_of(read_config(target_model_path)))

@@ -29,6 +29,7 @@ import torch
 from tasks.durable import replace_durably
 from tasks.store.reader import StoreReader
 from tasks.store.verification import require_verified
+from tasks.target.architectures import architecture_of, read_config
 from tasks.target.layers import AuxLayers
 from tasks.train.data import (assign_batches, collate, describe_split_change, plan_batches, prefetch, split,
                               split_fingerprint)
@@ -554,7 +555,7 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
     drafter_dir = out_dir / "drafter"
     require_finite(f"the export {drafter_dir}")
     if rank == 0:
-        export_drafter(model, run.layers, drafter_dir, extra={
+        export_drafter(model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)), extra={
             "store": str(Path(cfg.store).resolve()), "target": str(run.target), "steps": step,
             "heldout": {k: v for k, v in history[-1].items() if k != "epoch"}, "config": cfg.identity()})
         write_metrics(out_dir, history)
