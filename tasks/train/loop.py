@@ -472,7 +472,7 @@ def _whole_weights(ttt: torch.nn.Module):
 def _whole(state, keep: bool):
     """A state (nested dicts and lists) with every sharded tensor gathered
     whole, onto the CPU where `keep` (rank 0, which writes it) and dropped on
-    the others: one tensor at a time, so no rank holds more than one whole.
+    the others: one tensor at a time, so no device holds more than one whole.
     Every rank must call it, on the same structure (the gathers are
     collectives made in order). A checkpoint is then the same under every
     sharding."""
