@@ -50,8 +50,22 @@ DraftVocabSize = Annotated[int, Field(description="draft vocabulary: the N most 
 TttSteps = Annotated[int, Field(description="training-time-test unroll depth K (loss weights decay^k)", ge=1)]
 Epochs = Annotated[int, Field(description="passes over the training split", ge=1)]
 Lr = Annotated[float, Field(description="peak learning rate (AdamW, warm-up then cosine)", gt=0)]
-TokensPerBatch = Annotated[int, Field(description="padded tokens per step and device", ge=64)]
-Devices = Annotated[int, Field(description="GPUs to train on; >1 runs torchrun (DDP)", ge=1)]
+TokensPerBatch = Annotated[int, Field(description="padded tokens per batch (one per device and accumulation step)",
+                                       ge=64)]
+Devices = Annotated[int, Field(description="GPUs to train on (per node); >1 runs torchrun", ge=1)]
+Accumulate = Annotated[int, Field(description="batches per device and optimizer step (gradient accumulation): a step "
+                                              "takes devices x nnodes x accumulate batches", ge=1)]
+Sharding = Annotated[Literal["ddp", "fsdp", "hsdp"], Field(
+    description="with more than one device: ddp (every GPU holds the whole drafter and its AdamW state), fsdp "
+                "(weights, gradients and AdamW state sharded over all GPUs), hsdp (sharded within a node, "
+                "replicated across nodes)")]
+Nnodes = Annotated[int, Field(description="nodes to train on: run this flow on each, with the same parameters but "
+                                          "node_rank, a shared out_dir and store", ge=1)]
+NodeRank = Annotated[int, Field(description="this node, 0..nnodes-1: node 0's run holds out_dir's lock, checks the "
+                                            "export and writes the artifacts; the others only train", ge=0)]
+RdzvEndpoint = Annotated[Optional[str], Field(
+    description="nnodes > 1: host:port of one of the nodes (the same on all), where torchrun's c10d rendezvous "
+                "meets (e.g. node 0's address, a free port)")]
 Precision = Annotated[Literal["auto", "fp32", "bf16"],
                       Field(description="auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs")]
 VocabPositions = Annotated[int, Field(description="training positions (a seeded random subset) counted to pick the "

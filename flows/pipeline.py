@@ -92,6 +92,8 @@ def eagle3_pipeline(
     lr: params.Lr = params.TRAIN.lr,
     tokens_per_batch: params.TokensPerBatch = params.TRAIN.tokens_per_batch,
     devices: params.Devices = params.TRAIN.devices,
+    accumulate: params.Accumulate = params.TRAIN.accumulate,
+    sharding: params.Sharding = params.TRAIN.sharding,
     precision: params.Precision = params.TRAIN.precision,
     vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
     on_store_change: params.OnStoreChange = params.TRAIN.on_store_change,
@@ -112,8 +114,8 @@ def eagle3_pipeline(
     verify_store(store=store)
     trained = train_drafter(store=store, out_dir=train_dir, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
                             epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, serve_steps=serve_steps,
-                            devices=devices, precision=precision, vocab_positions=vocab_positions,
-                            on_store_change=on_store_change)
+                            devices=devices, accumulate=accumulate, sharding=sharding, precision=precision,
+                            vocab_positions=vocab_positions, on_store_change=on_store_change)
     served = serve_check(drafter_dir=trained["drafter_dir"], store=store, target=trained["target"],
                          num_prompts=serve_prompts, max_new_tokens=serve_new_tokens, num_steps=serve_steps,
                          num_draft_tokens=serve_steps + 1)

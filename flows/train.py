@@ -37,7 +37,7 @@ def check_verified_task(store: str) -> dict:
 # A retry resumes from the last checkpoint (weights, optimizer, data position).
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
 def train_task(cfg: TrainConfig) -> TrainResult:
-    if cfg.devices > 1:
+    if cfg.devices > 1 or cfg.nnodes > 1:
         return launch_distributed(cfg, get_run_logger())
     return train(cfg)
 
@@ -104,6 +104,11 @@ def train_drafter(
     heldout_fraction: Annotated[float, Field(description="share of samples held out (by sample-id hash)", gt=0, lt=1)] = params.TRAIN.heldout_fraction,
     serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
     devices: params.Devices = params.TRAIN.devices,
+    accumulate: params.Accumulate = params.TRAIN.accumulate,
+    sharding: params.Sharding = params.TRAIN.sharding,
+    nnodes: params.Nnodes = params.TRAIN.nnodes,
+    node_rank: params.NodeRank = 0,
+    rdzv_endpoint: params.RdzvEndpoint = params.TRAIN.rdzv_endpoint,
     precision: params.Precision = params.TRAIN.precision,
     vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
     checkpoint_every: Annotated[int, Field(description="steps between checkpoints", ge=1)] = params.TRAIN.checkpoint_every,
@@ -111,18 +116,26 @@ def train_drafter(
     on_store_change: params.OnStoreChange = params.TRAIN.on_store_change,
 ) -> dict:
     """Train an EAGLE-3 drafter on a verified store and export it for SGLang."""
+    if node_rank >= nnodes:
+        raise ValueError(f"node_rank {node_rank} of nnodes {nnodes}: node ranks are 0..{nnodes - 1}")
     cfg = TrainConfig(
         store=str(Path(store).resolve()), out_dir=str(Path(out_dir).resolve()), target=target,
         draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, step_decay=step_decay, epochs=epochs, lr=lr,
         tokens_per_batch=tokens_per_batch, heldout_fraction=heldout_fraction, serve_steps=serve_steps,
-        devices=devices, precision=precision, vocab_positions=vocab_positions, checkpoint_every=checkpoint_every,
-        seed=seed, on_store_change=on_store_change)
-    # One run per out_dir: two would interleave checkpoints and exports.
-    with hold_lock(Path(cfg.out_dir), f"train_drafter on {cfg.store}"):
+        devices=devices, accumulate=accumulate, sharding=sharding, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+        precision=precision, vocab_positions=vocab_positions, checkpoint_every=checkpoint_every, seed=seed,
+        on_store_change=on_store_change)
+    # One run per out_dir: two would interleave checkpoints and exports. On
+    # several nodes every node's run trains (torchrun on each meets the
+    # others) and node 0's holds the out_dir they share and does the rest;
+    # the others hold a lock of their node's, so no second run joins as it.
+    lock_dir = Path(cfg.out_dir) if node_rank == 0 else Path(cfg.out_dir) / f"node-{node_rank}"
+    with hold_lock(lock_dir, f"train_drafter on {cfg.store}" + (f", node {node_rank}" if node_rank else "")):
         check_verified_task(cfg.store)
         result = train_task(cfg)
-        check_export_task(result.drafter_dir, cfg.out_dir, result.target)
-        metrics_artifacts_task(result, cfg.out_dir)
+        if node_rank == 0:
+            check_export_task(result.drafter_dir, cfg.out_dir, result.target)
+            metrics_artifacts_task(result, cfg.out_dir)
     return {"drafter_dir": result.drafter_dir, "target": result.target, "steps": result.steps,
             "heldout": result.final, "untrained": result.history[0], "out_dir": cfg.out_dir}
 

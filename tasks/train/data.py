@@ -84,23 +84,31 @@ def plan_batches(lengths: np.ndarray, indices: np.ndarray, tokens_per_batch: int
     return [batches[i] for i in rng.permutation(len(batches))] if rng is not None else batches
 
 
-def assign_batches(n: int, start: int, rank: int, world: int) -> list[tuple[int, int, float]]:
+def assign_batches(n: int, start: int, rank: int, world: int,
+                   accumulate: int = 1) -> list[tuple[int, list[tuple[int, float]]]]:
     """This rank's part of an epoch's batches start..n-1 (indices into the
-    epoch's order), one per optimizer step, as (first batch of the step,
-    this rank's batch, its loss weight).
+    epoch's order), per optimizer step: (first batch of the step, this
+    rank's `accumulate` batches, each with its loss weight).
 
-    Each step takes the next `world` batches of the order, rank r the r-th,
-    so the batches done after any step are a prefix of the order whatever
-    the world size: a checkpoint records its length, and a resume under
-    another world size goes on at the next batch. Where fewer than `world`
-    batches are left (m), ranks m.. run the step's first batch again at
-    weight 0 (DDP needs every rank's backward) and the m others weigh
-    world/m: DDP averages gradients over all ranks, so the step's gradient
-    is the mean over its m batches, as on m devices."""
+    Each step takes the next world x accumulate batches of the order, rank r
+    the r-th of every `world` of them, so the batches done after any step
+    are a prefix of the order whatever the world size: a checkpoint records
+    its length, and a resume under another world size (or accumulation)
+    goes on at the next batch. Where fewer are left (m), the slots past
+    them run the step's first batch again at weight 0 (DDP and FSDP need
+    every rank's backward, and every rank the same number) and the m others
+    weigh world/m: the gradient is averaged over the ranks and summed over
+    a rank's batches, so the step's gradient is the mean over its m
+    batches, as on one device taking the m together."""
+    per_step = world * accumulate
     steps = []
-    for first in range(start, n, world):
-        m = min(world, n - first)
-        steps.append((first, first + rank, world / m) if rank < m else (first, first, 0.0))
+    for first in range(start, n, per_step):
+        m = min(per_step, n - first)
+        mine = []
+        for i in range(accumulate):
+            slot = i * world + rank
+            mine.append((first + slot, world / m) if slot < m else (first, 0.0))
+        steps.append((first, mine))
     return steps
 
 

@@ -7,11 +7,17 @@ training split alone, never of the device count; the checkpoint records how
 many of its batches are done and a fingerprint of the split, so a resumed
 run, on as many devices as before or not, trains exactly the batches left,
 and a store changed since is refused (or re-planned on request). Under
-torchrun (tasks/train/launch.py) each optimizer step takes the next batch of
-the order on every rank under DDP (tasks/train/data.py assign_batches).
+torchrun (tasks/train/launch.py) each optimizer step takes the next
+`accumulate` batches of the order on every rank (tasks/train/data.py
+assign_batches), under DDP (every rank holds the whole drafter and its Adam
+state) or FSDP2 (`sharding` "fsdp": weights, gradients and Adam state
+sharded over the ranks; "hsdp": sharded within a node, replicated across
+nodes). A checkpoint holds whole tensors in every mode, so any mode and
+device count resumes any other's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -25,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tasks.durable import replace_durably
 from tasks.store.reader import StoreReader
@@ -45,6 +52,7 @@ CHECKPOINT = "checkpoint.pt"
 RESULT = "result.json"
 PRECISIONS = ("auto", "fp32", "bf16")
 STORE_CHANGES = ("refuse", "replan")
+SHARDINGS = ("ddp", "fsdp", "hsdp")
 
 
 @dataclass
@@ -73,7 +81,20 @@ class TrainConfig:
     # Not part of a run's identity: they may change between a run and its resume.
     checkpoint_every: int = 50
     log_every: int = 10
-    devices: int = 1
+    devices: int = 1  # processes (GPUs) per node
+    # Batches each device trains per optimizer step (gradient accumulation):
+    # a step takes devices x nnodes x accumulate batches of the order.
+    accumulate: int = 1
+    # "ddp": every rank holds the whole drafter, its gradients and Adam
+    # state; "fsdp": all three sharded over every rank; "hsdp": sharded
+    # within a node, replicated across nodes (the gradient reduce-scatter
+    # stays on the node's fast links). The frozen target embedding is never
+    # sharded: it has no gradients or optimizer state to save.
+    sharding: str = "ddp"
+    # More than one node: torchrun's c10d rendezvous at host:port
+    # (tasks/train/launch.py).
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
     # Optimizer steps in a row whose loss or gradient norm is not finite that
     # are skipped (gradients dropped, weights untouched) before the run stops.
     # A safety limit, not a training setting: a run that stopped on it may be
@@ -84,7 +105,8 @@ class TrainConfig:
     # epoch again, its batches cut from the split as it is now.
     on_store_change: str = "refuse"
 
-    RESUMABLE = ("checkpoint_every", "log_every", "devices", "max_nonfinite_steps", "on_store_change")
+    RESUMABLE = ("checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "rdzv_endpoint",
+                 "max_nonfinite_steps", "on_store_change")
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -93,6 +115,14 @@ class TrainConfig:
             raise ValueError(f"on_store_change {self.on_store_change!r}: use one of {', '.join(STORE_CHANGES)}")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps {self.max_nonfinite_steps}: at least 1")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding {self.sharding!r}: use one of {', '.join(SHARDINGS)}")
+        if min(self.devices, self.accumulate, self.nnodes) < 1:
+            raise ValueError(f"devices {self.devices}, accumulate {self.accumulate}, nnodes {self.nnodes}: each at "
+                             f"least 1")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint host:port: an address of one of the nodes "
+                             f"(the same on every node), where torchrun's rendezvous meets")
 
     def identity(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUMABLE}
@@ -153,11 +183,14 @@ def _save_atomic(obj, path: Path) -> None:
 
 def nonfinite_tensors(tensors: dict) -> list[str]:
     """Names of the tensors (nested dicts and lists walked, e.g. an optimizer
-    state) holding a NaN or an infinity."""
+    state) holding a NaN or an infinity; of a sharded tensor, this rank's
+    shard."""
     bad: list[str] = []
 
     def walk(prefix: str, v) -> None:
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, DTensor):
+            walk(prefix, v.to_local())
+        elif isinstance(v, torch.Tensor):
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 bad.append(prefix)
         elif isinstance(v, dict):
@@ -383,6 +416,89 @@ def _distributed() -> tuple[int, int]:
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
+def _parallel(ttt: TTT, cfg: TrainConfig, device: torch.device, world: int) -> torch.nn.Module:
+    """The TTT module as the ranks train it: DDP, or FSDP2 over all ranks
+    ("fsdp") or a (nodes, ranks per node) mesh ("hsdp": replicated across
+    nodes, sharded within one). Under FSDP2 the whole drafter is one group
+    (one layer: gathering it whole costs little, and every method the TTT
+    forward calls sees whole weights), the frozen target embedding left out
+    (replicated, as under DDP: sharding it would gather it every step and
+    save nothing at the step's peak). FSDP2 does not broadcast: each rank
+    keeps its slice of its own copy, which is rank 0's (the same seeded
+    initialisation, the same broadcast vocabulary, the same checkpoint)."""
+    if world == 1:
+        return ttt
+    if cfg.sharding == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if cfg.sharding == "hsdp":
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    return fully_shard(ttt, mesh=mesh, ignored_params={ttt.drafter.embed_tokens.weight})
+
+
+def _gradient_sync(ttt: torch.nn.Module, last: bool):
+    """Gradients are reduced across the ranks in a step's last backward only:
+    the ones before it accumulate locally (accumulate > 1)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(ttt, FSDPModule):
+        ttt.set_requires_gradient_sync(last)
+    elif isinstance(ttt, torch.nn.parallel.DistributedDataParallel) and not last:
+        return ttt.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _whole_weights(ttt: torch.nn.Module):
+    """Under FSDP2 the drafter's weights are shards between steps; rank 0's
+    evaluation and export call it outside the wrapped forward, so every rank
+    gathers them (a collective) and frees them after."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(ttt, FSDPModule):
+        yield
+        return
+    ttt.unshard()
+    try:
+        yield
+    finally:
+        ttt.reshard()
+
+
+def _whole(state, keep: bool):
+    """A state (nested dicts and lists) with every sharded tensor gathered
+    whole, onto the CPU where `keep` (rank 0, which writes it) and dropped on
+    the others: one tensor at a time, so no device holds more than one whole.
+    Every rank must call it, on the same structure (the gathers are
+    collectives made in order). A checkpoint is then the same under every
+    sharding."""
+    if isinstance(state, DTensor):
+        whole = state.detach().full_tensor()
+        return whole.cpu() if keep else None
+    if isinstance(state, dict):
+        return {k: _whole(v, keep) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_whole(v, keep) for v in state)
+    return state
+
+
+def _sharded_like(optimizer_state: dict, params: list[torch.nn.Parameter]) -> dict:
+    """A checkpoint's (whole) optimizer state cut into this rank's shards of
+    `params` (the optimizer's, in its order), where they are sharded."""
+    state = {}
+    for i, entry in optimizer_state["state"].items():
+        p = params[int(i)]
+        state[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                    if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                    for k, v in entry.items()}
+    return {**optimizer_state, "state": state}
+
+
 def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
           on_step: Callable[[dict], None] | None = None) -> TrainResult:
     """Train (or resume) a drafter; returns its exported directory and metrics.
@@ -393,16 +509,26 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
     is left.
 
     on_step, on every rank after each optimizer step (and its checkpoint, if
-    one was due): epoch, step, rank, world, this rank's batch (its index in
-    the epoch's order), sample ids and loss weight (0: a repeat on a rank
-    left without a batch at an epoch's end), its loss and the step's gradient
-    norm (before clipping), so a caller can account for every batch the run
-    consumed."""
+    one was due), once per batch the rank trained in the step (`accumulate`
+    of them): epoch, step, rank, world, the batch (its index in the epoch's
+    order), sample ids and loss weight (0: a repeat in a slot left without a
+    batch at an epoch's end), its loss and the step's gradient norm (before
+    clipping), so a caller can account for every batch the run consumed."""
     started = time.time()
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = out_dir / CHECKPOINT
     rank, world = _distributed()
+    if world > 1:
+        # Every rank reads the checkpoint rank 0 writes: on several nodes,
+        # only one shared out_dir makes them all resume from the same one.
+        seen = float(ckpt_path.exists())
+        seen_by = torch.tensor([seen, -seen], device=_device())
+        torch.distributed.all_reduce(seen_by, op=torch.distributed.ReduceOp.MAX)
+        if seen_by[0] != -seen_by[1]:
+            raise TrainingError(f"{ckpt_path} is there for some ranks and not for others: on several nodes out_dir "
+                                f"must be one directory every node shares (the same path on a shared filesystem, "
+                                f"as for the store)")
     ckpt = _load_checkpoint(ckpt_path) if ckpt_path.exists() else None
     if ckpt is not None:
         # A checkpoint from before a setting existed ran with its default.
@@ -413,6 +539,11 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
                             f"use another out_dir, or delete the checkpoint to start over")
     run = prepare(cfg, DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt else None, rank, world)
     model = run.model
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"], strict=False)
+    # After the checkpoint's weights are in: FSDP2 shards what each rank holds.
+    ttt = _parallel(TTT(model), cfg, run.device, world)
+    # The frozen embedding has no optimizer state (nor, under FSDP, shards).
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     history: list[dict] = []
@@ -423,32 +554,38 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
     resumed = None
     if ckpt is not None:
         epoch, done = resume_position(ckpt, cfg, plans, fingerprint, world, ckpt_path)
-        model.load_state_dict(ckpt["model"], strict=False)
-        opt.load_state_dict(ckpt["optimizer"])
+        opt.load_state_dict(_sharded_like(ckpt["optimizer"], trainable))
         step, history = ckpt["step"], ckpt["history"]
         resumed = {"epoch": epoch, "batches_done": done, "step": step}
         logger.info("resuming from %s: epoch %d, %d of its %d batches done, step %d; written on %s device(s), "
                     "resumed on %d", ckpt_path, epoch + 1, done, len(plans[epoch]) if epoch < cfg.epochs else 0,
                     step, ckpt.get("world", "an unrecorded number of"), world)
-    ttt = TTT(model)
-    ttt = torch.nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
     # Every batch of every epoch is trained (the last step of an epoch may
     # have fewer batches than devices); the learning rate follows batches.
+    per_step = world * cfg.accumulate
     batches_before = np.cumsum([0] + [len(p) for p in plans])  # in the epochs before each
     total = int(batches_before[-1])
-    total_steps = step + sum(-(-(len(p) - (done if e == epoch else 0)) // world)
+    total_steps = step + sum(-(-(len(p) - (done if e == epoch else 0)) // per_step)
                              for e, p in enumerate(plans) if e >= epoch)
     logger.info("training on %d samples (%s tokens), held out %d; %d epochs of %s batches, %d per step, TTT %d "
-                "steps, draft vocab %d, device %s x %d, %s", len(run.train_idx),
+                "steps, draft vocab %d, device %s x %d (%s), %s", len(run.train_idx),
                 f"{int(run.reader.num_tokens[run.train_idx].sum()):,}", len(run.held_idx), cfg.epochs,
                 "/".join(str(len(p)) for p in plans) if len({len(p) for p in plans}) > 1 else len(plans[0]),
-                world, cfg.ttt_steps, run.vocab.size, run.device, world,
+                per_step, cfg.ttt_steps, run.vocab.size, run.device, world,
+                cfg.sharding if world > 1 else "one process",
                 "bf16 autocast" if autocast_dtype(cfg.precision, run.device) else "fp32")
 
     def require_finite(what: str) -> None:
-        # Every rank checks (its weights equal rank 0's under DDP), so all
-        # raise together rather than leave the others waiting in a collective.
+        # Every rank checks its weights and Adam state (under DDP equal to
+        # rank 0's, under FSDP its shards), and the verdict is all-reduced,
+        # so all raise together rather than leave the others waiting in a
+        # collective.
         bad = nonfinite_tensors({"model": model.trainable_state(), "optimizer": opt.state_dict()["state"]})
+        if world > 1:
+            anywhere = torch.tensor([float(bool(bad))], device=run.device)
+            torch.distributed.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX)
+            if anywhere.item() and not bad:
+                bad = ["another rank's shard"]
         if bad:
             raise TrainingError(f"refusing to write {what} at step {step}: non-finite values in "
                                 f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; {ckpt_path} "
@@ -456,53 +593,71 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
 
     def save(epoch_: int, done_: int) -> None:
         require_finite(f"checkpoint {ckpt_path}")
+        weights, optimizer = _whole(model.trainable_state(), rank == 0), _whole(opt.state_dict(), rank == 0)
         if rank == 0:
             # batches_done: of the epoch's order, whatever the device count;
             # world: for the log only, a resume may use another.
-            _save_atomic({"identity": cfg.identity(), "model": model.trainable_state(),
-                          "optimizer": opt.state_dict(), "epoch": epoch_, "batches_done": done_,
+            _save_atomic({"identity": cfg.identity(), "model": weights,
+                          "optimizer": optimizer, "epoch": epoch_, "batches_done": done_,
                           "fingerprint": fingerprint, "world": world, "step": step, "history": history,
                           "d2t": model.d2t.cpu(), "vocab_size": model.cfg.vocab_size}, ckpt_path)
 
-    if not history and rank == 0:
-        history.append({"epoch": 0, "step": 0, **evaluate(run)})
-        logger.info("untrained drafter, held out: %s", _describe(history[-1]))
-        if on_eval:
-            on_eval(history[-1])
+    if not history:
+        with _whole_weights(ttt):
+            if rank == 0:
+                history.append({"epoch": 0, "step": 0, **evaluate(run)})
+                logger.info("untrained drafter, held out: %s", _describe(history[-1]))
+                if on_eval:
+                    on_eval(history[-1])
     wait_s = compute_s = 0.0
     tokens = 0
     skipped = in_a_row = 0
     while epoch < cfg.epochs:
         plan = plans[epoch]
-        mine = assign_batches(len(plan), done, rank, world)
+        mine = assign_batches(len(plan), done, rank, world, cfg.accumulate)
         t_epoch, tok_epoch, steps_epoch = time.time(), 0, 0
+        loaded = prefetch(lambda b: collate(run.reader, plan[b]), [b for _, batches in mine for b, _ in batches])
         t_wait = time.time()
-        for (first, b, weight), batch in zip(mine, prefetch(lambda a: collate(run.reader, plan[a[1]]), mine)):
-            t0 = time.time()
-            wait_s += t0 - t_wait
-            batch = _to(batch, run.device)
+        for first, batches in mine:
             for g in opt.param_groups:
                 g["lr"] = lr_at(int(batches_before[epoch]) + first, total, cfg)
-            with _autocast(run):
-                out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
             opt.zero_grad(set_to_none=True)
-            # weight: world/m on the m ranks with a batch of their own, 0 on
-            # a rank repeating one (assign_batches), so that DDP's mean over
-            # the ranks is the mean over the step's batches; 1 in the rest.
-            (out.loss * weight).backward()
+            outs = []
+            for i, (b, weight) in enumerate(batches):
+                batch = next(loaded)
+                t0 = time.time()
+                wait_s += t0 - t_wait
+                batch = _to(batch, run.device)
+                with _gradient_sync(ttt, last=i == len(batches) - 1):
+                    with _autocast(run):
+                        out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
+                    # weight: world/m on the slots with a batch of their own, 0
+                    # on a slot repeating one (assign_batches), so that the
+                    # mean over the ranks of the sum over each rank's batches
+                    # is the mean over the step's batches.
+                    (out.loss * weight).backward()
+                outs.append(out)
+                n_tok = int(batch["lengths"].sum()) if weight else 0
+                tokens += n_tok
+                tok_epoch += n_tok
+                t_wait = time.time()
+                compute_s += t_wait - t0
+            t0 = time.time()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            # 1 where the loss / the total gradient norm is NaN or infinite.
-            # Under DDP the gradients (so the norm) agree across ranks but the
+            if isinstance(grad_norm, DTensor):  # over FSDP's shards: the same on every rank
+                grad_norm = grad_norm.full_tensor()
+            # 1 where a loss / the total gradient norm is NaN or infinite.
+            # Under DDP and FSDP the gradient norm agrees across ranks but the
             # losses do not: the flags are all-reduced (max), so every rank
             # makes the same decision and the weights stay identical.
-            flags = torch.stack([~torch.isfinite(out.loss.detach().float()),
-                                 ~torch.isfinite(grad_norm.detach().float())]).float()
+            losses = torch.stack([o.loss.detach().float() for o in outs])
+            flags = torch.stack([~torch.isfinite(losses).all(), ~torch.isfinite(grad_norm.detach().float())]).float()
             if world > 1:
                 torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
             bad_loss, bad_grad = (bool(f) for f in flags.tolist())
             if bad_loss or bad_grad:
                 # Skip: the step's gradients are dropped and the weights (and
-                # Adam's moments) are left as they were; the batch is spent.
+                # Adam's moments) are left as they were; the batches are spent.
                 opt.zero_grad(set_to_none=True)
                 skipped += 1
                 in_a_row += 1
@@ -510,8 +665,8 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
                 if rank == 0:
                     logger.warning("epoch %d/%d step %d: non-finite %s (loss %s, gradient norm %s): step skipped "
                                    "(%d in a row, %d in all; the run stops at %d in a row)", epoch + 1,
-                                   cfg.epochs, step + 1, what, f"{out.loss.item():.3g}", f"{grad_norm.item():.3g}",
-                                   in_a_row, skipped, cfg.max_nonfinite_steps)
+                                   cfg.epochs, step + 1, what, ", ".join(f"{x:.3g}" for x in losses.tolist()),
+                                   f"{grad_norm.item():.3g}", in_a_row, skipped, cfg.max_nonfinite_steps)
                 if in_a_row >= cfg.max_nonfinite_steps:
                     raise TrainingError(
                         f"training stopped at epoch {epoch + 1}, step {step + 1}: {in_a_row} optimizer steps in a "
@@ -523,42 +678,43 @@ def train(cfg: TrainConfig, *, on_eval: Callable[[dict], None] | None = None,
                 in_a_row = 0
             step += 1
             steps_epoch += 1
-            done = min(len(plan), first + world)
-            n_tok = int(batch["lengths"].sum()) if weight else 0
-            tokens += n_tok
-            tok_epoch += n_tok
+            done = min(len(plan), first + per_step)
             t_wait = time.time()
             compute_s += t_wait - t0
             if step % cfg.log_every == 0 and rank == 0:
                 rate = tok_epoch / max(1e-9, time.time() - t_epoch)
                 left = (total_steps - step) * (time.time() - t_epoch) / steps_epoch
-                acc0 = float(out.correct[0]) / max(1, int(out.counted[0]))
+                acc0 = float(outs[0].correct[0]) / max(1, int(outs[0].counted[0]))
                 logger.info("epoch %d/%d step %d/%d: loss %.3f, acc0 %.2f, lr %.2e, %.0f tok/s, ETA %.0f s",
-                            epoch + 1, cfg.epochs, step, total_steps, out.loss.item(), acc0, opt.param_groups[0]["lr"],
-                            rate, left)
+                            epoch + 1, cfg.epochs, step, total_steps, outs[0].loss.item(), acc0,
+                            opt.param_groups[0]["lr"], rate, left)
             if step % cfg.checkpoint_every == 0 and in_a_row == 0:
                 # Not inside a run of skipped steps: should it end the run,
                 # the checkpoint on disk is the one before it, and a resume
                 # (say at a lower lr) replays its batches.
                 save(epoch, done)
             if on_step:
-                on_step({"epoch": epoch, "step": step, "rank": rank, "world": world, "batch": b,
-                         "sample_ids": [run.reader.sample_ids[i] for i in plan[b]], "weight": weight,
-                         "loss": out.loss.item(), "grad_norm": grad_norm.item()})
+                for (b, weight), out in zip(batches, outs):
+                    on_step({"epoch": epoch, "step": step, "rank": rank, "world": world, "batch": b,
+                             "sample_ids": [run.reader.sample_ids[i] for i in plan[b]], "weight": weight,
+                             "loss": out.loss.item(), "grad_norm": grad_norm.item()})
         epoch, done = epoch + 1, 0
-        if rank == 0:
-            history.append({"epoch": epoch, "step": step, **evaluate(run)})
-            logger.info("epoch %d/%d held out: %s", epoch, cfg.epochs, _describe(history[-1]))
-            if on_eval:
-                on_eval(history[-1])
+        with _whole_weights(ttt):
+            if rank == 0:
+                history.append({"epoch": epoch, "step": step, **evaluate(run)})
+                logger.info("epoch %d/%d held out: %s", epoch, cfg.epochs, _describe(history[-1]))
+                if on_eval:
+                    on_eval(history[-1])
         save(epoch, 0)
     drafter_dir = out_dir / "drafter"
     require_finite(f"the export {drafter_dir}")
-    if rank == 0:
-        export_drafter(model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)), extra={
-            "store": str(Path(cfg.store).resolve()), "target": str(run.target), "steps": step,
-            "heldout": {k: v for k, v in history[-1].items() if k != "epoch"}, "config": cfg.identity()})
-        write_metrics(out_dir, history)
+    with _whole_weights(ttt):
+        if rank == 0:
+            export_drafter(model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
+                           extra={"store": str(Path(cfg.store).resolve()), "target": str(run.target), "steps": step,
+                                  "heldout": {k: v for k, v in history[-1].items() if k != "epoch"},
+                                  "config": cfg.identity()})
+            write_metrics(out_dir, history)
     if world > 1:
         torch.distributed.barrier()
     result = TrainResult(drafter_dir=str(drafter_dir), history=history, steps=step,
