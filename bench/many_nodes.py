@@ -9,8 +9,8 @@ extracted by `extract_across_nodes` on queue node-a alone, then on node-a
 and node-b, each into a new store. Prints:
   - wall time of each and the ratio (on a 2-core machine both servers share
     the same two cores: it will not double);
-  - per child run, from Prefect's own records: the time its batches took
-    (the extract-batch task runs) and everything else from the moment the
+  - per child run, from Prefect's own records: the span of its batches
+    (first extract-batch start to last end) and everything else from the moment the
     parent created it to its end (queueing, process start, imports, plan of
     its rows, attach and warm-up, Postgres commits of the plan) = the
     fan-out overhead, as a fraction of the batch time, for this run's
@@ -84,11 +84,11 @@ def child_costs(api, store: str) -> list[dict]:
             if r["parameters"].get("store") == store]
     costs = []
     for r in runs:
-        tasks = api.task_runs(r["id"])
-        batches = [t["total_run_time"] for t in tasks if t["name"].startswith("extract-batch")]
+        batches = [t for t in api.task_runs(r["id"]) if t["name"].startswith("extract-batch")]
+        # Batches overlap (two in flight): their span, not the sum of their times.
+        span = seconds(min(t["start_time"] for t in batches), max(t["end_time"] for t in batches))
         total = seconds(r["created"], r["end_time"])
-        costs.append({"run": r["name"], "batches": len(batches), "batch_s": sum(batches),
-                      "overhead_s": total - sum(batches)})
+        costs.append({"store": Path(store).name, "run": r["name"], "batches": len(batches), "batch_s": span, "overhead_s": total - span})
     return costs
 
 
@@ -134,7 +134,9 @@ def main() -> None:
         if server is not None:
             stop(server)
         pg.stop()
-    batch_s = sum(c["batch_s"] for c in costs) / sum(c["batches"] for c in costs)
+    # One node alone: what a batch takes on a node's own cores.
+    alone = [c for c in costs if c["store"] == "one-node"]
+    batch_s = sum(c["batch_s"] for c in alone) / sum(c["batches"] for c in alone)
     overhead_s = sum(c["overhead_s"] for c in costs) / len(costs)
     print(f"model {args.model}, {args.samples} samples, batch size {args.batch_size}, "
           f"{args.batches_per_child} batches per child, {len(costs)} child runs")
@@ -147,7 +149,8 @@ def main() -> None:
     for queue, (server_gib, worker_gib) in memory.items():
         print(f"{queue}: capture server {server_gib:.2f} GiB resident, worker {worker_gib:.2f} GiB (idle)")
     for c in costs:
-        print(f"  {c['run']}: {c['batches']} batches in {c['batch_s']:.1f} s, overhead {c['overhead_s']:.1f} s")
+        print(f"  {c['store']} {c['run']}: {c['batches']} batches in {c['batch_s']:.1f} s, "
+              f"overhead {c['overhead_s']:.1f} s")
 
 
 if __name__ == "__main__":

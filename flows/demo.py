@@ -22,6 +22,7 @@ from tasks.store.reader import StoreReader
 from tasks.target.layers import AuxLayers
 from tasks.target.models import SMOLLM2, resolve_model
 from tasks.target.reference import load_reference_model, per_token_cosine, reference_states
+from tasks.train.launch import result_from_dir
 
 # Sized for a 2-core CPU: well under an hour in all.
 DEMO_TRAINING = dict(draft_vocab_size=4096, ttt_steps=3, epochs=12, lr=2e-3, tokens_per_batch=2048,
@@ -53,26 +54,31 @@ def main(argv=None) -> None:
     ap.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "demo"))
     ap.add_argument("--samples-checked", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=DEMO_TRAINING["epochs"])
+    ap.add_argument("--heldout-fraction", type=float, default=0.05, help="share of samples held out")
+    ap.add_argument("--serve-prompts", type=int, default=DEMO_TRAINING["serve_prompts"],
+                    help="held-out prompts SGLang serves with the drafter")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
     result = eagle3_pipeline(dataset=str(DEMO_DATASET), model=SMOLLM2, run_dir=args.run_dir,
-                             **{**DEMO_TRAINING, "epochs": args.epochs})
+                             **{**DEMO_TRAINING, "epochs": args.epochs, "serve_prompts": args.serve_prompts},
+                             heldout_fraction=args.heldout_fraction)
     elapsed = time.perf_counter() - t0
     check = check_against_reference(result["store"], resolve_model(SMOLLM2), args.samples_checked)
     summary = open_ledger(Path(result["store"])).summary()
     steps = DEMO_TRAINING["serve_steps"]
+    held_out = result_from_dir(Path(args.run_dir) / "train").heldout_samples
     rows = [
         ("store", f"{result['store']}: {summary['samples']} samples, {summary['tokens']:,} tokens, verified"),
         ("stored vs HF forward", f"{args.samples_checked} samples: min cosine aux {check['aux']:.4f}, "
                                  f"final {check['final']:.4f}, mean {check['mean']:.5f}"),
         ("drafter", result["drafter_dir"]),
-        ("held-out tau", f"{result['heldout_tau']:.2f} over {DEMO_TRAINING['ttt_steps']} TTT steps, "
-                         f"tau@{steps} {result[f'heldout_tau@{steps}']:.2f}, exact (chained) "
+        ("held-out tau", f"{held_out} samples: {result['heldout_tau']:.2f} over {DEMO_TRAINING['ttt_steps']} "
+                         f"TTT steps, tau@{steps} {result[f'heldout_tau@{steps}']:.2f}, exact (chained) "
                          f"{result[f'heldout_tau_exact@{steps}']:.2f} (untrained {result['untrained_tau']:.2f})"),
-        ("SGLang accept length", f"{result['sglang_accept_length']:.2f} tokens per verify step at {steps} steps "
-                                 f"(accept rate {result['sglang_accept_rate']:.2f}); greedy output identical: "
-                                 f"{result['outputs_equal']}"),
+        ("SGLang accept length", f"{args.serve_prompts} prompts: {result['sglang_accept_length']:.2f} tokens per "
+                                 f"verify step at {steps} steps (accept rate {result['sglang_accept_rate']:.2f}); "
+                                 f"greedy output identical: {result['outputs_equal']}"),
         ("speed-up", f"{result['speedup']:.2f}x ({result['spec_tokens_per_s']:.1f} vs "
                      f"{result['plain_tokens_per_s']:.1f} tok/s){CPU_NOTE if not gpu_present() else ''}"),
         ("run time", f"{elapsed / 60:.1f} min (whole pipeline, server start-ups included)"),

@@ -70,6 +70,7 @@ Precision = Annotated[Literal["auto", "fp32", "bf16"],
                       Field(description="auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs")]
 VocabPositions = Annotated[int, Field(description="training positions (a seeded random subset) counted to pick the "
                                                   "draft vocabulary", ge=1)]
+HeldoutFraction = Annotated[float, Field(description="share of samples held out (by sample-id hash)", gt=0, lt=1)]
 ServeSteps = Annotated[int, Field(description="speculative steps the drafter will be served with (for tau@S)", ge=1)]
 OnStoreChange = Annotated[Literal["refuse", "replan"], Field(
     description="a resume whose store has changed since the checkpoint (samples added, removed or altered): refuse "

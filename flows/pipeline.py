@@ -97,6 +97,7 @@ def eagle3_pipeline(
     precision: params.Precision = params.TRAIN.precision,
     vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
     on_store_change: params.OnStoreChange = params.TRAIN.on_store_change,
+    heldout_fraction: params.HeldoutFraction = params.TRAIN.heldout_fraction,
     serve_prompts: Annotated[int, Field(description="held-out prompts for the serving check", ge=1)] = 8,
     serve_new_tokens: Annotated[int, Field(description="greedy tokens per serving prompt", ge=1)] = 48,
     serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
@@ -115,7 +116,8 @@ def eagle3_pipeline(
     trained = train_drafter(store=store, out_dir=train_dir, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
                             epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, serve_steps=serve_steps,
                             devices=devices, accumulate=accumulate, sharding=sharding, precision=precision,
-                            vocab_positions=vocab_positions, on_store_change=on_store_change)
+                            vocab_positions=vocab_positions, on_store_change=on_store_change,
+                            heldout_fraction=heldout_fraction)
     served = serve_check(drafter_dir=trained["drafter_dir"], store=store, target=trained["target"],
                          num_prompts=serve_prompts, max_new_tokens=serve_new_tokens, num_steps=serve_steps,
                          num_draft_tokens=serve_steps + 1)

@@ -101,7 +101,7 @@ def train_drafter(
     epochs: params.Epochs = params.TRAIN.epochs,
     lr: params.Lr = params.TRAIN.lr,
     tokens_per_batch: params.TokensPerBatch = params.TRAIN.tokens_per_batch,
-    heldout_fraction: Annotated[float, Field(description="share of samples held out (by sample-id hash)", gt=0, lt=1)] = params.TRAIN.heldout_fraction,
+    heldout_fraction: params.HeldoutFraction = params.TRAIN.heldout_fraction,
     serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
     devices: params.Devices = params.TRAIN.devices,
     accumulate: params.Accumulate = params.TRAIN.accumulate,
