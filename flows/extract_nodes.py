@@ -1,5 +1,5 @@
 """Flow `extract_across_nodes`: plan once -> one `node` task per node queue,
-each running the node's share as child `extract` runs there -> re-plan from
+each running the node's shares as child `extract` runs there -> re-plan from
 the index -> verify. How the share-out works: tasks/capture/nodes.py.
 
     python -m flows.extract_nodes --help
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -31,28 +31,29 @@ from tasks.store.shards import remove_leaked_temps
 @task(name="node", cache_policy=NO_CACHE, task_run_name="node-{queue}")
 def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: dict, start_timeout_s: float,
               meter: extraction.ProgressMeter, artifact) -> dict:
-    """Feed one node its groups, one child run at a time, until none is left
+    """Feed one node its shares, one child run at a time, until none is left
     for it."""
     log = get_run_logger()
     parent = child["parent_run"]
     samples = tokens = runs = 0
-    while (group := dispatcher.take(queue)) is not None:
+    while (share := dispatcher.take(queue)) is not None:
         runs += 1
         t0 = time.monotonic()
-        run = nodes.run_on_node(deployment, {**child, "rows": list(group.rows), "node": queue}, queue,
-                                start_timeout_s=start_timeout_s, name=f"{queue}-group-{group.index}",
+        run = nodes.run_on_node(deployment, {**child, "rows": list(share.rows), "node": queue}, queue,
+                                start_timeout_s=start_timeout_s, name=f"{queue}-share-{share.index}",
                                 idempotency_key=f"{parent}-{queue}-{runs}")
         seconds = time.monotonic() - t0
         error = None if run.state.is_completed() else f"{run.name} ended {run.state.name}: {run.state.message}"
-        dispatcher.finished(queue, group, error)
+        dispatcher.finished(queue, share, error)
         if error is None:
-            samples, tokens = samples + group.samples, tokens + group.tokens
-            log.info("group %d on %s: %d samples, %s tokens in %.0f s (%.0f tok/s) [%s]", group.index, queue,
-                     group.samples, f"{group.tokens:,}", seconds, group.tokens / max(seconds, 1e-9), run.name)
+            samples, tokens = samples + share.samples, tokens + share.tokens
+            log.info("share %d on %s: %d samples, %s tokens in %.0f s (%.0f tok/s) [%s]", share.index, queue,
+                     share.samples, f"{share.tokens:,}", seconds, share.tokens / max(seconds, 1e-9), run.name)
         else:
-            log.warning("group %d on %s did not complete (%s); it goes back to the queue", group.index, queue, error)
+            log.warning("share %d on %s did not complete (%s); it goes back to the queue", share.index, queue,
+                        error)
         if queue in dispatcher.drained:
-            log.error("node %s drained: %s. Its groups go to the other nodes", queue, dispatcher.drained[queue])
+            log.error("node %s drained: %s. Its shares go to the other nodes", queue, dispatcher.drained[queue])
         progress = meter.read()
         update_progress_artifact(artifact, progress=min(progress["percent"], 100.0))
         log.info("progress, all nodes: %s", meter.describe(progress))
@@ -70,7 +71,7 @@ def extract_across_nodes(
     ledger_url: params.LedgerUrl = "env",
     deployment: Annotated[str, Field(description="the deployment the child runs use")] = "extract_hidden_states/extract-node",
     batch_size: params.BatchSize = 32,
-    batches_per_child: Annotated[int, Field(description="batches per child run (a node's unit of work)", ge=1)] = 8,
+    batches_per_child: Annotated[int, Field(description="the smallest share a child run gets, in batches (shares start at half of what is left per node and shrink to this)", ge=1)] = 64,
     concurrency: Annotated[int, Field(description="requests in flight per batch on a node", ge=1)] = 8,
     max_length: params.MaxLength = 2048,
     max_length_policy: Annotated[Literal["truncate", "skip"], Field(description="what to do with a longer sample")] = "truncate",
@@ -94,10 +95,11 @@ def extract_across_nodes(
         if isinstance(ledger, SqliteLedger) and len(queues) > 1:
             raise ValueError(f"{store} keeps its index in SQLite, which many hosts must not write (not over NFS): "
                              f"use a new store with ledger_url, a PostgreSQL URL (or 'env' for $EAGLE3_LEDGER_URL)")
-        groups = nodes.make_groups(plan.todo, batch_size * batches_per_child)
-        dispatcher = nodes.Dispatcher(groups, queues, max_node_failures)
-        log.info("%d samples (%s tokens) in %d groups of up to %d samples over %d nodes: %s", len(plan.todo),
-                 f"{plan.todo_tokens:,}", len(groups), batch_size * batches_per_child, len(queues), ", ".join(queues))
+        dispatcher = nodes.Dispatcher(plan.todo, queues, max_node_failures,
+                                      min_share=batch_size * batches_per_child, batch_size=batch_size)
+        log.info("%d samples (%s tokens) over %d nodes (%s), in shares of half what is left per node, at least "
+                 "%d samples", len(plan.todo), f"{plan.todo_tokens:,}", len(queues), ", ".join(queues),
+                 batch_size * batches_per_child)
         child = {"dataset": dataset, "model": model, "store": store, "server_url": "env", "dump_dir": "env",
                  "server_rid_prefix": "env", "batch_size": batch_size, "concurrency": concurrency,
                  "max_length": max_length, "max_length_policy": max_length_policy, "aux_layer_ids": aux_layer_ids,
@@ -110,6 +112,10 @@ def extract_across_nodes(
         for r in reports:
             log.info("node %s: %d samples, %s tokens%s", r["queue"], r["samples"], f"{r['tokens']:,}",
                      f"; drained: {r['drained']}" if r["drained"] else "")
+        create_table_artifact(table=[{"node": r["queue"], "samples": r["samples"], "tokens": r["tokens"],
+                                      "status": "drained: " + r["drained"] if r["drained"] else "OK"}
+                                     for r in reports],
+                              key=artifact_key("nodes", store), description=f"nodes of the extraction into {store}")
         # The index, not the children's reports, says what is stored.
         stored = ledger.stored_ids()
         missing = [s for s in plan.todo if s.sample_id not in stored]

@@ -31,10 +31,10 @@ if [ ! -f "$PGROOT/data/PG_VERSION" ]; then
   mkdir -p "$PGROOT/data"
   umask 077
   .venv/bin/python -c 'import secrets; print(secrets.token_urlsafe(24))' > "$PGROOT/password"
-  cp "$PGROOT/password" "$PGROOT/data/.pw"
-  [ "$(id -u)" = 0 ] && chown -R nobody "$PGROOT/data" && chmod 755 "$PGROOT"
-  "${as[@]}" "$(bin initdb)" -D "$PGROOT/data" -U eagle3 --pwfile "$PGROOT/data/.pw" -A scram-sha-256 -E UTF8 >/dev/null
-  rm "$PGROOT/data/.pw"
+  cp "$PGROOT/password" "$PGROOT/initdb-pw"  # initdb reads it as the server's user
+  if [ "$(id -u)" = 0 ]; then chown nobody "$PGROOT/data" "$PGROOT/initdb-pw"; chmod 755 "$PGROOT"; fi
+  "${as[@]}" "$(bin initdb)" -D "$PGROOT/data" -U eagle3 --pwfile "$PGROOT/initdb-pw" -A scram-sha-256 -E UTF8 >/dev/null
+  rm "$PGROOT/initdb-pw"
   echo "host all all 0.0.0.0/0 scram-sha-256" >> "$PGROOT/data/pg_hba.conf"
 fi
 PW="$(cat "$PGROOT/password")"

@@ -6,70 +6,80 @@ import threading
 
 import pytest
 
-from tasks.capture.nodes import Dispatcher, Group, make_groups
+from tasks.capture.nodes import Dispatcher
 from tasks.store.lock import LockHeld, check_held_by, hold_lock
 from tasks.store.manifest import StoreError
 from tasks.store.shards import shard_name, write_shard
 
 
-def groups(n: int) -> list[Group]:
-    return [Group(i, (2 * i, 2 * i + 1), 2, 10) for i in range(n)]
+class S:
+    """A planned sample: its row and size."""
+
+    def __init__(self, row: int, tokens: int = 10):
+        self.source_row, self.num_tokens = row, tokens
 
 
-def test_groups_cover_the_plan_in_order():
-    class S:
-        def __init__(self, row, n):
-            self.source_row, self.num_tokens = row, n
-
-    made = make_groups([S(r, r + 1) for r in range(5)], 2)
-    assert [g.rows for g in made] == [(0, 1), (2, 3), (4,)]
-    assert [(g.index, g.samples, g.tokens) for g in made] == [(0, 2, 3), (1, 2, 7), (2, 1, 5)]
+def plan(n: int) -> list[S]:
+    return [S(r) for r in range(n)]
 
 
-def test_a_failed_group_goes_to_another_node_and_a_failing_node_is_drained():
-    d = Dispatcher(groups(3), ["a", "b"], max_node_failures=2)
-    g0, g1 = d.take("a"), d.take("b")
-    d.finished("b", g1, "Crashed")            # back to the front of the line
-    d.finished("a", g0, None)
-    assert d.take("a") == g1                  # the failed group first
-    g2 = d.take("b")
-    d.finished("b", g2, "Crashed")
-    assert d.drained == {"b": "2 groups failed in a row there, the last: Crashed"}
+def test_shares_are_half_of_what_is_left_per_node_in_whole_batches_down_to_the_minimum():
+    d = Dispatcher(plan(100), ["a", "b"], 2, min_share=8, batch_size=4)
+    sizes = []
+    while (share := d.take("a")) is not None:
+        sizes.append(share.samples)
+        d.finished("a", share, None)
+    assert sizes == [28, 20, 16, 12, 8, 8, 8]  # 100/4 -> 25 -> 28 (whole batches), 72/4 -> 18 -> 20, ...
+    rows = [r for sh in d.done["a"] for r in sh.rows]
+    assert rows == list(range(100))  # every row once, in plan order
+    assert [sh.index for sh in d.done["a"]] == list(range(7))
+    assert d.done["a"][0].tokens == 280
+
+
+def test_a_failed_share_goes_to_another_node_and_a_failing_node_is_drained():
+    d = Dispatcher(plan(6), ["a", "b"], max_node_failures=2, min_share=2)
+    s0, s1 = d.take("a"), d.take("b")
+    d.finished("b", s1, "Crashed")            # back to the front of the line
+    d.finished("a", s0, None)
+    assert d.take("a") == s1                  # the failed share first
+    s2 = d.take("b")
+    d.finished("b", s2, "Crashed")
+    assert d.drained == {"b": "2 shares failed in a row there, the last: Crashed"}
     assert d.take("b") is None                # a drained node gets nothing more
-    d.finished("a", g1, None)
-    assert d.take("a") == g2
-    d.finished("a", g2, None)
-    assert d.take("a") is None and d.left == []
-    assert sorted(g.index for g in d.done["a"]) == [0, 1, 2] and d.done["b"] == []
+    d.finished("a", s1, None)
+    assert d.take("a") == s2
+    d.finished("a", s2, None)
+    assert d.take("a") is None and d.left == 0
+    assert sorted(r for sh in d.done["a"] for r in sh.rows) == list(range(6)) and d.done["b"] == []
 
 
-def test_a_node_waits_while_a_group_may_still_come_back():
-    d = Dispatcher(groups(1), ["a", "b"], max_node_failures=1)
-    g = d.take("a")
+def test_a_node_waits_while_a_share_may_still_come_back():
+    d = Dispatcher(plan(2), ["a", "b"], max_node_failures=1, min_share=2)
+    share = d.take("a")
     got = []
     waiter = threading.Thread(target=lambda: got.append(d.take("b")))
     waiter.start()
     waiter.join(0.3)
-    assert waiter.is_alive()  # nothing to take, but a's group may fail
-    d.finished("a", g, "Failed")
+    assert waiter.is_alive()  # nothing to take, but a's share may fail
+    d.finished("a", share, "Failed")
     waiter.join(5)
-    assert got == [g]
-    d.finished("b", g, None)
+    assert got == [share]
+    d.finished("b", got[0], None)
     assert d.take("a") is None and d.take("b") is None
 
 
-def test_groups_left_when_every_node_is_drained():
-    d = Dispatcher(groups(2), ["a"], max_node_failures=1)
+def test_samples_left_when_every_node_is_drained():
+    d = Dispatcher(plan(5), ["a"], max_node_failures=1, min_share=2)
     d.finished("a", d.take("a"), "Crashed")
     assert d.take("a") is None
-    assert [g.index for g in d.left] == [0, 1]
+    assert d.left == 5
 
 
 def test_bad_node_lists_are_refused():
     with pytest.raises(ValueError, match="at least one"):
-        Dispatcher(groups(1), [], 1)
+        Dispatcher(plan(1), [], 1, min_share=1)
     with pytest.raises(ValueError, match="distinct"):
-        Dispatcher(groups(1), ["a", "a"], 1)
+        Dispatcher(plan(1), ["a", "a"], 1, min_share=1)
 
 
 def test_two_nodes_never_write_one_shard_path_and_the_index_takes_one(tmp_path):

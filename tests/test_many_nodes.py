@@ -168,5 +168,11 @@ def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp
     assert "node node-b drained" in out, log_tail(tmp_path / "parent.out", 80)
     by_node = {r["queue"]: r for r in result["nodes"]}
     assert by_node["node-b"]["drained"] and not by_node["node-a"]["drained"]
+    # The UI shows why: the parent's nodes table.
+    from flows.artifacts import artifact_key
+
+    table = api.call("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [artifact_key("nodes", store)]}}})
+    rows = {r["node"]: r["status"] for r in json.loads(table[0]["data"])}
+    assert rows["node-a"] == "OK" and rows["node-b"].startswith("drained: 1 shares failed in a row there")
     assert not [r for r in children(api) if r["parameters"]["store"] == store
                 and r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED")]

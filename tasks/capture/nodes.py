@@ -3,17 +3,17 @@ node work queues, and the child runs it watches there.
 
 One node = one Prefect worker on its own work queue, beside one long-lived
 capture server (tasks/server/node.py starts both). The parent plans once,
-cuts the plan into groups of rows and hands them out one group per node at a
-time; each group runs as a child flow run of the `extract` deployment sent to
+cuts the plan into shares of rows and hands them out one share per node at a
+time; each share runs as a child flow run of the `extract` deployment sent to
 that node's queue (`run_deployment(..., work_queue_name=)`), which captures on
 the node's own server and commits shards to the shared store. No router sits
 in front of the servers: a dump must be read on the node that wrote it, and a
 router's retry could capture a sample twice on another one.
 
-A group whose child run does not complete (Failed, Crashed, Cancelled, or
+A share whose child run does not complete (Failed, Crashed, Cancelled, or
 never started by a worker) goes back to the front of the line for the other
 nodes; the ledger, not the child's report, says what it had stored, and the
-next child stores only the rest. A node that fails `max_node_failures` groups
+next child stores only the rest. A node that fails `max_node_failures` shares
 in a row is drained: given nothing more, with the reason logged. A child on
 a node that died stays Running in Prefect unless something marks it Crashed:
 flow-run heartbeats and the automation `ensure_zombie_automation` creates.
@@ -30,7 +30,7 @@ ZOMBIE_AUTOMATION = "eagle3: crash flow runs that stop sending heartbeats"
 
 
 @dataclass(frozen=True)
-class Group:
+class Share:
     """One child run's share: dataset rows, with their planned size."""
 
     index: int
@@ -39,66 +39,80 @@ class Group:
     tokens: int
 
 
-def make_groups(samples, group_size: int) -> list[Group]:
-    """Cut the plan's samples (in plan order) into groups of `group_size`."""
-    return [Group(i // group_size, tuple(s.source_row for s in samples[i: i + group_size]),
-                  len(samples[i: i + group_size]), sum(s.num_tokens for s in samples[i: i + group_size]))
-            for i in range(0, len(samples), group_size)]
-
-
 class Dispatcher:
-    """Hands groups to nodes, one at a time per node, and takes back the
-    groups whose run failed. Thread-safe: each node is served by its own
-    thread (a Prefect task of the parent run)."""
+    """Hands shares of the plan to nodes, one at a time per node, and takes
+    back the shares whose run failed. Thread-safe: each node is served by
+    its own thread (a Prefect task of the parent run).
 
-    def __init__(self, groups: list[Group], nodes: list[str], max_node_failures: int):
+    Shares shrink as the plan runs out (guided self-scheduling): each is
+    half of what is left per healthy node, in whole batches, and never less
+    than `min_share` samples. A child run costs a fixed start-up (a process,
+    imports, its plan, attaching and warming up: ~10 s, bench/many_nodes.py),
+    so early shares are large to make it negligible, and the last ones small
+    so that no node is left with a long tail while the others idle."""
+
+    def __init__(self, samples: list, nodes: list[str], max_node_failures: int, *, min_share: int,
+                 batch_size: int = 1):
         if not nodes:
             raise ValueError("no node queues to send work to: give at least one work queue")
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"node queues must be distinct, got {nodes}")
-        self._todo = deque(groups)
+        self._pending = deque(samples)
+        self._returned: deque[Share] = deque()
+        self._cut_so_far = 0
         self._in_flight = 0
         self._cond = threading.Condition()
+        self.nodes = list(nodes)
+        self.min_share, self.batch_size = max(1, min_share), max(1, batch_size)
         self.max_node_failures = max_node_failures
         self.failures_in_a_row = {n: 0 for n in nodes}
-        self.done: dict[str, list[Group]] = {n: [] for n in nodes}
+        self.done: dict[str, list[Share]] = {n: [] for n in nodes}
         self.drained: dict[str, str] = {}
 
-    def take(self, node: str) -> Group | None:
-        """The next group for `node`; None once there is none left for it
-        (all done, or the node drained). While other nodes still run groups
+    def _cut(self) -> Share:
+        healthy = len(self.nodes) - len(self.drained)
+        size = max(self.min_share, -(-len(self._pending) // (2 * healthy)))
+        size = -(-size // self.batch_size) * self.batch_size
+        share = [self._pending.popleft() for _ in range(min(size, len(self._pending)))]
+        self._cut_so_far += 1
+        return Share(self._cut_so_far - 1, tuple(s.source_row for s in share), len(share),
+                     sum(s.num_tokens for s in share))
+
+    def take(self, node: str) -> Share | None:
+        """The next share for `node`; None once there is none left for it
+        (all done, or the node drained). While other nodes still run shares
         that may come back, it waits."""
         with self._cond:
             while True:
                 if node in self.drained:
                     return None
-                if self._todo:
+                if self._returned or self._pending:
                     self._in_flight += 1
-                    return self._todo.popleft()
+                    return self._returned.popleft() if self._returned else self._cut()
                 if self._in_flight == 0:
                     return None
                 self._cond.wait()
 
-    def finished(self, node: str, group: Group, error: str | None) -> None:
-        """`node` finished `group`: completed (error None) or not (why)."""
+    def finished(self, node: str, share: Share, error: str | None) -> None:
+        """`node` finished `share`: completed (error None) or not (why)."""
         with self._cond:
             self._in_flight -= 1
             if error is None:
                 self.failures_in_a_row[node] = 0
-                self.done[node].append(group)
+                self.done[node].append(share)
             else:
                 self.failures_in_a_row[node] += 1
-                self._todo.appendleft(group)  # first in line for a healthy node
+                self._returned.appendleft(share)  # first in line for a healthy node
                 if self.failures_in_a_row[node] >= self.max_node_failures:
-                    self.drained[node] = (f"{self.failures_in_a_row[node]} groups failed in a row there, "
+                    self.drained[node] = (f"{self.failures_in_a_row[node]} shares failed in a row there, "
                                           f"the last: {error}")
             self._cond.notify_all()
 
     @property
-    def left(self) -> list[Group]:
-        """Groups no node completed (every node drained before they ran)."""
+    def left(self) -> int:
+        """Samples no node completed (every node drained before they ran)."""
         with self._cond:
-            return list(self._todo)
+            return sum(g.samples for g in self._returned) + len(self._pending)
 
 
 def run_on_node(deployment: str, parameters: dict, queue: str, *, start_timeout_s: float,
