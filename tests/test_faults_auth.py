@@ -318,27 +318,35 @@ def test_a_real_server_wants_its_key_and_captures_only_its_own_prefix(tiny_model
         assert server.api_key not in server.log_tail(400)
 
 
-def test_sglang_reads_the_key_and_the_hooks_from_the_options_file(tmp_path):
-    """The launch command as SGLang's own parser reads it (prepare_server_args):
-    the options file gives the key and the hooks, the command line the rest."""
+def parsed_by_sglang(cfg):
+    """The launch command as SGLang's own parser reads it (prepare_server_args),
+    with the options file the launcher writes; and that file's mode."""
     import argparse
 
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
-    from tasks.server.launch import build_command, hook_spec, with_run_secrets, write_options_file
+    from tasks.server.launch import build_command, write_options_file
 
-    name = 'd\u00e9j\u00e0 "q"'  # the hook config must survive the trip through YAML whole
-    cfg = with_run_secrets(capture_config(tmp_path, name))
     options_file = write_options_file(cfg)
     try:
-        assert stat.S_IMODE(options_file.stat().st_mode) == 0o600
         argv = build_command(cfg, 1234, cpu=True)[3:] + ["--config", str(options_file)]
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
-        args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+        return parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv)), \
+            stat.S_IMODE(options_file.stat().st_mode)
     finally:
         options_file.unlink()
+
+
+def test_sglang_reads_the_key_and_the_hooks_from_the_options_file(tmp_path):
+    """The options file gives the key and the hooks, the command line the rest."""
+    from tasks.server.launch import hook_spec, with_run_secrets
+
+    name = 'd\u00e9j\u00e0 "q"'  # the hook config must survive the trip through YAML whole
+    cfg = with_run_secrets(capture_config(tmp_path, name))
+    args, mode = parsed_by_sglang(cfg)
+    assert mode == 0o600
     assert args.api_key == cfg.api_key and args.forward_hooks == hook_spec(cfg)
     assert args.forward_hooks[1]["config"] == {"dump_dir": str(tmp_path / name),
                                                "rid_prefix": cfg.rid_prefix, "capture_all": False}
@@ -408,22 +416,11 @@ def test_a_flag_the_launcher_leaves_alone_passes_through(tmp_path, extra, fields
 def test_a_key_whose_random_part_starts_with_a_dash_still_starts_the_server(tmp_path, monkeypatch):
     """SGLang turns the options file into `--api-key KEY`: a key starting with
     '-' read as an option (exit 2, seen once in 64 launches)."""
-    import argparse
     import secrets as secrets_module
 
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
-
-    from tasks.server.launch import build_command, with_run_secrets, write_options_file
+    from tasks.server.launch import with_run_secrets
 
     monkeypatch.setattr(secrets_module, "token_urlsafe", lambda n: "-" + "x" * (n - 1))
     cfg = with_run_secrets(capture_config(tmp_path, "d"))
-    options_file = write_options_file(cfg)
-    try:
-        argv = build_command(cfg, 1234, cpu=True)[3:] + ["--config", str(options_file)]
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
-    finally:
-        options_file.unlink()
+    args, _ = parsed_by_sglang(cfg)
     assert args.api_key == cfg.api_key and "-" + "x" * 31 in cfg.api_key
