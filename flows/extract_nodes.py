@@ -27,6 +27,8 @@ from tasks.store.ledger import SqliteLedger, open_ledger
 from tasks.store.lock import hold_lock
 from tasks.store.shards import remove_leaked_temps
 
+MAX_NODES = 64  # node tasks each hold a thread of the run until the plan is done
+
 
 @task(name="node", cache_policy=NO_CACHE, task_run_name="node-{queue}")
 def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: dict, start_timeout_s: float,
@@ -60,11 +62,12 @@ def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: 
     return {"queue": queue, "samples": samples, "tokens": tokens, "drained": dispatcher.drained.get(queue)}
 
 
-@flow(name="extract_across_nodes", task_runner=ThreadPoolTaskRunner(max_workers=64))
+@flow(name="extract_across_nodes", task_runner=ThreadPoolTaskRunner(max_workers=MAX_NODES))
 @described
 def extract_across_nodes(
     queues: Annotated[list[str], Field(description="the work queues of the nodes (one worker and one capture server "
-                                                   "each: tasks/server/node.py)", min_length=1)],
+                                                   "each: tasks/server/node.py); at most 64, one thread of this "
+                                                   "run each", min_length=1, max_length=MAX_NODES)],
     store: Annotated[str, Field(description="store directory on storage every node mounts at this path")],
     dataset: params.Dataset = params.DEFAULT_DATASET,
     model: params.Model = params.DEFAULT_MODEL,
