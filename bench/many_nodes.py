@@ -19,7 +19,6 @@ and node-b, each into a new store. Prints:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -32,24 +31,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.pg_server import start as start_postgres  # noqa: E402
-from tests.prefect_stack import cli, prefect_server, start, stop  # noqa: E402
+from tests.prefect_stack import cli, prefect_database, prefect_server, start_node, stop, wait_node  # noqa: E402
 
 
 def seconds(a: str, b: str) -> float:
     return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds()
-
-
-def start_node(queue: str, model: str, env: dict, root: Path) -> dict:
-    out = root / f"{queue}.out"
-    proc = start([sys.executable, "-m", "tasks.server.node", "--queue", queue, "--model", model,
-                  "--dump-dir", str(root / f"dumps-{queue}"), "--log-dir", str(root / queue),
-                  "--max-total-tokens", "32768"], env, out)
-    deadline = time.monotonic() + 900
-    while not out.read_text().strip():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"node {queue} did not start: {out.read_text()[-2000:]}")
-        time.sleep(1)
-    return {"proc": proc, **json.loads(out.read_text().splitlines()[-1])}
 
 
 def group_rss_gib(pgid: int) -> float:
@@ -113,17 +99,13 @@ def main() -> None:
     pg = start_postgres()
     nodes, server = [], None
     try:
-        import psycopg
-
-        with psycopg.connect(pg.url, autocommit=True) as db:
-            db.execute("CREATE DATABASE prefect")
         server, api, env = prefect_server(root / "prefect-home", root / "prefect-server.log",
-                                          database_url=pg.url.replace("postgresql://", "postgresql+asyncpg://")
-                                          .rsplit("/", 1)[0] + "/prefect")
+                                          database_url=prefect_database(pg.url))
         env["EAGLE3_LEDGER_URL"] = pg.url
         cli(["work-pool", "create", "eagle3", "--type", "process"], env)
         cli(["--no-prompt", "deploy", "--name", "extract-node"], env)
-        nodes = [start_node(q, model, env, root) for q in ("node-a", "node-b")]
+        nodes = [wait_node(*start_node(q, model, env, root, "--max-total-tokens", "32768"), timeout_s=900)
+                 for q in ("node-a", "node-b")]
         memory = {n["queue"]: (group_rss_gib(n["server_pid"]), group_rss_gib(n["worker_pid"])) for n in nodes}
         one = extract(env, root, "one-node", ["node-a"], dataset, model, args)
         two = extract(env, root, "two-nodes", ["node-a", "node-b"], dataset, model, args)

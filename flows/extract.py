@@ -32,7 +32,7 @@ from tasks.server.supervisor import ServerSupervisor, attach_api_key, from_node_
 from tasks.store.ledger import open_ledger, open_store
 from tasks.store.lock import check_held_by, hold_lock
 from tasks.store.manifest import build_manifest
-from tasks.store.shards import remove_leaked_temps
+from tasks.store.shards import WRITER_NAME, remove_leaked_temps
 from tasks.target.architectures import Architecture, architecture_of, load_tokenizer
 from tasks.target.layers import AuxLayers
 from tasks.target.models import resolve_model
@@ -193,7 +193,8 @@ def extract_hidden_states(
     parent_run: Annotated[Optional[str], Field(description="the extract_across_nodes run holding the store, "
                                                            "set by it: this run writes under its lock")] = None,
     node: Annotated[str, Field(description="this node's name, in the names of the shards it writes (a store "
-                                           "many nodes write)", pattern=r"^([a-z0-9][a-z0-9-]{0,39})?$")] = "",
+                                           "many nodes write)",
+                               pattern=f"^({WRITER_NAME.pattern.strip('^$')})?$")] = "",  # or none
 ) -> dict:
     """Capture EAGLE-3 hidden states (3 aux layers + final) for every token of a
     dataset into a verified, sharded store."""

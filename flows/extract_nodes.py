@@ -25,7 +25,7 @@ from flows.verify import verify_task
 from tasks.capture import extraction, nodes
 from tasks.store.ledger import SqliteLedger, open_ledger
 from tasks.store.lock import hold_lock
-from tasks.store.shards import remove_leaked_temps
+from tasks.store.shards import WRITER_NAME, remove_leaked_temps
 
 MAX_NODES = 64  # node tasks each hold a thread of the run until the plan is done
 
@@ -87,6 +87,11 @@ def extract_across_nodes(
 ) -> dict:
     """Capture EAGLE-3 hidden states on many nodes into one verified store:
     the nodes' work queues each get child `extract` runs for their share."""
+    # Queue names name the nodes' shards: refused here, not by every child.
+    bad = [q for q in queues if not WRITER_NAME.match(q)]
+    if bad:
+        raise ValueError(f"node queue names {bad}: use 1-40 of a-z, 0-9 and '-', starting with a letter or digit "
+                         f"(they name the shards each node writes)")
     log = get_run_logger()
     store = str(Path(store).resolve())
     run_id = flow_run.get_id()

@@ -3,6 +3,7 @@ started in their own process groups, the CLI, and the few REST calls the
 tests need."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -160,3 +161,35 @@ def prefect_server(home: Path, log: Path, database_url: str | None = None) -> tu
             raise RuntimeError(f"Prefect server did not start:\n{log_tail(log)}")
         time.sleep(0.5)
     return server, Api(api_url), env
+
+
+def prefect_database(postgres_url: str) -> str:
+    """A database `prefect` beside `postgres_url`'s, for Prefect's server:
+    its asyncpg URL."""
+    import psycopg
+
+    with psycopg.connect(postgres_url, autocommit=True) as db:
+        db.execute("CREATE DATABASE prefect")
+    return postgres_url.replace("postgresql://", "postgresql+asyncpg://").rsplit("/", 1)[0] + "/prefect"
+
+
+def start_node(queue: str, model: str, env: dict, root: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    """`python -m tasks.server.node` for `queue` (dump dir and logs under
+    `root`); wait_node() says when it is up."""
+    out = root / f"{queue}.out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("")
+    proc = start([sys.executable, "-m", "tasks.server.node", "--queue", queue, "--model", model,
+                  "--dump-dir", str(root / f"dumps-{queue}"), "--log-dir", str(root / queue), *args], env, out)
+    return proc, out
+
+
+def wait_node(proc: subprocess.Popen, out: Path, timeout_s: float = 600) -> dict:
+    """The node's record (queue, server_url, server_pid, worker_pid, logs)
+    once it has printed it."""
+    deadline = time.monotonic() + timeout_s
+    while not out.read_text().strip():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"node did not start:\n{log_tail(out)}")
+        time.sleep(1)
+    return {"proc": proc, **json.loads(out.read_text().splitlines()[-1])}

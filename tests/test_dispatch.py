@@ -110,3 +110,11 @@ def test_a_child_writes_only_under_its_parents_lock(tmp_path):
             check_held_by(tmp_path, "run-2")
     with pytest.raises(LockHeld, match="parent run has ended"):
         check_held_by(tmp_path, "run-1")  # released: a late child stops
+
+
+def test_node_queues_that_cannot_name_shards_are_refused_before_anything_runs(tmp_path):
+    from flows.extract_nodes import extract_across_nodes
+
+    with pytest.raises(ValueError, match=r"node queue names \['Node_A'\]"):
+        extract_across_nodes.fn(queues=["node-b", "Node_A"], store=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()

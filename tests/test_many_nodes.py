@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, write_jsonl
-from tests.prefect_stack import REPO, cli, log_tail, prefect_server, start, stop
+from tests.prefect_stack import REPO, cli, log_tail, prefect_database, prefect_server, start_node, stop, wait_node
 
 pytestmark = pytest.mark.server
 LOGS = ARTIFACTS / "many-nodes"
@@ -32,13 +32,8 @@ ZOMBIE_AFTER_S = 45  # heartbeats every 30 s (Prefect's minimum)
 
 @pytest.fixture(scope="module")
 def stack(postgres_url, tiny_model, tmp_path_factory):
-    import psycopg
-
-    with psycopg.connect(postgres_url, autocommit=True) as db:
-        db.execute("CREATE DATABASE prefect")
-    prefect_db = postgres_url.replace("postgresql://", "postgresql+asyncpg://").rsplit("/", 1)[0] + "/prefect"
     server, api, env = prefect_server(tmp_path_factory.mktemp("prefect-home"), LOGS / "prefect-server.log",
-                                      database_url=prefect_db)
+                                      database_url=prefect_database(postgres_url))
     env["EAGLE3_LEDGER_URL"] = postgres_url
     env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
     nodes = {}
@@ -48,21 +43,11 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
         done = subprocess.run([sys.executable, "-c", "from tasks.capture.nodes import ensure_zombie_automation as z; "
                                f"print(z({ZOMBIE_AFTER_S}))"], cwd=REPO, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-        for q in QUEUES:
-            out = LOGS / f"{q}.out"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("")
-            proc = start([sys.executable, "-m", "tasks.server.node", "--queue", q, "--model", str(tiny_model),
-                          "--dump-dir", str(tmp_path_factory.mktemp(f"dumps-{q}")), "--log-dir", str(LOGS / q),
-                          "--max-total-tokens", "16384", "--chunked-prefill-size", str(CHUNKED_PREFILL)], env, out)
-            nodes[q] = {"proc": proc, "out": out}
-        for q, node in nodes.items():  # both servers start at once
-            deadline = time.monotonic() + 600
-            while not node["out"].read_text().strip():
-                assert node["proc"].poll() is None and time.monotonic() < deadline, \
-                    f"node {q} did not start:\n{log_tail(node['out'])}\n{log_tail(LOGS / q / 'sglang-server.log')}"
-                time.sleep(1)
-            node.update(json.loads(node["out"].read_text().splitlines()[-1]))
+        started = {q: start_node(q, str(tiny_model), env, LOGS, "--max-total-tokens", "16384",
+                                 "--chunked-prefill-size", str(CHUNKED_PREFILL)) for q in QUEUES}
+        nodes = {q: {"proc": proc} for q, (proc, _) in started.items()}
+        for q, (proc, out) in started.items():  # both servers start at once
+            nodes[q] = wait_node(proc, out)
         yield {"api": api, "env": env, "nodes": nodes, "model": str(tiny_model)}
     finally:
         for node in nodes.values():

@@ -32,7 +32,7 @@ def from_node_env(parameter: str, value: str | None) -> str | None:
     found = os.environ.get(NODE_ENV[parameter])
     if not found:
         raise ValueError(f"{parameter} is 'env' but ${NODE_ENV[parameter]} is not set on this node: start the "
-                         f"node's worker with it set (scripts/node.sh does)")
+                         f"node with `python -m tasks.server.node`, which sets it for its worker")
     return found
 
 
