@@ -20,25 +20,33 @@ import argparse
 import asyncio
 import json
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from tasks.capture.extraction import extract_batch
+from tasks.capture.config import CaptureConfig
+from tasks.capture.extraction import Endpoint, extract_batch
 from tasks.data.dataset import DEMO_DATASET, prepare_samples
 from tasks.paths import default_dump_root
-from tasks.server.launch import ServerConfig, auth_headers, launch_server
-from tasks.store.ledger import open_ledger, open_store
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.sglang_api import auth_headers
+from tasks.store.handle import Store
+from tasks.store.ledger.open import open_ledger, open_store
 from tasks.store.manifest import build_manifest
 from tasks.store.shards import bytes_per_token
 from tasks.target.architectures import architecture_of
 from tasks.target.layers import AuxLayers
-from tasks.target.models import resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (the tiny models) is not installed
+from tests.tiny_models import resolve_model_or_tiny  # noqa: E402
 
 
 async def _prefill_all(url: str, id_lists, in_flight: int, api_key: str) -> None:
@@ -52,7 +60,7 @@ async def _prefill_all(url: str, id_lists, in_flight: int, api_key: str) -> None
         await asyncio.gather(*(one(i, ids) for i, ids in enumerate(id_lists)))
 
 
-def plain_prefill(cfg: ServerConfig, id_lists, in_flight: int, log: Path) -> float:
+def plain_prefill(cfg: LaunchSpec, id_lists, in_flight: int, log: Path) -> float:
     with launch_server(cfg, log) as server:
         asyncio.run(_prefill_all(server.url, id_lists[:8], in_flight, server.api_key))  # warm-up
         t0 = time.perf_counter()
@@ -64,10 +72,11 @@ def pipeline(server, dump_dir, store, source, samples, layers, batch_size, concu
     batches = [samples[i: i + batch_size] for i in range(0, len(samples), batch_size)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for result in pool.map(lambda b: extract_batch(server.url, dump_dir, store, source, b,
-                                                       aux_layer_ids=layers.sglang_ids, api_key=server.api_key,
-                                                       rid_prefix=server.rid_prefix, concurrency=concurrency),
-                               batches):
+        endpoint = Endpoint(server.url, dump_dir, layers.sglang_ids, api_key=server.api_key,
+                            rid_prefix=server.rid_prefix)
+        opened = Store.open(store)
+        for result in pool.map(lambda b: extract_batch(endpoint, opened, source, b,
+                                                       CaptureConfig(concurrency=concurrency)), batches):
             assert not result.quarantined, result.quarantined
     return time.perf_counter() - t0
 
@@ -99,7 +108,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args()
 
-    model = resolve_model(args.model)
+    model = resolve_model_or_tiny(args.model)
     config = json.loads((model / "config.json").read_text())
     layers = AuxLayers.for_model(config["num_hidden_layers"])
     tok = AutoTokenizer.from_pretrained(model)
@@ -110,13 +119,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="e3-bench-"))
     dump_dir = default_dump_root() / f"bench-{work.name}"
     try:
-        base = dict(model_path=str(model), dump_dir=dump_dir, max_total_tokens=65536)
-        t_plain = plain_prefill(ServerConfig(**base, capture=False), id_lists, 2 * args.concurrency, work / "plain.log")
+        base = LaunchSpec(ServerConfig(model=str(model)), dump_dir=dump_dir)
+        t_plain = plain_prefill(replace(base, capture=False), id_lists, 2 * args.concurrency, work / "plain.log")
 
         store = work / "store"
         open_store(store, build_manifest(model, tok, layers, architecture_of(config), max_length=4096,
                                          policy="truncate", sources=[str(DEMO_DATASET)]))
-        with launch_server(ServerConfig(**base, aux_layer_ids=layers.sglang_ids), work / "capture.log") as server:
+        with launch_server(replace(base, aux_layer_ids=layers.sglang_ids), work / "capture.log") as server:
             # warm-up (not captured: plain rids)
             asyncio.run(_prefill_all(server.url, id_lists[:8], 2 * args.concurrency, server.api_key))
             t_pipe = pipeline(server, dump_dir, store, str(DEMO_DATASET), samples, layers,

@@ -3,8 +3,8 @@ run, on the same model, data, seed and settings: once into a bf16 store and
 once into an FP8 store (e4m3, per-token scale; tasks/store/fp8.py). Needs a
 machine that can run SGLang servers (extraction and the serving check).
 
-    .venv/bin/python bench/fp8_quality.py --model /path/to/llama --dataset chats.jsonl --run-dir runs/fp8q
-    .venv/bin/python bench/fp8_quality.py            # SmolLM2-135M and the demo conversations, demo settings
+    .venv/bin/python bench/fp8_quality.py            # configs/demo.yaml: SmolLM2-135M, the demo conversations
+    .venv/bin/python bench/fp8_quality.py --run-dir runs/fp8q --config run.yaml --server.model /path/to/llama
 
 Prints, per store: bytes per stored token, held-out tau and tau@S (the
 drafter's own metric on held-out samples), SGLang's accept length and accept
@@ -16,20 +16,19 @@ the training order is a function of the seed.
 """
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from flows.demo import DEMO_TRAINING
+from flows.cli import config_from_argv, help_text
+from flows.demo import DEMO_CONFIG
 from flows.pipeline import eagle3_pipeline
-from tasks.data.dataset import DEMO_DATASET
 from tasks.paths import REPO_ROOT
-from tasks.store.ledger import open_ledger
+from tasks.store.ledger.open import open_ledger
 from tasks.store.reader import StoreReader
 from tasks.store.shards import BF16, FP8
-from tasks.target.models import SMOLLM2
 from tasks.target.reference import per_token_cosine
 
 
@@ -50,26 +49,36 @@ def state_agreement(bf16_store: str, fp8_store: str, count: int = 16) -> dict:
     return {"min_cosine": worst, "mean_cosine": sum(means) / max(len(means), 1)}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=SMOLLM2)
-    ap.add_argument("--dataset", default=str(DEMO_DATASET))
-    ap.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "fp8-quality"))
-    ap.add_argument("--max-length", type=int, default=2048)
-    for key, value in DEMO_TRAINING.items():
-        ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
-    args = ap.parse_args(argv)
-    training = {k: getattr(args, k) for k in DEMO_TRAINING}
+def main(argv: list[str] | None = None) -> None:
+    """--run-dir DIR (each store's run under DIR/<dtype>), then the
+    pipeline's own command line (default run file: configs/demo.yaml); the
+    store dtype and paths are the bench's."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__ + "\n  --run-dir DIR  the two runs go to DIR/bfloat16 and DIR/float8_e4m3fn\n\n"
+              + help_text(eagle3_pipeline, "bench/fp8_quality.py").split("\n", 1)[1])
+        return
+    run_dir = REPO_ROOT / "runs" / "fp8-quality"
+    if "--run-dir" in argv:
+        i = argv.index("--run-dir")
+        run_dir = Path(argv[i + 1])
+        del argv[i:i + 2]
+    if "--config" not in argv:
+        argv = ["--config", str(DEMO_CONFIG), *argv]
+    values, _ = config_from_argv(eagle3_pipeline, argv)
 
     results = {}
     for storage in (BF16, FP8):
         t0 = time.perf_counter()
-        result = eagle3_pipeline(dataset=args.dataset, model=args.model, run_dir=str(Path(args.run_dir) / storage),
-                                 max_length=args.max_length, store_dtype=storage, **training)
+        result = eagle3_pipeline(**{
+            **values, "store": values["store"].model_copy(update={"path": str(run_dir / storage / "store"),
+                                                                  "dtype": storage}),
+            "train": values["train"].model_copy(update={"out_dir": str(run_dir / storage / "train")})})
         summary = open_ledger(Path(result["store"])).summary()
         results[storage] = {**result, "bytes_per_token": summary["bytes"] / max(summary["tokens"], 1),
                             "tokens": summary["tokens"], "minutes": (time.perf_counter() - t0) / 60}
-    steps = training["serve_steps"]
+    training = values["train"]
+    steps = training.serve_steps
     rows = [("stored bytes per token", "bytes_per_token", "{:,.0f}"),
             ("held-out tau", "heldout_tau", "{:.3f}"),
             (f"held-out tau@{steps}", f"heldout_tau@{steps}", "{:.3f}"),
@@ -78,8 +87,8 @@ def main(argv=None) -> None:
             ("speed-up", "speedup", "{:.2f}"),
             ("greedy output identical", "outputs_equal", "{}"),
             ("pipeline minutes", "minutes", "{:.1f}")]
-    print(f"\nmodel {args.model}, dataset {args.dataset}, {results[BF16]['tokens']:,} tokens per store; "
-          f"training {training}")
+    print(f"\nmodel {values['server'].model}, dataset {values['capture'].dataset}, "
+          f"{results[BF16]['tokens']:,} tokens per store; training {training}")
     print(f"{'':26s} {'bf16':>12s} {'fp8':>12s} {'fp8/bf16':>9s}")
     for label, key, fmt in rows:
         a, b = results[BF16][key], results[FP8][key]

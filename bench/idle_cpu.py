@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from tasks.capture.client import probe_capture
-from tasks.server.launch import ServerConfig, _group_members, launch_server
-from tasks.target.models import TINY, ensure_model
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.processes import group_members
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (the tiny models) is not installed
+from tests.tiny_models import TINY, ensure_model  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def group_cpu_s(pgid: int) -> float:
     total = 0
-    for pid in _group_members(pgid):
+    for pid in group_members(pgid):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -33,8 +38,8 @@ def group_cpu_s(pgid: int) -> float:
 
 def idle_cpu(model: Path, work: Path, sleep_on_idle: bool, idle_s: float) -> float:
     """Cores used, on average, by the idle server's process group."""
-    cfg = ServerConfig(model_path=str(model), dump_dir=work / "dumps", max_total_tokens=8192,
-                       sleep_on_idle=sleep_on_idle)
+    cfg = LaunchSpec(ServerConfig(model=str(model), max_total_tokens=8192), dump_dir=work / "dumps",
+                     sleep_on_idle=sleep_on_idle)
     with launch_server(cfg, work / f"server-{sleep_on_idle}.log") as server:
         probe_capture(server.url, cfg.dump_dir, api_key=server.api_key, rid_prefix=server.rid_prefix)
         time.sleep(5)  # start-up work settles

@@ -3,7 +3,7 @@
     .venv/bin/python bench/many_nodes.py --model smollm2-135m-instruct --samples 192
 
 The stack of tests/test_many_nodes.py: PostgreSQL (the index and Prefect's
-database), a Prefect server on it, two nodes (`python -m tasks.server.node`:
+database), a Prefect server on it, two nodes (`python -m flows.node`:
 a capture server and a worker on the node's queue). The same dataset is
 extracted by `extract_across_nodes` on queue node-a alone, then on node-a
 and node-b, each into a new store. Prints:
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.pg_server import start as start_postgres  # noqa: E402
-from tests.prefect_stack import cli, prefect_database, prefect_server, start_node, stop, wait_node  # noqa: E402
+from tests.prefect_stack import cli, prefect_database, prefect_server, start_node, stop, stop_node, wait_node  # noqa: E402
 
 
 def seconds(a: str, b: str) -> float:
@@ -54,9 +54,10 @@ def group_rss_gib(pgid: int) -> float:
 
 def extract(env: dict, root: Path, name: str, queues: list[str], dataset: Path, model: str, args) -> float:
     out = root / f"{name}.out"
-    argv = [sys.executable, "-m", "flows.extract_nodes", "--queues", *queues, "--store", str(root / name),
-            "--dataset", str(dataset), "--model", model, "--batch-size", str(args.batch_size),
-            "--batches-per-child", str(args.batches_per_child), "--max-length", str(args.max_length), "--no-verify"]
+    argv = [sys.executable, "-m", "flows.extract_nodes", "--queues", " ".join(queues), "--store.path",
+            str(root / name), "--store.ledger-url", "env", "--capture.dataset", str(dataset), "--model", model,
+            "--capture.batch-size", str(args.batch_size), "--batches-per-child", str(args.batches_per_child),
+            "--capture.max-length", str(args.max_length), "--no-verify"]
     t0 = time.perf_counter()
     done = subprocess.run(argv, cwd=REPO, env=env, stdout=open(out, "w"), stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
@@ -67,7 +68,7 @@ def extract(env: dict, root: Path, name: str, queues: list[str], dataset: Path, 
 
 def child_costs(api, store: str) -> list[dict]:
     runs = [r for r in api.call("POST", "/flow_runs/filter", {"flow_runs": {"name": {"like_": "node-"}}})
-            if r["parameters"].get("store") == store]
+            if r["parameters"].get("store", {}).get("path") == store]
     costs = []
     for r in runs:
         batches = [t for t in api.task_runs(r["id"]) if t["name"].startswith("extract-batch")]
@@ -89,10 +90,10 @@ def main() -> None:
 
     from flows.extract_nodes import extract_across_nodes
     from tasks.data.dataset import DEMO_DATASET
-    from tasks.target.models import resolve_model
+    from tests.tiny_models import resolve_model_or_tiny
 
     default_per_child = extract_across_nodes.parameters.properties["batches_per_child"]["default"]
-    model = str(resolve_model(args.model))
+    model = str(resolve_model_or_tiny(args.model))
     root = Path(tempfile.mkdtemp(prefix="bench-nodes-"))
     dataset = root / "data.jsonl"
     dataset.write_text("".join(DEMO_DATASET.read_text().splitlines(keepends=True)[:args.samples]))
@@ -104,7 +105,7 @@ def main() -> None:
         env["EAGLE3_LEDGER_URL"] = pg.url
         cli(["work-pool", "create", "eagle3", "--type", "process"], env)
         cli(["--no-prompt", "deploy", "--name", "extract-node"], env)
-        nodes = [wait_node(*start_node(q, model, env, root, "--max-total-tokens", "32768"), timeout_s=900)
+        nodes = [wait_node(*start_node(q, model, env, root, "--server.max-total-tokens", "32768"), timeout_s=900)
                  for q in ("node-a", "node-b")]
         memory = {n["queue"]: (group_rss_gib(n["server_pid"]), group_rss_gib(n["worker_pid"])) for n in nodes}
         one = extract(env, root, "one-node", ["node-a"], dataset, model, args)
@@ -112,7 +113,7 @@ def main() -> None:
         costs = child_costs(api, str(root / "one-node")) + child_costs(api, str(root / "two-nodes"))
     finally:
         for n in reversed(nodes):
-            stop(n["proc"])
+            stop_node(n)
         if server is not None:
             stop(server)
         pg.stop()

@@ -13,23 +13,20 @@ checks it (an httpx transport answers for the server, so the server's own
 time is not in the figure), packs the batch into one shard with its hashes,
 fsyncs it and commits it to the ledger. Variants, on the same data:
 
-  (a) before: the old path: one reader, the format-1 writer (concatenate,
-      safetensors' own save, sha256 of the file and of every sample, one
-      thread writing);
-  (b) after, 1 worker: format 2 (per-sample xxh3_128, the shard written in
-      place, the file's sha256 hashed alongside), one reader, one writer;
-  (c) after, N workers: the same with N readers and N shard workers (the flow's
+  (a) 1 worker: per-sample xxh3_128, the shard written in place, the file's
+      sha256 hashed alongside, one reader, one writer;
+  (b) N workers: the same with N readers and N shard workers (the flow's
       default: one per core, at most 8);
-  (d) as (c), FP8 storage (half the bytes).
+  (c) as (b), FP8 storage (half the bytes).
 
 Prints tokens/s, the store's GB/s and the dumps' GB/s read, the disk's
 sequential write rate (dd-like: 1 GiB in 8 MiB blocks, fsync) measured in
-the same run, and the ratios. Ratios are the result: machines differ.
+the same run, and the ratios: to the disk, and to (a), what the worker pool
+and FP8 change. Ratios are the result: machines differ.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -41,16 +38,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 import tasks.capture.client as client
-from tasks.capture.client import capture_many
 from tasks.capture.dump import write_chunk
-from tasks.capture.extraction import extract_batch
+from tasks.capture.config import CaptureConfig
+from tasks.capture.extraction import Endpoint, extract_batch
 from tasks.data.dataset import Sample
 from tasks.paths import default_dump_root
-from tasks.store.ledger import open_ledger, open_store
-from tasks.store.shards import BF16, FORMAT, FORMAT_V1, FP8, ShardInfo, default_workers, shard_name, shard_path
+from tasks.store.ledger.open import open_ledger, open_store
+from tasks.store.handle import Store
+from tasks.store.shards import BF16, FORMAT, FP8, default_workers
 
 LAYERS = (1, 30, 56)  # any three: the layout, not the model, is what is measured
 
@@ -69,41 +66,6 @@ def disk_write_rate(where: Path, nbytes: int = 1 << 30, block: int = 8 << 20) ->
     finally:
         os.close(fd)
         path.unlink()
-
-
-def write_shard_v1(store: Path, items: list[dict], *, source: str) -> tuple[ShardInfo, list[dict]]:
-    """The format-1 writer as it was before format 2 (the baseline)."""
-    ids = [torch.as_tensor(np.asarray(it["input_ids"]), dtype=torch.int32) for it in items]
-    masks = [torch.as_tensor(np.asarray(it["loss_mask"]), dtype=torch.uint8) for it in items]
-    aux = [it["aux_hidden_states"].to(torch.bfloat16) for it in items]
-    final = [it["final_hidden_state"].to(torch.bfloat16) for it in items]
-    lengths = [len(t) for t in ids]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    sample_ids = [it["sample_id"] for it in items]
-    name = shard_name(sample_ids)
-    data = safetensors_bytes({"input_ids": torch.cat(ids), "loss_mask": torch.cat(masks),
-                              "aux_hidden_states": torch.cat(aux), "final_hidden_state": torch.cat(final),
-                              "offsets": torch.from_numpy(offsets)},
-                             metadata={"format": FORMAT_V1, "sample_ids": json.dumps(sample_ids)})
-    path = shard_path(store, name)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    shard = ShardInfo(name, hashlib.sha256(data).hexdigest(), len(data), len(items), int(offsets[-1]))
-    rows = []
-    for k, it in enumerate(items):
-        h = hashlib.sha256()
-        h.update(ids[k].numpy().astype("<i4").tobytes())
-        h.update(masks[k].numpy().tobytes())
-        for t in (aux[k], final[k]):
-            h.update(t.contiguous().view(torch.int16).numpy().tobytes())
-        rows.append({"sample_id": it["sample_id"], "source": source, "source_row": int(it["source_row"]),
-                     "shard": name, "position": k, "token_offset": int(offsets[k]), "num_tokens": lengths[k],
-                     "num_loss_tokens": int(masks[k].sum()), "checksum": h.hexdigest()})
-    return shard, rows
 
 
 class Answers(httpx.AsyncBaseTransport):
@@ -132,40 +94,23 @@ def produce(dump_dir: Path, batch: list[Sample], pool_aux: torch.Tensor, pool_fi
     return time.perf_counter() - t0
 
 
-def manifest(hidden: int, storage: str, fmt: str) -> dict:
-    return {"format": fmt, "target": {"name": "kimi-layout"}, "tokenizer": {"sha256": "-"},
+def manifest(hidden: int, storage: str) -> dict:
+    return {"format": FORMAT, "target": {"name": "kimi-layout"}, "tokenizer": {"sha256": "-"},
             "aux_layers": {"ids": list(LAYERS)}, "hidden_size": hidden, "dtype": storage, "max_length": 1 << 20,
             "max_length_policy": "truncate"}
 
 
-def consume_old(dump_dir: Path, store: Path, batch: list[Sample]) -> None:
-    def keep(i, capture):
-        s = batch[i]
-        return {"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
-                "loss_mask": s.loss_mask, "aux_hidden_states": capture.aux_hidden_states,
-                "final_hidden_state": capture.final_hidden_state}
-
-    items = capture_many("http://bench", dump_dir, [s.input_ids.tolist() for s in batch], keep, concurrency=8,
-                         aux_layer_ids=LAYERS, read_workers=1, transport=Answers())
-    bad = [x for x in items if isinstance(x, Exception)]
-    assert not bad, bad[0]
-    open_ledger(store).commit_shard(*write_shard_v1(store, items, source="bench"))
-
-
-def run_variant(label: str, batches, work: Path, dump_dir: Path, pools, hidden: int, *, old: bool,
-                workers: int, storage: str) -> dict:
+def run_variant(label: str, batches, work: Path, dump_dir: Path, pools, hidden: int, *, workers: int,
+                storage: str) -> dict:
     store = work / f"store-{label}"
-    open_store(store, manifest(hidden, storage, FORMAT_V1 if old else FORMAT))
+    open_store(store, manifest(hidden, storage))
     timed = produced = 0.0
     for batch in batches:
         produced += produce(dump_dir, batch, *pools)
         t0 = time.perf_counter()
-        if old:
-            consume_old(dump_dir, store, batch)
-        else:
-            result = extract_batch("http://bench", dump_dir, store, "bench", batch, aux_layer_ids=LAYERS,
-                                   concurrency=8, store_workers=workers, transport=Answers())
-            assert result.samples == len(batch) and not result.quarantined, result
+        result = extract_batch(Endpoint("http://bench", dump_dir, LAYERS, transport=Answers()), Store.open(store),
+                               "bench", batch, CaptureConfig(concurrency=8), store_workers=workers)
+        assert result.samples == len(batch) and not result.quarantined, result
         timed += time.perf_counter() - t0
     summary = open_ledger(store).summary()
     assert not list(dump_dir.iterdir()), "dumps left behind"
@@ -202,10 +147,9 @@ def main() -> None:
     dump_dir.mkdir(parents=True)
     try:
         disk = disk_write_rate(work)
-        variants = [("a", "before: 1 reader, format 1, sha256", dict(old=True, workers=1, storage=BF16)),
-                    ("b", "after, 1 worker", dict(old=False, workers=1, storage=BF16)),
-                    ("c", f"after, {args.workers} workers", dict(old=False, workers=args.workers, storage=BF16)),
-                    ("d", f"after, {args.workers} workers, FP8", dict(old=False, workers=args.workers, storage=FP8))]
+        variants = [("a", "1 worker", dict(workers=1, storage=BF16)),
+                    ("b", f"{args.workers} workers", dict(workers=args.workers, storage=BF16)),
+                    ("c", f"{args.workers} workers, FP8", dict(workers=args.workers, storage=FP8))]
         out = {}
         for key, _, kw in variants:
             out[key] = run_variant(key, batches, work, dump_dir, pools, args.hidden, **kw)

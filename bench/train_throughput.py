@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from tasks.train.config import TrainConfig
 from tasks.train.data import collate, plan_batches, prefetch
-from tasks.train.loop import TrainConfig, _to, prepare
+from tasks.train.prepare import prepare
 from tasks.train.ttt import TTT
 
 
@@ -31,9 +32,10 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     args = ap.parse_args(argv)
-    cfg = TrainConfig(store=str(Path(args.store).resolve()), out_dir="/dev/null", ttt_steps=args.ttt_steps,
-                      tokens_per_batch=args.tokens_per_batch, draft_vocab_size=args.draft_vocab_size)
-    run = prepare(cfg)
+    store = Path(args.store).resolve()
+    cfg = TrainConfig(out_dir="/dev/null", ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
+                      draft_vocab_size=args.draft_vocab_size)
+    run = prepare(cfg, store)
     batches = plan_batches(run.reader.num_tokens, run.train_idx, cfg.tokens_per_batch, cfg.seed)[:args.steps]
 
     t0 = time.perf_counter()
@@ -48,7 +50,7 @@ def main(argv=None) -> None:
     for batch in prefetch(lambda b: collate(run.reader, b), batches):
         t1 = time.perf_counter()
         wait += t1 - t_wait
-        batch = _to(batch, run.device)
+        batch = run.on_device(batch)
         out = ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -58,7 +60,7 @@ def main(argv=None) -> None:
         compute += t_wait - t1
 
     loader_rate, train_rate = loaded / load_s, trained / (wait + compute)
-    print(f"store {cfg.store}: {len(batches)} steps, {trained:,} tokens, TTT {cfg.ttt_steps}, "
+    print(f"store {store}: {len(batches)} steps, {trained:,} tokens, TTT {cfg.ttt_steps}, "
           f"draft vocab {run.vocab.size}, device {run.device}")
     print(f"(a) loader alone     {loader_rate:10,.0f} tok/s")
     print(f"(b) training         {train_rate:10,.0f} tok/s   per step: data wait {1000 * wait / len(batches):.1f} ms, "

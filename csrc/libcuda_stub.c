@@ -8,7 +8,7 @@
  * CUDA_ERROR_NO_DEVICE, so anything that does call one fails cleanly and
  * torch.cuda.is_available() stays False.
  *
- * Never put this library in front of a real driver. tasks/cpu_shim.py builds
+ * Never put this library in front of a real driver. tasks/server/cpu/shim.py builds
  * it only when no GPU is present; tests/test_cpu_shim.py fails when a new
  * sgl_kernel needs a symbol that is missing below.
  */

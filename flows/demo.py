@@ -1,32 +1,35 @@
-"""The embedded default, end to end: `eagle3_pipeline` on SmolLM2-135M-Instruct
-and the bundled demo conversations (answered by SmolLM2 itself), then a check
-of stored samples against an independent HF forward, and a table of held-out
-tau, SGLang's accept length and the speed-up.
+"""The embedded default, end to end: `eagle3_pipeline` on configs/demo.yaml
+(SmolLM2-135M-Instruct and the bundled demo conversations, answered by
+SmolLM2 itself), then a check of stored samples against an independent HF
+forward, and a table of held-out tau, SGLang's accept length and the
+speed-up.
 
-    python -m flows.demo [--run-dir DIR] [--epochs N]
+    python -m flows.demo [--samples-checked N] [--config FILE] [--train.epochs 3 ...]
+
+Any key of the pipeline's config can be given after the run file, as for
+`python -m flows.pipeline` (`--help` lists them).
 """
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from flows.cli import config_from_argv, help_text
+from flows.config import ConfigError
 from flows.pipeline import eagle3_pipeline
-from tasks.data.dataset import DEMO_DATASET
 from tasks.paths import REPO_ROOT
-from tasks.server.cpu_shim import gpu_present
-from tasks.store.ledger import open_ledger
+from tasks.server.cpu.shim import gpu_present
+from tasks.store.ledger.open import open_ledger
 from tasks.store.reader import StoreReader
 from tasks.target.layers import AuxLayers
-from tasks.target.models import SMOLLM2, resolve_model
+from tasks.target.models import resolve_model
 from tasks.target.reference import load_reference_model, per_token_cosine, reference_states
 from tasks.train.launch import result_from_dir
 
-# Sized for a 2-core CPU: well under an hour in all.
-DEMO_TRAINING = dict(draft_vocab_size=4096, ttt_steps=3, epochs=12, lr=2e-3, tokens_per_batch=2048,
-                     serve_prompts=8, serve_new_tokens=48, serve_steps=3)
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 CPU_NOTE = (" — on this CPU the drafter's attention runs as plain-PyTorch stand-ins for SGLang's CPU "
             "kernels, so this is not the GPU figure")
 
@@ -49,34 +52,47 @@ def check_against_reference(store, model_path, count: int) -> dict:
     return worst
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "demo"))
-    ap.add_argument("--samples-checked", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=DEMO_TRAINING["epochs"])
-    ap.add_argument("--heldout-fraction", type=float, default=0.05, help="share of samples held out")
-    ap.add_argument("--serve-prompts", type=int, default=DEMO_TRAINING["serve_prompts"],
-                    help="held-out prompts SGLang serves with the drafter")
-    args = ap.parse_args(argv)
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = "python -m flows.demo"
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__ + "\n  --samples-checked N  stored samples checked against an HF forward (default: 4)\n\n"
+              + help_text(eagle3_pipeline, prog).split("\n", 1)[1])
+        return
+    samples_checked = 4
+    if "--samples-checked" in argv:
+        i = argv.index("--samples-checked")
+        samples_checked = int(argv[i + 1])
+        del argv[i:i + 2]
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        argv = ["--config", str(DEMO_CONFIG), *argv]
+    try:
+        values, print_config = config_from_argv(eagle3_pipeline, argv)
+    except ConfigError as e:
+        raise SystemExit(f"{prog}: config error:\n{e}") from None
+    if print_config:
+        from flows.config import to_yaml
+
+        print(to_yaml(values), end="")
+        return
 
     t0 = time.perf_counter()
-    result = eagle3_pipeline(dataset=str(DEMO_DATASET), model=SMOLLM2, run_dir=args.run_dir,
-                             **{**DEMO_TRAINING, "epochs": args.epochs, "serve_prompts": args.serve_prompts},
-                             heldout_fraction=args.heldout_fraction)
+    result = eagle3_pipeline(**values)
     elapsed = time.perf_counter() - t0
-    check = check_against_reference(result["store"], resolve_model(SMOLLM2), args.samples_checked)
+    train, serve = values["train"], values["serve"]
+    check = check_against_reference(result["store"], resolve_model(values["server"].model), samples_checked)
     summary = open_ledger(Path(result["store"])).summary()
-    steps = DEMO_TRAINING["serve_steps"]
-    held_out = result_from_dir(Path(args.run_dir) / "train").heldout_samples
+    steps = train.serve_steps
+    held_out = result_from_dir(Path(train.out_dir)).heldout_samples
     rows = [
         ("store", f"{result['store']}: {summary['samples']} samples, {summary['tokens']:,} tokens, verified"),
-        ("stored vs HF forward", f"{args.samples_checked} samples: min cosine aux {check['aux']:.4f}, "
+        ("stored vs HF forward", f"{samples_checked} samples: min cosine aux {check['aux']:.4f}, "
                                  f"final {check['final']:.4f}, mean {check['mean']:.5f}"),
         ("drafter", result["drafter_dir"]),
-        ("held-out tau", f"{held_out} samples: {result['heldout_tau']:.2f} over {DEMO_TRAINING['ttt_steps']} "
+        ("held-out tau", f"{held_out} samples: {result['heldout_tau']:.2f} over {train.ttt_steps} "
                          f"TTT steps, tau@{steps} {result[f'heldout_tau@{steps}']:.2f}, exact (chained) "
                          f"{result[f'heldout_tau_exact@{steps}']:.2f} (untrained {result['untrained_tau']:.2f})"),
-        ("SGLang accept length", f"{args.serve_prompts} prompts: {result['sglang_accept_length']:.2f} tokens per "
+        ("SGLang accept length", f"{serve.num_prompts} prompts: {result['sglang_accept_length']:.2f} tokens per "
                                  f"verify step at {steps} steps (accept rate {result['sglang_accept_rate']:.2f}); "
                                  f"greedy output identical: {result['outputs_equal']}"),
         ("speed-up", f"{result['speedup']:.2f}x ({result['spec_tokens_per_s']:.1f} vs "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
@@ -16,11 +16,18 @@ from pydantic import Field
 
 from flows.artifacts import artifact_key
 from flows.cli import described
+from flows.retries import unless_permanent
+from tasks.failures import Permanent
 from tasks.serve import check
+from tasks.serve.config import ServeConfig
+from tasks.server.config import ServerConfig
+from tasks.store.config import StoreConfig
+from tasks.train.config import TrainConfig
+from tasks.target.models import resolve_model
 from tasks.train.data import heldout_prompts
 
 
-class SpeculationChangedOutput(RuntimeError):
+class SpeculationChangedOutput(Permanent, RuntimeError):
     """Greedy output with the drafter differs from greedy output without it."""
 
 
@@ -34,12 +41,12 @@ def prompts_task(store: str, heldout_fraction: float, count: int) -> list[list[i
     return prompts
 
 
-@task(name="serve-check", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
-def serve_task(target: str, drafter_dir: str, prompts: list[list[int]], log_dir: str, max_new_tokens: int,
-               dtype: Optional[str], num_steps: int, num_draft_tokens: int) -> dict:
+@task(name="serve-check", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+      retry_condition_fn=unless_permanent)
+def serve_task(server: ServerConfig, drafter_dir: str, prompts: list[list[int]], serve: ServeConfig,
+               log_dir: str) -> dict:
     log = get_run_logger()
-    report = check.serve_check(target, drafter_dir, prompts, log_dir=log_dir, max_new_tokens=max_new_tokens,
-                               dtype=dtype, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
+    report = check.serve_check(server, drafter_dir, prompts, serve, log_dir=log_dir)
     result = report.to_dict()
     create_table_artifact(table=[{k: v for k, v in result.items() if not isinstance(v, (list, dict))}],
                           key=artifact_key("serving", drafter_dir),
@@ -50,36 +57,48 @@ def serve_task(target: str, drafter_dir: str, prompts: list[list[int]], log_dir:
     if not report.outputs_equal:
         raise SpeculationChangedOutput(
             f"greedy output with the drafter differs from plain greedy output for prompts "
-            f"{report.differing_prompts} of {report.num_prompts} (dtype {dtype or 'float32'}; compare in float32: bf16 "
-            f"rounding flips near-tied tokens even between two plain servers). Server logs: {log_dir}")
+            f"{report.differing_prompts} of {report.num_prompts} (dtype {serve.dtype or 'float32'}; compare in "
+            f"float32: bf16 rounding flips near-tied tokens even between two plain servers). Server logs: {log_dir}")
     return result
+
+
+def trained_for(drafter_dir: Path, server: ServerConfig) -> dict:
+    """How the drafter was trained (its config's eagle3_training), after
+    checking the server section serves the target it was trained for: a
+    drafter served on another target would be measured against the wrong
+    model."""
+    trained = json.loads((drafter_dir / "config.json").read_text()).get("eagle3_training")
+    if not trained:
+        raise ValueError(f"{drafter_dir}/config.json does not say how it was trained (no eagle3_training): "
+                         f"export it with train_drafter")
+    ours, theirs = resolve_model(server.model), Path(trained["target"])
+    if ours.resolve() != theirs.resolve() and (not (theirs / "config.json").exists() or
+                                               (ours / "config.json").read_bytes()
+                                               != (theirs / "config.json").read_bytes()):
+        raise ValueError(f"{drafter_dir} was trained for the target {theirs}, not server.model {server.model}: "
+                         f"set server.model to its target")
+    return trained
 
 
 @flow(name="serve_check")
 @described
 def serve_check(
-    drafter_dir: Annotated[str, Field(description="an exported EAGLE-3 drafter (train_drafter's drafter/)")] = "runs/demo/train/drafter",
-    store: Annotated[str, Field(description="the store it was trained on: its held-out samples give the prompts")] = "runs/demo/store",
-    target: Annotated[Optional[str], Field(description="target checkpoint (default: the one the drafter was trained for)")] = None,
-    num_prompts: Annotated[int, Field(description="held-out prompts to generate for", ge=1)] = 8,
-    max_new_tokens: Annotated[int, Field(description="greedy tokens per prompt", ge=1)] = 48,
-    heldout_fraction: Annotated[Optional[float], Field(description="held-out share (default: the training run's, from the drafter's config)", gt=0, lt=1)] = None,
-    dtype: Annotated[Optional[str], Field(description="compute dtype of both servers (default float32, which makes greedy comparable; bf16 for a target SGLang runs in bf16 only)")] = None,
-    num_steps: Annotated[int, Field(description="--speculative-num-steps", ge=1)] = 3,
-    num_draft_tokens: Annotated[int, Field(description="--speculative-num-draft-tokens (top-1 chain: steps + 1)", ge=2)] = 4,
+    drafter_dir: Annotated[str, Field(description="an exported EAGLE-3 drafter (train_drafter's drafter/)")] = f"{TrainConfig().out_dir}/drafter",
+    store: Annotated[str, Field(description="the store it was trained on: its held-out samples give the prompts")] = StoreConfig().path,
+    server: ServerConfig = ServerConfig(),
+    serve: ServeConfig = ServeConfig(),
 ) -> dict:
     """Serve the drafter in SGLang: identical greedy output, accept length, speed-up."""
-    trained = json.loads((Path(drafter_dir) / "config.json").read_text()).get("eagle3_training", {})
-    if target is None or heldout_fraction is None:
-        if not trained:
-            raise ValueError(f"{drafter_dir}/config.json does not say how it was trained: pass target and "
-                             f"heldout_fraction")
-        target = target or trained["target"]
-        # The training run's own split: prompts it never trained on.
-        heldout_fraction = heldout_fraction or trained["config"]["heldout_fraction"]
-    prompts = prompts_task(store, heldout_fraction, num_prompts)
-    return serve_task(target, drafter_dir, prompts, str(Path(drafter_dir).parent / "serve-logs"), max_new_tokens,
-                      dtype, num_steps, num_draft_tokens)
+    drafter = Path(drafter_dir).resolve()
+    trained = trained_for(drafter, server)
+    config = trained["config"]
+    steps = serve.num_steps or config["serve_steps"]
+    serve = serve.model_copy(update={"num_steps": steps, "num_draft_tokens": serve.num_draft_tokens or steps + 1})
+    # The training run's own split: prompts it never trained on.
+    prompts = prompts_task(store, config["heldout_fraction"], serve.num_prompts)
+    target = server.model_copy(update={"model": str(resolve_model(server.model)), "url": None, "api_key": None,
+                                       "rid_prefix": ServerConfig().rid_prefix})
+    return serve_task(target, str(drafter), prompts, serve, str(drafter.parent / "serve-logs"))
 
 
 if __name__ == "__main__":

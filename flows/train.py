@@ -1,28 +1,33 @@
 """Flow `train_drafter`: check the store is verified -> train (resumable) ->
 export the drafter SGLang serves -> read it back -> metrics artifacts.
 
-    python -m flows.train --store runs/demo/store --out-dir runs/demo/train
+    python -m flows.train --store runs/demo/store --train.out-dir runs/demo/train
+    python -m flows.train --config configs/train.yaml --train.devices 8 --train.sharding fsdp
 """
 from __future__ import annotations
 
 import base64
 import math
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
-from flows import params
 from flows.artifacts import artifact_key
 from flows.cli import described
+from flows.retries import unless_permanent
+from flows.run_record import keep_run_config
 from tasks.store.lock import hold_lock
+from tasks.store.config import StoreConfig
 from tasks.store.verification import require_verified
+from tasks.train.checkpoint import trained_drafter
+from tasks.train.config import TrainConfig, TrainResult
 from tasks.train.export import export_weights, load_exported
 from tasks.train.launch import launch_distributed
-from tasks.train.loop import TrainConfig, TrainResult, train, trained_drafter
+from tasks.train.loop import train
 from tasks.train.metrics import metrics_table
 
 
@@ -34,12 +39,14 @@ def check_verified_task(store: str) -> dict:
     return summary
 
 
-# A retry resumes from the last checkpoint (weights, optimizer, data position).
-@task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
-def train_task(cfg: TrainConfig) -> TrainResult:
+# A retry resumes from the last checkpoint (weights, optimizer, data
+# position); data found corrupt, or a checkpoint of other settings, fails
+# the same way again and is not retried.
+@task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=unless_permanent)
+def train_task(cfg: TrainConfig, store: str) -> TrainResult:
     if cfg.devices > 1 or cfg.nnodes > 1:
-        return launch_distributed(cfg, get_run_logger())
-    return train(cfg)
+        return launch_distributed(cfg, store, get_run_logger())
+    return train(cfg, store)
 
 
 @task(name="check-export", cache_policy=NO_CACHE)
@@ -92,48 +99,24 @@ def metrics_artifacts_task(result: TrainResult, out_dir: str) -> None:
 @flow(name="train_drafter")
 @described
 def train_drafter(
-    store: Annotated[str, Field(description="a verified store (from extract_hidden_states)")] = "runs/demo/store",
-    out_dir: Annotated[str, Field(description="checkpoints, metrics and the exported drafter/ go here; a rerun resumes")] = "runs/demo/train",
-    target: Annotated[Optional[str], Field(description="target checkpoint (default: the one the store was captured from)")] = None,
-    draft_vocab_size: params.DraftVocabSize = params.TRAIN.draft_vocab_size,
-    ttt_steps: params.TttSteps = params.TRAIN.ttt_steps,
-    step_decay: Annotated[float, Field(description="loss weight decay per TTT step", gt=0, le=1)] = params.TRAIN.step_decay,
-    epochs: params.Epochs = params.TRAIN.epochs,
-    lr: params.Lr = params.TRAIN.lr,
-    tokens_per_batch: params.TokensPerBatch = params.TRAIN.tokens_per_batch,
-    heldout_fraction: params.HeldoutFraction = params.TRAIN.heldout_fraction,
-    serve_steps: params.ServeSteps = params.TRAIN.serve_steps,
-    devices: params.Devices = params.TRAIN.devices,
-    accumulate: params.Accumulate = params.TRAIN.accumulate,
-    sharding: params.Sharding = params.TRAIN.sharding,
-    nnodes: params.Nnodes = params.TRAIN.nnodes,
-    node_rank: params.NodeRank = 0,
-    rdzv_endpoint: params.RdzvEndpoint = params.TRAIN.rdzv_endpoint,
-    precision: params.Precision = params.TRAIN.precision,
-    vocab_positions: params.VocabPositions = params.TRAIN.vocab_positions,
-    checkpoint_every: Annotated[int, Field(description="steps between checkpoints", ge=1)] = params.TRAIN.checkpoint_every,
-    seed: Annotated[int, Field(description="initialisation and data-order seed")] = params.TRAIN.seed,
-    on_store_change: params.OnStoreChange = params.TRAIN.on_store_change,
+    store: Annotated[str, Field(description="a verified store (from extract_hidden_states)")] = StoreConfig().path,
+    train: TrainConfig = TrainConfig(),
 ) -> dict:
     """Train an EAGLE-3 drafter on a verified store and export it for SGLang."""
-    if node_rank >= nnodes:
-        raise ValueError(f"node_rank {node_rank} of nnodes {nnodes}: node ranks are 0..{nnodes - 1}")
-    cfg = TrainConfig(
-        store=str(Path(store).resolve()), out_dir=str(Path(out_dir).resolve()), target=target,
-        draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, step_decay=step_decay, epochs=epochs, lr=lr,
-        tokens_per_batch=tokens_per_batch, heldout_fraction=heldout_fraction, serve_steps=serve_steps,
-        devices=devices, accumulate=accumulate, sharding=sharding, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-        precision=precision, vocab_positions=vocab_positions, checkpoint_every=checkpoint_every, seed=seed,
-        on_store_change=on_store_change)
+    store = str(Path(store).resolve())
+    out_dir = Path(train.out_dir).resolve()
+    cfg = train.model_copy(update={"out_dir": str(out_dir)})
     # One run per out_dir: two would interleave checkpoints and exports. On
     # several nodes every node's run trains (torchrun on each meets the
     # others) and node 0's holds the out_dir they share and does the rest;
     # the others hold a lock of their node's, so no second run joins as it.
-    lock_dir = Path(cfg.out_dir) if node_rank == 0 else Path(cfg.out_dir) / f"node-{node_rank}"
-    with hold_lock(lock_dir, f"train_drafter on {cfg.store}" + (f", node {node_rank}" if node_rank else "")):
-        check_verified_task(cfg.store)
-        result = train_task(cfg)
-        if node_rank == 0:
+    node = cfg.node_rank
+    lock_dir = out_dir if node == 0 else out_dir / f"node-{node}"
+    with hold_lock(lock_dir, f"train_drafter on {store}" + (f", node {node}" if node else "")):
+        keep_run_config(lock_dir / "config.yaml", "train_drafter", lock_dir)
+        check_verified_task(store)
+        result = train_task(cfg, store)
+        if node == 0:
             check_export_task(result.drafter_dir, cfg.out_dir, result.target)
             metrics_artifacts_task(result, cfg.out_dir)
     return {"drafter_dir": result.drafter_dir, "target": result.target, "steps": result.steps,

@@ -16,13 +16,19 @@ from pydantic import Field
 
 from flows.artifacts import artifact_key
 from flows.cli import described
+from tasks.failures import Permanent
+from tasks.store.config import StoreConfig
 from tasks.store.prune import prune_gone
 from tasks.store.seal import seal as seal_plain
 from tasks.store.verification import verify_store as verify_plain
 
 
-class VerificationFailed(RuntimeError):
-    pass
+# The extraction flows' parameter: whether the run ends with verify_task.
+VerifyAtEnd = Annotated[bool, Field(description="verify the store at the end")]
+
+
+class VerificationFailed(Permanent, RuntimeError):
+    """The store failed verification: the report says which files and samples."""
 
 
 @task(name="verify", cache_policy=NO_CACHE)
@@ -34,7 +40,8 @@ def verify_task(store: str, recheck_source: bool = True) -> dict:
                           description=f"verification of {store}")
     for row in files.itertuples():
         level = log.info if row.status == "OK" else log.warning
-        level("%s %s: %d samples, %d tokens%s", row.status, row.shard, row.samples, row.tokens,
+        level("%s %s: %d samples, %d tokens, %d canaries%s%s", row.status, row.shard, row.samples, row.tokens,
+              row.canaries, f" (worst {row.canary_worst_ratio:.2f} of bound)" if row.canaries else "",
               f" — {row.problems}" if row.problems else "")
     failed = report.samples[report.samples.status != "OK"]
     for row in failed.head(50).itertuples():
@@ -43,10 +50,14 @@ def verify_task(store: str, recheck_source: bool = True) -> dict:
     log.info("verification %s: %d files, %d samples, %d tokens; report: %s",
              "passed" if report.ok else "FAILED", len(files), len(report.samples),
              int(report.samples.tokens.sum()) if len(report.samples) else 0, report.paths.get("summary_report"))
+    c = report.canary
+    log.info("canary: %d samples (%d positions) agree with the server's own logprobs; worst deviation %.4f "
+             "(%.2f of its bound); %d aux profile outliers", c["samples"], c["positions"], c["worst_deviation"],
+             c["worst_ratio"], c["profile_outliers"])
     if not report.ok:
         raise VerificationFailed(f"store {store} failed verification:\n{report.failures()}\n"
                                  f"(report: {report.paths.get('files_report')})")
-    return {"ok": True, "files": len(files), "samples": len(report.samples), **report.paths}
+    return {"ok": True, "files": len(files), "samples": len(report.samples), "canary": report.canary, **report.paths}
 
 
 @task(name="prune-gone", cache_policy=NO_CACHE)
@@ -69,7 +80,7 @@ def seal_task(store: str) -> dict:
 @flow(name="verify_store")
 @described
 def verify_store(
-    store: Annotated[str, Field(description="store directory to verify")] = "runs/demo/store",
+    store: Annotated[str, Field(description="store directory to verify")] = StoreConfig().path,
     recheck_source: Annotated[bool, Field(description="also re-tokenise the sources and find each sample in them (by content)")] = True,
     prune_gone: Annotated[bool, Field(description="first remove the samples no source row gives any more (rows removed or edited)")] = False,
     seal: Annotated[bool, Field(description="once verification passes, export the index to <store>/index/ (Parquet and a SQLite copy) for readers without the ledger's database")] = False,

@@ -11,17 +11,17 @@ from transformers import AutoTokenizer
 
 from tasks.data.regeneration import regenerate
 from tasks.paths import DATA_DIR, cache_root
-from tasks.server.launch import ServerConfig, launch_server
-from tasks.target.models import SMOLLM2, ensure_model
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.target.models import SMOLLM2, resolve_model
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
 
 
 def main() -> None:
-    model = ensure_model(SMOLLM2)
-    cfg = ServerConfig(model_path=str(model), dump_dir=cache_root() / "unused-dumps", capture=False,
-                       max_total_tokens=65536)
-    with launch_server(cfg, cache_root() / "logs" / "make-demo-dataset.log") as server:
+    model = resolve_model(SMOLLM2)
+    spec = LaunchSpec(ServerConfig(model=str(model)), dump_dir=cache_root() / "unused-dumps", capture=False)
+    with launch_server(spec, cache_root() / "logs" / "make-demo-dataset.log") as server:
         result = regenerate(server.url, DATA_DIR / "demo_prompts.jsonl", DATA_DIR / "demo_conversations.jsonl",
                             AutoTokenizer.from_pretrained(model), api_key=server.api_key, sampling=SAMPLING,
                             max_new_tokens=320, concurrency=64)

@@ -3,7 +3,7 @@
 # Debian's package (Prefect's database and the stores' index), a Prefect
 # server on it, the `eagle3` pool, prefect.yaml deployed, the heartbeat
 # automation that marks a dead node's runs Crashed, and a worker for the
-# parent runs. Nodes then join with `python -m tasks.server.node`; the line
+# parent runs. Nodes then join with `python -m flows.node`; the line
 # to run on each is printed. Ctrl-C stops the worker, the server and
 # PostgreSQL.
 #
@@ -78,7 +78,7 @@ cat <<EOF
 Prefect UI: ${PREFECT_API_URL%/api}   (Ctrl-C stops the worker, the server and PostgreSQL)
 On each node (the store mounted at the same path everywhere), from this checkout:
   PREFECT_API_URL=$PREFECT_API_URL EAGLE3_LEDGER_URL='$EAGLE3_LEDGER_URL' \\
-    .venv/bin/python -m tasks.server.node --queue node-1 --model MODEL [--tp-size 8]
+    .venv/bin/python -m flows.node --queue node-1 --server.model MODEL [--server.tp-size 8]
 Then run the deployment extract_across_nodes/extract-across-nodes with queues ["node-1", ...].
 EOF
 wait

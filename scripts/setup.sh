@@ -28,4 +28,4 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
-.venv/bin/python -c 'from tasks.server.cpu_shim import gpu_present, build_libcuda_stub; gpu_present() or build_libcuda_stub()'
+.venv/bin/python -c 'from tasks.server.cpu.shim import gpu_present, build_libcuda_stub; gpu_present() or build_libcuda_stub()'

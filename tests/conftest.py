@@ -9,13 +9,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from tasks.server.launch import ServerConfig, launch_server  # noqa: E402
+from tasks.server.config import ServerConfig  # noqa: E402
+from tasks.server.launch import LaunchSpec, launch_server  # noqa: E402
 from tasks.target.layers import AuxLayers  # noqa: E402
-from tasks.target.models import TINY, ensure_model  # noqa: E402
+from tests.tiny_models import TINY, ensure_model  # noqa: E402
 
 # Small enough that a 600-token prompt is split over several forwards.
 CHUNKED_PREFILL = 256
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
+# Servers' logs land here for CI to keep; any test may be the first to run.
+ARTIFACTS.mkdir(parents=True, exist_ok=True)
 
 
 @pytest.fixture(scope="session")
@@ -34,12 +37,9 @@ def tiny_layers(tiny_model) -> AuxLayers:
 @pytest.fixture(scope="session")
 def capture_server(tiny_model, tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("dumps")
-    cfg = ServerConfig(
-        model_path=str(tiny_model), dump_dir=dump_dir, max_total_tokens=16384,
-        chunked_prefill_size=CHUNKED_PREFILL,
-    )
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with launch_server(cfg, ARTIFACTS / "capture-server.log", timeout_s=600) as server:
+    spec = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=16384, chunked_prefill_size=CHUNKED_PREFILL),
+                      dump_dir=dump_dir)
+    with launch_server(spec, ARTIFACTS / "capture-server.log", timeout_s=600) as server:
         yield server
 
 
@@ -52,11 +52,18 @@ def prefect_api():
         yield os.environ.get("PREFECT_API_URL") or __import__("prefect.settings").settings.PREFECT_API_URL.value()
 
 
-def attach(server, **kw):
+def attach(server, *, store, **capture) -> dict:
     """extract_hidden_states parameters that attach to the session's server
-    (its own random API key and rid prefix included)."""
-    return {"model": server.config.model_path, "server_url": server.url, "server_api_key": server.api_key,
-            "server_rid_prefix": server.rid_prefix, "dump_dir": str(server.config.dump_dir), **kw}
+    (its own random API key and rid prefix, its dump dir), with `capture`
+    settings for the capture section and the store at `store`."""
+    from tasks.capture.config import CaptureConfig
+    from tasks.server.config import ServerConfig
+    from tasks.store.config import StoreConfig
+
+    return {"server": ServerConfig(model=server.spec.server.model, url=server.url, api_key=server.api_key,
+                                   rid_prefix=server.rid_prefix),
+            "capture": CaptureConfig(dump_dir=str(server.spec.dump_dir), **capture),
+            "store": StoreConfig(path=str(store))}
 
 
 @pytest.fixture(scope="session")
@@ -67,8 +74,8 @@ def tiny_store(capture_server, prefect_api, tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("tiny-store")
     dataset = write_jsonl(d / "data.jsonl", demo_rows(160))
-    result = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(d / "store"),
-                                            batch_size=32, max_length=512))
+    result = extract_hidden_states(**attach(capture_server, store=d / "store", dataset=str(dataset), batch_size=32,
+                                            max_length=512))
     assert result["verification"]["ok"]
     return Path(result["store"])
 
@@ -98,7 +105,7 @@ def random_store(d: Path, model: Path, rows: int, max_length: int = 256, aux_lay
     from transformers import AutoTokenizer
 
     from tasks.data.dataset import prepare_samples
-    from tasks.store.ledger import open_store
+    from tasks.store.ledger.open import open_store
     from tasks.store.reader import StoreReader
     from tasks.store.shards import FORMAT, write_shard
     from tasks.store.verification import verify_store

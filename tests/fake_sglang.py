@@ -18,8 +18,9 @@ def main(argv: list[str]) -> None:
         options = json.load(f)
     key = options["api-key"]
     hooks = json.loads(options.get("forward-hooks", "[]"))
-    print(f"server_args=ServerArgs(model_path={args['--model-path']!r}, api_key={key!r}, "
-          f"forward_hooks={hooks!r})", flush=True)
+    settings = {"model_path": args["--model-path"], "tp_size": int(args["--tp-size"]), "api_key": key,
+                "forward_hooks": hooks}
+    print(f"[2026-12-01 10:17:31] server_args={settings!r}", flush=True)  # as SGLang 0.5.23 logs it
     if os.environ.get("FAKE_SGLANG_EXIT"):
         sys.exit(int(os.environ["FAKE_SGLANG_EXIT"]))
     for hook in hooks:

@@ -43,6 +43,19 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     proc.wait()
 
 
+def stop_node(node: dict) -> None:
+    """A node: SIGINT (its worker, then its server, stop cleanly; the worker
+    waits up to 30 s for its runs), then its server's own group, which a
+    SIGKILL of the node's group does not reach (the server has its own
+    session): a node killed hard must not leave its server running."""
+    stop(node["proc"], grace_s=60.0)
+    if node.get("server_pid"):
+        try:
+            os.killpg(node["server_pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def cli(args: list[str], env: dict, timeout_s: float = 180.0) -> str:
     done = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
@@ -174,12 +187,13 @@ def prefect_database(postgres_url: str) -> str:
 
 
 def start_node(queue: str, model: str, env: dict, root: Path, *args: str) -> tuple[subprocess.Popen, Path]:
-    """`python -m tasks.server.node` for `queue` (dump dir and logs under
-    `root`); wait_node() says when it is up."""
+    """`python -m flows.node` for `queue` (dump dir and logs under `root`;
+    `args` more of its keys, e.g. server settings); wait_node() says when
+    it is up."""
     out = root / f"{queue}.out"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")
-    proc = start([sys.executable, "-m", "tasks.server.node", "--queue", queue, "--model", model,
+    proc = start([sys.executable, "-m", "flows.node", "--queue", queue, "--server.model", model,
                   "--dump-dir", str(root / f"dumps-{queue}"), "--log-dir", str(root / queue), *args], env, out)
     return proc, out
 

@@ -1,24 +1,35 @@
 """Capture across architectures: the table's per-class knowledge, and a real
 SGLang CPU server per architecture whose captures equal an independent HF
 transformers forward, with the manifest's layer ids naming the right
-layers."""
+layers, and on which the whole pipeline trains a drafter SGLang serves.
+(Data-parallel attention: tests/test_configs.py, from the command line.)"""
 from __future__ import annotations
 
 import json
 import random
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
+from flows.pipeline import eagle3_pipeline
+from tasks.capture import canary
 from tasks.capture.client import capture_many
-from tasks.server.launch import ServerConfig, build_command, cpu_attention_backend, hook_spec, launch_server
+from tasks.capture.config import CaptureConfig
+from tasks.serve.config import ServeConfig
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, build_command, cpu_attention_backend, hook_spec, launch_server
 from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \
     architecture_of
+from tasks.store.config import StoreConfig
 from tasks.target.layers import AuxLayers
-from tasks.target.models import TINY_DEEPSEEK_V3, TINY_GLM4_MOE, TINY_GPT_OSS, TINY_KIMI_K25, TINY_QWEN3, \
+from tasks.target.reference import load_reference_model, reference_states
+from tasks.train.config import TrainConfig
+from tests.conftest import ARTIFACTS, demo_rows, write_jsonl
+from tests.reference_comparison import compare_with_reference
+from tests.tiny_models import TINY_DEEPSEEK_V3, TINY_GLM4_MOE, TINY_GPT_OSS, TINY_KIMI_K25, TINY_QWEN3, \
     TINY_QWEN3_MOE, ensure_model
-from tasks.target.reference import compare_with_reference, load_reference_model, reference_states
-from tests.conftest import ARTIFACTS
 
 
 def test_layer_ids_mean_the_output_of_layer_i_on_every_architecture():
@@ -53,14 +64,14 @@ def test_kimi_sizes_come_from_text_config_and_its_stack_is_the_language_model():
 
 
 def test_the_capture_hooks_target_the_stack_and_its_first_layer(tmp_path):
-    cfg = ServerConfig(model_path="m", dump_dir=tmp_path, capture_module="language_model.model")
+    cfg = LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, capture_module="language_model.model")
     targets = [spec["target_modules"] for spec in hook_spec(cfg)]
     assert targets == [["language_model.model.layers.0"], ["language_model.model"]]
 
 
 @pytest.mark.parametrize("flag", ["--enable-two-batch-overlap", "--attn-cp-size=2"])
 def test_flags_that_break_capture_are_refused(tmp_path, flag):
-    cfg = ServerConfig(model_path="m", dump_dir=tmp_path, capture_module="model", extra_args=(flag,))
+    cfg = LaunchSpec(ServerConfig(model="m", extra_args=[flag]), dump_dir=tmp_path, capture_module="model")
     with pytest.raises(ValueError, match="not supported on a capture server"):
         build_command(cfg, 1234, cpu=True)
 
@@ -71,20 +82,20 @@ def test_mla_targets_get_the_intel_amx_backend_on_a_cpu_only(tmp_path, arch, bac
     # torch_native, SGLang's CPU default, has no MLA path: the first prefill
     # of a DeepSeek-V3 or Kimi target dies there.
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
-    cfg = ServerConfig(model_path=str(tmp_path), dump_dir=tmp_path / "d")
+    cfg = LaunchSpec(ServerConfig(model=str(tmp_path)), dump_dir=tmp_path / "d")
     assert cpu_attention_backend(cfg) == backend
     on_cpu, on_gpu = build_command(cfg, 1, cpu=True), build_command(cfg, 1, cpu=False)
     assert ("--attention-backend" in on_cpu) == (backend is not None) and "--attention-backend" not in on_gpu
-    own = ServerConfig(model_path=str(tmp_path), dump_dir=tmp_path / "d", extra_args=("--attention-backend=x",))
+    own = LaunchSpec(ServerConfig(model=str(tmp_path), extra_args=["--attention-backend=x"]), dump_dir=tmp_path / "d")
     assert "--attention-backend" not in build_command(own, 1, cpu=True)  # the user's choice stands
 
 
 @pytest.mark.server
 def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
-    from tasks.server.launch import ServerError
+    from tasks.sglang_api import ServerError
 
-    cfg = ServerConfig(model_path=str(tiny_model), dump_dir=tmp_path / "dumps", max_total_tokens=4096,
-                       capture_module="no_such_module")
+    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=tmp_path / "dumps",
+                     capture_module="no_such_module")
     with pytest.raises(ServerError, match="attached to no module"):
         launch_server(cfg, tmp_path / "server.log", timeout_s=600)
 
@@ -92,13 +103,20 @@ def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
 @pytest.mark.server
 @pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_MOE, TINY_DEEPSEEK_V3, TINY_KIMI_K25, TINY_GLM4_MOE,
                                   TINY_GPT_OSS])
-def test_captures_equal_hf_on_each_architecture(name, tmp_path):
+def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serves(name, prefect_api, tmp_path):
+    """One capture server per architecture for all of it: its captures equal
+    an independent HF forward (prompts across the chunk and gpt-oss's
+    window, a non-default aux layer set), then the whole pipeline runs
+    attached to it: capture (MLA and sinks on this CPU through our ops),
+    training with the embedding and head from the right tensors (Kimi's
+    under language_model.), export, and SGLang serving the drafter
+    speculatively on that target with greedy output unchanged."""
     # float32 on both sides: a random MoE router has near-ties that bf16
     # rounding flips (seen: one token of 70 routed differently, cosine 0.998
     # from there on), which would measure rounding, not the capture.
     # SGLang's gpt-oss keeps its attention weights in bf16 whatever --dtype
     # says (float32 fails on a dtype mismatch): bf16 on both sides there,
-    # with a model whose tokens go to every expert (tasks/target/models.py).
+    # with a model whose tokens go to every expert (tests/tiny_models.py).
     dtype = "bfloat16" if name == TINY_GPT_OSS else "float32"
     model = ensure_model(name)
     config = json.loads((model / "config.json").read_text())
@@ -110,55 +128,53 @@ def test_captures_equal_hf_on_each_architecture(name, tmp_path):
     # absorbed path); 70 and 300 > gpt-oss's 32-token window.
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 70, 300)]
     # Kimi-K2.5 is served with its checkpoint's own processor code, as the real one is.
-    extra = ("--trust-remote-code",) if arch is KIMI_K25 else ()
-    cfg = ServerConfig(model_path=str(model), dump_dir=tmp_path / "dumps", max_total_tokens=8192,
-                       chunked_prefill_size=256, aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids),
-                       dtype=dtype, extra_args=extra)
+    extra = ["--trust-remote-code"] if arch is KIMI_K25 else []
+    section = ServerConfig(model=str(model), max_total_tokens=8192, chunked_prefill_size=256, dtype=dtype,
+                           extra_args=extra)
+    spec = LaunchSpec(section, dump_dir=tmp_path / "dumps", aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids))
     reference = load_reference_model(str(model), getattr(torch, dtype))
 
     def check(i, capture):
         assert capture.aux_layer_ids == layers.sglang_ids  # what the hook saw SGLang capture
+        assert capture.canary.ok and len(capture.canary.positions) >= min(8, len(prompts[i]) - 1)
         ref_aux, ref_final = reference_states(reference, prompts[i], layers)
         return compare_with_reference(capture, ref_aux, ref_final)
 
-    with launch_server(cfg, ARTIFACTS / f"{name}-server.log", timeout_s=600) as server:
-        results = capture_many(server.url, cfg.dump_dir, prompts, check, concurrency=3,
-                               aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix)
-    for n, result in zip((5, 70, 300), results):
-        assert not isinstance(result, Exception), f"{name}, {n} tokens: {result!r}"
-        assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (name, n, result)
-    # What the README's table quotes.
-    (ARTIFACTS / "architectures").mkdir(parents=True, exist_ok=True)
-    (ARTIFACTS / "architectures" / f"{name}.json").write_text(json.dumps(
-        {"dtype": dtype, "by_prompt_length": dict(zip((5, 70, 300), results))}, indent=1) + "\n")
+    # Every prompt a canary: its final state, through the head read from the
+    # checkpoint's own tensor names, gives the server's logprobs.
+    head = canary.load_head(str(model))
+    canaries = {i: partial(canary.check_capture, head=head, sample_id=str(i)) for i in range(len(prompts))}
+    with launch_server(spec, ARTIFACTS / f"{name}-server.log", timeout_s=600) as server:
+        results = capture_many(server.url, spec.dump_dir, prompts, check, concurrency=3,
+                               aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix,
+                               canaries=canaries)
+        for n, result in zip((5, 70, 300), results):
+            assert not isinstance(result, Exception), f"{name}, {n} tokens: {result!r}"
+            assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (name, n, result)
+        # What the README's table quotes.
+        (ARTIFACTS / "architectures").mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / "architectures" / f"{name}.json").write_text(json.dumps(
+            {"dtype": dtype, "by_prompt_length": dict(zip((5, 70, 300), results))}, indent=1) + "\n")
 
-
-@pytest.mark.server
-def test_data_parallel_attention_captures_the_requests_of_every_dp_group(tmp_path):
-    # tp 2, dp 2 with data-parallel attention: two schedulers, each with its
-    # own requests and only their tokens at the decoder stack's output. A
-    # hook writing on TP rank 0 alone would lose every request DP group 1
-    # serves; the first rank of each attention-TP group must write.
-    model = ensure_model(TINY_QWEN3_MOE)
-    layers = AuxLayers.for_model(8, [2, 4, 5])
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (9, 40, 70, 120)]
-    log = ARTIFACTS / "dp-attention-server.log"
-    log.unlink(missing_ok=True)
-    cfg = ServerConfig(model_path=str(model), dump_dir=tmp_path / "dumps", max_total_tokens=4096, tp_size=2,
-                       aux_layer_ids=layers.sglang_ids, dtype="float32",
-                       extra_args=("--dp-size", "2", "--enable-dp-attention"))
-    reference = load_reference_model(str(model), torch.float32)
-
-    def check(i, capture):
-        ref_aux, ref_final = reference_states(reference, prompts[i], layers)
-        return compare_with_reference(capture, ref_aux, ref_final)
-
-    with launch_server(cfg, log, timeout_s=600) as server:
-        results = capture_many(server.url, cfg.dump_dir, prompts, check, concurrency=4,
-                               aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix)
-    for n, result in zip((9, 40, 70, 120), results):
-        assert not isinstance(result, Exception), f"{n} tokens: {result!r}"
-        assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (n, result)
-    text = log.read_text()
-    assert "DP0 TP0] Prefill batch" in text and "DP1 TP1] Prefill batch" in text  # both groups served some
+        attached = section.model_copy(update={"url": server.url, "api_key": server.api_key,
+                                              "rid_prefix": server.rid_prefix})
+        dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(120))
+        summary = eagle3_pipeline(
+            server=attached,
+            capture=CaptureConfig(dataset=str(dataset), max_length=512, batch_size=32, aux_layer_ids=[2, 4, 5],
+                                  dump_dir=str(spec.dump_dir)),
+            store=StoreConfig(path=str(tmp_path / "run" / "store")),
+            train=TrainConfig(out_dir=str(tmp_path / "run" / "train"), draft_vocab_size=512, ttt_steps=3, epochs=6,
+                              lr=5e-3, tokens_per_batch=2048, serve_steps=3),
+            serve=ServeConfig(num_prompts=4, max_new_tokens=24))
+    assert summary["outputs_equal"] is True, summary
+    # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
+    report = json.loads((tmp_path / "run" / "store" / "reports" / "latest.json").read_text())
+    assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report
+    assert summary["heldout_tau"] > summary["untrained_tau"] + 0.3, summary
+    assert summary["sglang_accept_length"] > 1.0, summary  # drafts were accepted in SGLang
+    drafter = json.loads((Path(summary["drafter_dir"]) / "config.json").read_text())
+    assert drafter["vocab_size"] == arch.sizes(config)["vocab_size"]
+    assert drafter["eagle3_training"]["target"] == str(model)
+    # The drafter is told the layers it was trained on, as this class reads them.
+    assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == arch.sglang_layer_ids(layers.sglang_ids)

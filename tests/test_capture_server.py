@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from tasks.capture.client import capture_many, capture_one, probe_capture
-from tasks.server.cpu_shim import gpu_present, resolve_dtype
-from tasks.server.launch import auth_headers
-from tasks.target.reference import compare_with_reference, load_reference_model, reference_states
+from tasks.server.cpu.shim import gpu_present, resolve_dtype
+from tasks.sglang_api import auth_headers
+from tasks.target.reference import load_reference_model, reference_states
 from tests.conftest import CHUNKED_PREFILL
+from tests.reference_comparison import compare_with_reference
 
 pytestmark = pytest.mark.server
 
@@ -41,7 +42,7 @@ def access(server) -> dict:
 
 
 def test_probe_round_trips(capture_server, tiny_layers):
-    summary = probe_capture(capture_server.url, capture_server.config.dump_dir, aux_layer_ids=tiny_layers.sglang_ids,
+    summary = probe_capture(capture_server.url, capture_server.spec.dump_dir, aux_layer_ids=tiny_layers.sglang_ids,
                             **access(capture_server))
     assert summary == {"tokens": 16, "aux_layer_ids": [1, 3, 4], "hidden_size": 128, "dtype": server_dtype()}
 
@@ -58,7 +59,7 @@ def test_captures_equal_an_independent_hf_forward(capture_server, tiny_layers, r
         assert capture.aux_layer_ids == tiny_layers.sglang_ids
         return compare_with_reference(capture, ref_aux, ref_final)
 
-    results = capture_many(server.url, server.config.dump_dir, id_lists, check, concurrency=1, **access(server))
+    results = capture_many(server.url, server.spec.dump_dir, id_lists, check, concurrency=1, **access(server))
     for n, result in zip(LENGTHS, results):
         assert not isinstance(result, Exception), f"{n} tokens: {result!r}"
         assert result["min_cosine_aux"] >= 0.999 and result["min_cosine_final"] >= 0.999, (n, result)
@@ -74,8 +75,8 @@ def test_concurrent_requests_give_the_same_data_per_rid_as_serial(capture_server
     def keep(i, capture):
         return capture.input_ids.clone(), capture.aux_hidden_states.clone(), capture.final_hidden_state.clone()
 
-    serial = capture_many(server.url, server.config.dump_dir, id_lists, keep, concurrency=1, **access(server))
-    concurrent = capture_many(server.url, server.config.dump_dir, id_lists, keep, concurrency=16, **access(server))
+    serial = capture_many(server.url, server.spec.dump_dir, id_lists, keep, concurrency=1, **access(server))
+    concurrent = capture_many(server.url, server.spec.dump_dir, id_lists, keep, concurrency=16, **access(server))
     for i, (s, c) in enumerate(zip(serial, concurrent)):
         assert not isinstance(s, Exception) and not isinstance(c, Exception), (i, s, c)
         assert torch.equal(s[0], c[0]) and s[0].tolist() == id_lists[i]
@@ -83,12 +84,12 @@ def test_concurrent_requests_give_the_same_data_per_rid_as_serial(capture_server
         for a, b in zip(s[1:], c[1:]):
             cos = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
             assert cos.min() >= 0.999, (i, cos.min())
-    assert list(server.config.dump_dir.iterdir()) == []
+    assert list(server.spec.dump_dir.iterdir()) == []
 
 
 def test_unsafe_rids_write_nothing_anywhere(capture_server, tmp_path):
     server = capture_server
-    dump_dir = server.config.dump_dir
+    dump_dir = server.spec.dump_dir
     outside = dump_dir.parent
     before_outside = set(outside.iterdir())
     prefix = server.rid_prefix  # unsafe rids that do carry the server's prefix
@@ -111,7 +112,7 @@ def test_requests_the_pipeline_did_not_issue_are_not_captured(capture_server):
         r = client.post(f"{server.url}/generate", json={
             "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}, "rid": "someone-else-1"})
         assert r.status_code == 200
-    assert list(server.config.dump_dir.iterdir()) == []
+    assert list(server.spec.dump_dir.iterdir()) == []
 
 
 def test_a_prompt_from_the_prefix_cache_would_be_refused(capture_server):
@@ -122,7 +123,7 @@ def test_a_prompt_from_the_prefix_cache_would_be_refused(capture_server):
 
     async def twice():
         async with httpx.AsyncClient(timeout=60, headers=auth_headers(server.api_key)) as client:
-            return [await capture_one(client, server.url, server.config.dump_dir, ids, rid_prefix=server.rid_prefix)
+            return [await capture_one(client, server.url, server.spec.dump_dir, ids, rid_prefix=server.rid_prefix)
                     for _ in range(2)]
 
     first, second = asyncio.run(twice())

@@ -1,42 +1,95 @@
-import inspect
+"""Every flow's command line, Python API and Prefect UI form come from the
+same declarations: its signature, whose sections are the stages' configs."""
+import importlib
 
 import pytest
 
-from flows.cli import build_parser
-from flows.extract import extract_hidden_states
-from flows.verify import verify_store
+from flows.cli import config_from_argv, help_text
+from flows.config import ConfigError, is_section, parameters, parameters_model, section_fields
+
+FLOWS = ["flows.extract:extract_hidden_states", "flows.extract_nodes:extract_across_nodes",
+         "flows.verify:verify_store", "flows.train:train_drafter", "flows.serve:serve_check",
+         "flows.pipeline:eagle3_pipeline"]
 
 
-def test_cli_mirrors_the_flow_signature_with_descriptions():
-    parser = build_parser(extract_hidden_states, "python -m flows.extract")
-    text = parser.format_help()
-    for name in inspect.signature(extract_hidden_states.fn).parameters:
-        assert f"--{name.replace('_', '-')}" in text
-    assert "samples per batch task and per shard" in text and "{truncate,skip}" in text
-    args = parser.parse_args(["--batch-size", "7", "--aux-layer-ids", "1", "3", "4", "--no-verify",
-                              "--max-length-policy", "skip"])
-    assert args.batch_size == 7 and args.aux_layer_ids == [1, 3, 4] and args.verify is False
-    assert args.max_length_policy == "skip" and args.server_url is None
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--max-length-policy", "drop"])
-
-
-def test_verify_cli():
-    args = build_parser(verify_store, "python -m flows.verify").parse_args(["--store", "s", "--no-recheck-source"])
-    assert args.store == "s" and args.recheck_source is False and args.seal is False
-    assert build_parser(verify_store, "python -m flows.verify").parse_args(["--seal"]).seal is True
-
-
-@pytest.mark.parametrize("entry", ["flows.extract:extract_hidden_states", "flows.verify:verify_store",
-                                   "flows.train:train_drafter", "flows.serve:serve_check",
-                                   "flows.pipeline:eagle3_pipeline"])
-def test_the_ui_form_describes_every_parameter(entry):
-    """Prefect builds the run form from this schema; it reads descriptions
-    from the docstring's Args section only, which `described` writes."""
-    import importlib
-
+def load(entry):
     module, name = entry.split(":")
-    flow = getattr(importlib.import_module(module), name)
-    properties = flow.parameters.model_dump()["properties"]
-    missing = [p for p, spec in properties.items() if not spec.get("description")]
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("entry", FLOWS)
+def test_help_lists_every_key_with_its_description(entry):
+    flow = load(entry)
+    text = help_text(flow, "prog")
+    for name, (annotation, _) in parameters(flow).items():
+        if is_section(annotation):
+            for field, info in section_fields(annotation).items():
+                key = f"--{name}.{field}".replace("_", "-")
+                assert key in text, key
+                assert info.description, f"{name}.{field} has no description"
+        else:
+            assert f"--{name.replace('_', '-')}" in text, name
+
+
+@pytest.mark.parametrize("entry", FLOWS)
+def test_the_ui_form_describes_every_parameter_and_every_section_field(entry):
+    """Prefect builds the run form from this schema: it reads the flow's
+    parameter descriptions from the docstring's Args section only (which
+    `described` writes); a section's fields carry their own."""
+    flow = load(entry)
+    schema = flow.parameters.model_dump()
+    properties, definitions = schema["properties"], schema.get("definitions", {})
+    # (pydantic leaves a section's description on its definition when the two are the same)
+    missing = [p for p, spec in properties.items() if not spec.get("description") and not
+               definitions.get(spec.get("$ref", "").rsplit("/", 1)[-1], {}).get("description")]
     assert properties and not missing, missing
+    for name, (annotation, _) in parameters(flow).items():
+        if is_section(annotation):
+            fields = definitions[annotation.__name__]["properties"]
+            assert set(fields) == set(section_fields(annotation))
+            assert all(f.get("description") for f in fields.values()), annotation.__name__
+
+
+def test_the_pipeline_takes_every_stage_section():
+    from flows.extract import extract_hidden_states
+    from flows.pipeline import eagle3_pipeline
+    from flows.serve import serve_check
+    from flows.train import train_drafter
+
+    pipeline = parameters(eagle3_pipeline)
+    for stage in (extract_hidden_states, train_drafter, serve_check):
+        for name, (annotation, _) in parameters(stage).items():
+            if is_section(annotation):
+                assert pipeline[name][0] is annotation, (stage.name, name)
+
+
+def test_data_parallel_attention_and_many_sglang_flags_from_the_command_line():
+    from flows.pipeline import eagle3_pipeline
+
+    values, _ = config_from_argv(eagle3_pipeline, [
+        "--train.lr", "3e-4", "--server.tp-size", "2", "--server.dp-size", "2", "--server.dp-attention",
+        "--server.extra-args", "--enable-mixed-chunk --max-running-requests 64", "--server.dtype", "bfloat16",
+        "--capture.aux-layer-ids", "2,5,6", "--store.dtype", "float8_e4m3fn"])
+    server = values["server"]
+    assert (server.tp_size, server.dp_size, server.dp_attention, server.dtype) == (2, 2, True, "bfloat16")
+    assert server.extra_args == ["--enable-mixed-chunk", "--max-running-requests", "64"]
+    assert values["train"].lr == 3e-4 and values["capture"].aux_layer_ids == [2, 5, 6]
+    assert values["store"].dtype == "float8_e4m3fn"
+    with pytest.raises(ConfigError, match=r"server: .*dp_size"):  # SGLang's own rule, refused before launch
+        config_from_argv(eagle3_pipeline, ["--server.dp-attention"])
+    with pytest.raises(ConfigError, match=r"train\.sharding: .*use one of ddp, fsdp, hsdp"):
+        config_from_argv(eagle3_pipeline, ["--train.sharding", "zero"])
+
+
+def test_verify_takes_plain_parameters():
+    from flows.verify import verify_store
+
+    values, _ = config_from_argv(verify_store, ["--store", "s", "--no-recheck-source"])
+    assert values["store"] == "s" and values["recheck_source"] is False and values["seal"] is False
+    assert config_from_argv(verify_store, ["--seal"])[0]["seal"] is True
+
+
+@pytest.mark.parametrize("entry", FLOWS)
+def test_every_flow_has_one_model_of_its_parameters(entry):
+    model = parameters_model(load(entry))
+    assert set(model.model_fields) == set(parameters(load(entry)))

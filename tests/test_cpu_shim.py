@@ -3,7 +3,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tasks.server.cpu_shim import build_libcuda_stub, server_environment
+from tasks.server.cpu.shim import build_libcuda_stub, server_environment
 
 
 def defined_symbols(lib: Path) -> set[str]:
@@ -36,7 +36,7 @@ def test_gpu_environment_is_left_alone():
 
 
 def test_cpu_ranks_get_their_own_cores_or_share_them_in_turn():
-    from tasks.server.cpu_shim import cpu_thread_binding
+    from tasks.server.cpu.shim import cpu_thread_binding
 
     assert cpu_thread_binding(2, list(range(16))) == "0-7|8-15"
     assert cpu_thread_binding(2, [0, 1]) == "0|1"

@@ -1,4 +1,4 @@
-"""The CPU speculative-decoding operators (tasks.cpu_spec_ops) against
+"""The CPU speculative-decoding operators (tasks.server.cpu.spec_ops) against
 straightforward references: Python loops over the semantics of SGLang's CPU
 kernels, and naive per-head softmax attention. Every op is called through
 torch.ops.sgl_kernel, with positional arguments in the order SGLang's callers
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tasks.paths import REPO_ROOT
-from tasks.server.cpu_shim import CPU_OPS_SWITCH, SGLANG_SITE_DIR, server_environment
-from tasks.server.cpu_spec_ops import SCHEMAS, TREE_MASK_FULL, TREE_MASK_QLEN_ONLY, register_ops
+from tasks.server.cpu.shim import CPU_OPS_SWITCH, SGLANG_SITE_DIR, server_environment
+from tasks.server.cpu.spec_ops import SCHEMAS, TREE_MASK_FULL, TREE_MASK_QLEN_ONLY, register_ops
 
 ops = torch.ops.sgl_kernel
 
@@ -467,7 +467,7 @@ def test_cpu_ops_environment_only_on_cpu():
 
 def run_site(env: dict) -> dict:
     probe = ("import json, sys, torch\n"
-             "info = {'installed': 'tasks.server.cpu_spec_ops' in sys.modules,\n"
+             "info = {'installed': 'tasks.server.cpu.spec_ops' in sys.modules,\n"
              "        'ops': [n for n in %r if hasattr(torch.ops.sgl_kernel, n)]}\n"
              "if info['installed']:\n"
              "    from sglang.srt.runtime_context import get_platform\n"

@@ -6,7 +6,10 @@ import threading
 
 import pytest
 
-from tasks.capture.nodes import Dispatcher
+import logging
+
+from tasks.capture import nodes
+from tasks.capture.nodes import Dispatcher, feed_node
 from tasks.store.lock import LockHeld, check_held_by, hold_lock
 from tasks.store.manifest import StoreError
 from tasks.store.shards import shard_name, write_shard
@@ -68,6 +71,76 @@ def test_a_node_waits_while_a_share_may_still_come_back():
     assert d.take("a") is None and d.take("b") is None
 
 
+def test_a_failed_share_never_goes_back_to_the_node_that_failed_it_while_another_can_take_it():
+    """A node whose worker is gone fails each share after start_timeout_s:
+    its share must move at once, whatever max_node_failures is (it used to
+    go straight back to the same node, costing max_node_failures timeouts)."""
+    d = Dispatcher(plan(8), ["a", "b"], max_node_failures=5, min_share=2)
+    s0, s1 = d.take("a"), d.take("b")
+    d.finished("a", s0, "cancelled: no worker started it")
+    s2 = d.take("a")
+    assert s2 not in (s0, s1) and s2 is not None  # a gets new work, not its failed share
+    d.finished("b", s1, None)
+    assert d.take("b") == s0  # the first node free that did not fail it
+    d.finished("a", s2, "cancelled")
+    d.finished("b", s0, None)
+    assert d.take("b") == s2 and d.take("a") not in (s0, s2)
+
+
+def test_a_share_every_healthy_node_failed_is_tried_again():
+    d = Dispatcher(plan(2), ["a"], max_node_failures=3, min_share=2)
+    s0 = d.take("a")
+    d.finished("a", s0, "Failed")
+    assert d.take("a") == s0  # nobody else can take it
+
+
+def test_a_share_is_handed_back_whatever_watching_its_child_raises():
+    """The parent used to hang for good when a Prefect API call raised while
+    a child ran: the share stayed counted in flight and the other nodes
+    waited for it. Now it goes back; the other node runs it; both end."""
+    d = Dispatcher(plan(12), ["a", "b"], max_node_failures=2, min_share=2)
+    ran: dict[str, list] = {"a": [], "b": []}
+
+    def runner(node):
+        def run_share(share, n):
+            if node == "a" and n == 1:
+                raise ConnectionError("Prefect API unreachable")
+            ran[node].append(share.index)
+            return None, f"{node}-{share.index}"
+        return run_share
+
+    reports = {}
+    threads = [threading.Thread(target=lambda q=q: reports.setdefault(q, feed_node(q, d, runner(q),
+                                                                                   logging.getLogger("t"))))
+               for q in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    done = sorted(r for q in "ab" for sh in d.done[q] for r in sh.rows)
+    assert done == list(range(12)) and d.left == 0 and not d.drained
+    assert sorted(ran["a"] + ran["b"]) == sorted({sh.index for q in "ab" for sh in d.done[q]})
+    assert reports["a"]["samples"] + reports["b"]["samples"] == 12
+
+
+def test_the_prefect_api_is_retried_patiently_then_given_up(monkeypatch):
+    import httpx
+
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise httpx.ConnectError("refused")
+        return "run"
+
+    monkeypatch.setattr(nodes.time, "sleep", lambda s: None)
+    assert nodes._patiently(flaky, what="watch x") == "run" and len(calls) == 3
+    with pytest.raises(RuntimeError, match="could not watch x: the Prefect API failed"):
+        nodes._patiently(lambda: (_ for _ in ()).throw(httpx.ConnectError("down")), what="watch x", patience_s=5)
+
+
 def test_samples_left_when_every_node_is_drained():
     d = Dispatcher(plan(5), ["a"], max_node_failures=1, min_share=2)
     d.finished("a", d.take("a"), "Crashed")
@@ -85,7 +158,7 @@ def test_bad_node_lists_are_refused():
 def test_two_nodes_never_write_one_shard_path_and_the_index_takes_one(tmp_path):
     import torch
 
-    from tasks.store.ledger import SqliteLedger
+    from tasks.store.ledger.sqlite import SqliteLedger
 
     items = [{"sample_id": "s0", "source_row": 0, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
               "aux_hidden_states": torch.randn(3, 3, 8), "final_hidden_state": torch.randn(3, 8)}]
@@ -118,3 +191,33 @@ def test_node_queues_that_cannot_name_shards_are_refused_before_anything_runs(tm
     with pytest.raises(ValueError, match=r"node queue names \['Node_A'\]"):
         extract_across_nodes.fn(queues=["node-b", "Node_A"], store=str(tmp_path / "store"))
     assert not (tmp_path / "store").exists()
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A 1 MiB tmpfs: a store that cannot hold the plan."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], check=True)
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_plan_larger_than_the_stores_volume_is_refused_before_any_child(tmp_path, small_volume, tiny_model,
+                                                                          prefect_api):
+    """Each child checks only its share; 160 samples at H 128 need ~40 MiB, the
+    volume has 1: the parent refuses the whole plan before it starts one."""
+    from flows.extract_nodes import extract_across_nodes
+    from tasks.capture.config import CaptureConfig
+    from tasks.capture.extraction import InsufficientSpace
+    from tasks.store.config import StoreConfig
+    from tests.conftest import demo_rows, write_jsonl
+
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(160))
+    where = small_volume / "store"
+    with pytest.raises(InsufficientSpace, match=rf"the store needs .* GiB for [\d,]+ tokens but {where}"
+                                                r" has 0\.00 GiB free"):
+        extract_across_nodes(queues=["node-a"], model=str(tiny_model), capture=CaptureConfig(dataset=str(dataset)),
+                             store=StoreConfig(path=str(small_volume / "store")), deployment="no/such-deployment")

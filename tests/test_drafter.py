@@ -13,14 +13,18 @@ from safetensors.torch import load_file, save_file
 
 from tasks.target.architectures import LLAMA
 from tasks.target.layers import AuxLayers
-from tasks.target.models import TINY, TINY_KIMI_K25, ensure_model
+from tasks.train.config import TrainConfig
 from tasks.train.data import plan_batches
-from tasks.train.drafter import build_drafter, load_target_embeddings, ttt_attention
-from tasks.train.export import export_drafter, export_random_drafter, export_weights, load_exported
-from tasks.train.loop import TrainConfig, autocast_dtype, lr_at
+from tasks.target.embeddings import load_target_embeddings
+from tasks.train.drafter import build_drafter, ttt_attention
+from tasks.train.export import export_drafter, export_weights, load_exported
+from tasks.train.loop import lr_at
 from tasks.train.metrics import write_metrics
+from tasks.train.prepare import autocast_dtype
 from tasks.train.ttt import acceptance_length, chain_hits, exact_acceptance_length, ttt_forward
 from tasks.train.vocab import DraftVocab, count_target_tokens, target_greedy
+from tests.random_drafter import export_random_drafter
+from tests.tiny_models import TINY, TINY_KIMI_K25, ensure_model
 
 
 def test_draft_vocab_keeps_the_most_frequent_ids_and_maps_them_like_sglang():
@@ -51,17 +55,17 @@ def test_the_targets_greedy_tokens_are_counted_where_the_next_token_is_masked():
 def _vocab_on_rank(rank, port, results):
     import os
 
-    from tasks.train.loop import _draft_vocab
+    from tasks.train.prepare import draft_vocab
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        head = torch.eye(6)
+        head = torch.eye(40)
         # Each rank sees other data: only rank 0's may decide, or the ranks would train different drafters.
-        greedy = [5, 5, 4] if rank == 0 else [0, 1, 1]
-        samples = [{"loss_mask": [1] * 4, "final_hidden_state": torch.eye(6)[greedy + [0]]}]
-        cfg = TrainConfig(store="s", out_dir="o", draft_vocab_size=2)
-        results[rank] = _draft_vocab(cfg, samples, np.arange(1), head, torch.device("cpu"), rank, 2).target_ids.tolist()
+        greedy = list(range(24, 40)) if rank == 0 else list(range(16))
+        samples = [{"loss_mask": [1] * (len(greedy) + 1), "final_hidden_state": torch.eye(40)[greedy + [0]]}]
+        cfg = TrainConfig(draft_vocab_size=16)
+        results[rank] = draft_vocab(cfg, samples, np.arange(1), head, torch.device("cpu"), rank, 2).target_ids.tolist()
     finally:
         torch.distributed.destroy_process_group()
 
@@ -76,7 +80,7 @@ def test_under_ddp_rank_0_counts_the_draft_vocabulary_and_every_rank_gets_it():
         port = s.getsockname()[1]
     results = mp.Manager().dict()
     mp.spawn(_vocab_on_rank, args=(port, results), nprocs=2)
-    assert results[0] == results[1] == [4, 5]
+    assert results[0] == results[1] == list(range(24, 40))
 
 def test_export_has_sglangs_layout_and_reads_back(tiny_model, tmp_path):
     vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256)
@@ -309,7 +313,7 @@ def test_precision_auto_is_bf16_autocast_on_accelerators_and_fp32_on_a_cpu():
     assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) == torch.bfloat16
     assert autocast_dtype("fp32", cuda) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="precision 'fp16'"):
-        TrainConfig(store="s", out_dir="o", precision="fp16")
+        TrainConfig(precision="fp16")
 
 
 def test_a_bf16_autocast_step_keeps_fp32_weights_and_gradients_and_agrees_with_fp32(tiny_model):
@@ -342,7 +346,7 @@ def test_batches_cover_every_sample_once_within_budget_and_replay_by_epoch():
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
-    cfg = TrainConfig(store="s", out_dir="o", lr=1.0, warmup_fraction=0.1)
+    cfg = TrainConfig(lr=1.0, warmup_fraction=0.1)
     lrs = [lr_at(s, 100, cfg) for s in range(100)]
     assert lrs[0] < lrs[9] == pytest.approx(1.0)
     assert all(x >= y for x, y in zip(lrs[10:], lrs[11:]))

@@ -18,14 +18,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tasks.server.launch import ServerConfig, auth_headers, launch_server
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.sglang_api import auth_headers
 from tasks.target.layers import AuxLayers, default_aux_layer_ids
-from tasks.target.models import TINY, TINY_KIMI_K25, ensure_model
 from tasks.target.reference import load_reference_model, reference_states
-from tasks.train.drafter import Eagle3Drafter, load_target_embeddings, target_sizes
+from tasks.train.config import TrainConfig
+from tasks.target.embeddings import load_target_embeddings
+from tasks.train.drafter import Eagle3Drafter, target_sizes
 from tasks.train.export import export_weights, load_exported
-from tasks.train.loop import TrainConfig, train
+from tasks.train.loop import train
 from tests.conftest import ARTIFACTS, random_store
+from tests.tiny_models import TINY, TINY_KIMI_K25, ensure_model
 
 pytestmark = pytest.mark.server
 
@@ -72,14 +76,14 @@ def served(request, tmp_path_factory) -> Served:
     target_path = ensure_model(target)
     d = tmp_path_factory.mktemp(f"served-{target}")
     store = random_store(d, target_path, 8, max_length=64, aux_layer_ids=AUX_LAYER_IDS)
-    result = train(TrainConfig(store=str(store), out_dir=str(d / "train"), draft_vocab_size=256, ttt_steps=2,
-                               epochs=1, tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4))
+    result = train(TrainConfig(out_dir=str(d / "train"), draft_vocab_size=256, ttt_steps=2, epochs=1,
+                               tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), store)
     probe = d / "probe"
     hooks = [{"name": "draft_probe", "target_modules": ["model"],
               "hook_factory": "tests.sglang_draft_probe:make_probe", "config": {"out_dir": str(probe)}}]
-    cfg = ServerConfig(model_path=str(target_path), dump_dir=d / "unused", capture=False, dtype="float32",
-                       max_total_tokens=8192, draft_model_path=result.drafter_dir,
-                       extra_args=("--forward-hooks", json.dumps(hooks)))
+    cfg = LaunchSpec(ServerConfig(model=str(target_path), dtype="float32", max_total_tokens=8192,
+                                  extra_args=["--forward-hooks", json.dumps(hooks)]),
+                     dump_dir=d / "unused", capture=False, draft_model_path=result.drafter_dir)
     with launch_server(cfg, ARTIFACTS / f"draft-probe-server-{target}.log", timeout_s=600) as server:
         reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()

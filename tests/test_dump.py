@@ -89,3 +89,16 @@ def test_new_rids_are_safe_unique_and_tagged():
     rids = {new_rid("sample/../7") for _ in range(100)}
     assert len(rids) == 100
     assert all(is_safe_rid(r) and r.startswith("e3-sample7-") for r in rids)
+
+
+def test_discarding_many_rids_takes_their_chunks_and_temps_and_nothing_else(tmp_path):
+    from tasks.capture.dump import TMP_PREFIX, discard_rids
+
+    names = ["e3-a-1@0.safetensors", "e3-a-1@256.safetensors", f"{TMP_PREFIX}e3-a-1@512.safetensors.77",
+             "e3-b-2@0.safetensors", "e3-a-10@0.safetensors", "run.lock", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert discard_rids(tmp_path, {"e3-a-1", "e3-gone"}) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e3-a-10@0.safetensors", "e3-b-2@0.safetensors",
+                                                         "notes.txt", "run.lock"]
+    assert discard_rids(tmp_path, set()) == 0

@@ -13,12 +13,18 @@ import httpx
 import pytest
 import torch
 
+from flows.config import to_yaml
 from flows.extract import extract_hidden_states
 from tasks.capture import client as capture_client
+from tasks.capture.config import CaptureConfig
 from tasks.capture.dump import read_capture as real_read_capture, write_chunk
-from tasks.capture.extraction import extract_batch
+from tasks.capture.extraction import Endpoint, extract_batch
 from tasks.data.dataset import prepare_samples
-from tasks.store.ledger import open_ledger
+from tasks.server.config import ServerConfig
+from tasks.store.config import StoreConfig
+from tasks.store.handle import Store
+from tasks.store.ledger.open import open_ledger
+from tasks.store.lock import LOCK_NAME
 from tasks.store.manifest import read_manifest
 from tasks.store.reader import StoreReader
 from tasks.store.verification import verify_store
@@ -42,8 +48,8 @@ def small_store(capture_server, prefect_api, tmp_path_factory):
     long_chat = {"messages": [{"role": "user", "content": "word " * 2000}, {"role": "assistant", "content": "ok"}]}
     dataset = write_jsonl(d / "data.jsonl", demo_rows(24) + [
         "{broken json", {"messages": []}, {"messages": [{"role": "wizard", "content": "hi"}]}, long_chat])
-    result = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(d / "store"),
-                                            batch_size=8, max_length=1024, max_length_policy="skip"))
+    result = extract_hidden_states(**attach(capture_server, store=d / "store", dataset=str(dataset), batch_size=8,
+                                            max_length=1024, max_length_policy="skip"))
     return d, dataset, result
 
 
@@ -131,10 +137,14 @@ def test_verification_names_a_sample_whose_source_changed(small_store, tmp_path)
 def test_killed_run_resumes_and_another_batch_size_redoes_nothing(capture_server, prefect_api, tmp_path):
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(200))
     store = tmp_path / "store"
-    args = attach(capture_server, dataset=str(dataset), store=str(store), batch_size=2, concurrency=1)
-    cli = [sys.executable, "-m", "flows.extract", "--no-verify"] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
-    proc = subprocess.Popen(cli, cwd=REPO, env={**os.environ, "PREFECT_API_URL": prefect_api},
+    args = attach(capture_server, store=store, dataset=str(dataset), batch_size=2, concurrency=1)
+    # From the command line: a run file (the key stays in the environment,
+    # as the README advises), then an override.
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(to_yaml(args))  # the record leaves the key out
+    cli = [sys.executable, "-m", "flows.extract", "--config", str(run_file), "--no-verify"]
+    proc = subprocess.Popen(cli, cwd=REPO, env={**os.environ, "PREFECT_API_URL": prefect_api,
+                                                "EAGLE3_API_KEY": capture_server.api_key},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -152,7 +162,7 @@ def test_killed_run_resumes_and_another_batch_size_redoes_nothing(capture_server
     assert counts == [(200, 200, 200)]
     shards = ledger_rows(store, "SELECT name, sha256 FROM shards ORDER BY name")
 
-    again = extract_hidden_states(**{**args, "batch_size": 7})
+    again = extract_hidden_states(**{**args, "capture": args["capture"].model_copy(update={"batch_size": 7})})
     assert again["samples"] == 200
     assert ledger_rows(store, "SELECT name, sha256 FROM shards ORDER BY name") == shards
 
@@ -160,7 +170,7 @@ def test_killed_run_resumes_and_another_batch_size_redoes_nothing(capture_server
 def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from tasks.store.ledger import open_store
+    from tasks.store.ledger.open import open_store
     from tasks.store.manifest import build_manifest
     from tasks.target.architectures import LLAMA
 
@@ -190,10 +200,11 @@ def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_
         return real_read_capture(dump_dir, rid, ids, **kw)
 
     monkeypatch.setattr(capture_client, "read_capture", tampering_read)
-    result = extract_batch(server.url, server.config.dump_dir, tmp_path / "store", str(dataset), samples,
-                           aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix,
-                           sample_attempts=3,
-                           dump_wait_s=0.5)  # the short dump never completes: don't wait the default for it
+    # The short dump never completes: don't wait the default for it.
+    endpoint = Endpoint(server.url, server.spec.dump_dir, layers.sglang_ids, api_key=server.api_key,
+                        rid_prefix=server.rid_prefix, dump_wait_s=0.5)
+    result = extract_batch(endpoint, Store.open(tmp_path / "store"), str(dataset), samples,
+                           CaptureConfig(sample_attempts=3))
     assert calls["foreign"] == 1
     assert result.samples == 5 and result.quarantined == [samples[4].sample_id]
     assert result.retried == 2 + 1  # attempt 2: both; attempt 3: the short one
@@ -201,7 +212,8 @@ def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_
     assert row == 4 and attempts == 3 and "stops at token" in reason
     stored = {r[0] for r in ledger_rows(tmp_path / "store", "SELECT sample_id FROM samples")}
     assert stored == {s.sample_id for s in samples} - {samples[4].sample_id}
-    assert list(server.config.dump_dir.iterdir()) == []
+    # Nothing left but the lock file that the session's extraction runs hold on the dump dir.
+    assert [p.name for p in server.spec.dump_dir.iterdir()] in ([], [LOCK_NAME])
 
 
 def test_a_transient_request_failure_is_retried(capture_server, prefect_api, tmp_path, monkeypatch):
@@ -216,7 +228,7 @@ def test_a_transient_request_failure_is_retried(capture_server, prefect_api, tmp
 
     monkeypatch.setattr(httpx.AsyncClient, "post", flaky_post)
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(10))
-    result = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(tmp_path / "store"),
+    result = extract_hidden_states(**attach(capture_server, store=tmp_path / "store", dataset=str(dataset),
                                             batch_size=5))
     assert failed and result["samples"] == 10 and result["quarantined"] == 0 and result["verification"]["ok"]
 
@@ -245,7 +257,7 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
     def kill_server_midway():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not killed:
-            launched = servers_logging_to(store.parent / "logs" / "sglang-server.log")
+            launched = servers_logging_to(store / "logs" / "sglang-server.log")
             if launched and (store / "ledger.sqlite").exists() and open_ledger(store).summary()["shards"] >= 2:
                 os.killpg(launched[0], signal.SIGKILL)
                 killed.append(open_ledger(store).summary()["samples"])
@@ -253,15 +265,16 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
 
     watcher = threading.Thread(target=kill_server_midway, daemon=True)
     watcher.start()
-    result = extract_hidden_states(model=str(tiny_model), dataset=str(dataset), store=str(store),
-                                   dump_dir=str(tmp_path / "dumps"), batch_size=4, concurrency=2,
-                                   max_total_tokens=16384)
+    result = extract_hidden_states(server=ServerConfig(model=str(tiny_model), max_total_tokens=16384),
+                                   capture=CaptureConfig(dataset=str(dataset), dump_dir=str(tmp_path / "dumps"),
+                                                         batch_size=4, concurrency=2),
+                                   store=StoreConfig(path=str(store)))
     watcher.join(timeout=5)
     assert killed and killed[0] < 120, "the server was not killed midway"
     assert result["samples"] == 120 and result["quarantined"] == 0 and result["verification"]["ok"]
-    log = (store.parent / "logs" / "sglang-server.log").read_text()
+    log = (store / "logs" / "sglang-server.log").read_text()
     assert log.count("$ ") == 2  # launched once, relaunched once
-    assert not servers_logging_to(store.parent / "logs" / "sglang-server.log")  # the run stopped its server
+    assert not servers_logging_to(store / "logs" / "sglang-server.log")  # the run stopped its server
 
 
 def test_a_batch_task_that_fails_once_shows_its_retry_and_completes(capture_server, prefect_api, tmp_path,
@@ -284,7 +297,7 @@ def test_a_batch_task_that_fails_once_shows_its_retry_and_completes(capture_serv
 
     monkeypatch.setattr(extraction, "extract_batch", fails_once)
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(8))
-    state = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(tmp_path / "store"),
+    state = extract_hidden_states(**attach(capture_server, store=tmp_path / "store", dataset=str(dataset),
                                            batch_size=4, batch_retries=2, batch_retry_delay_s=0), return_state=True)
     assert state.is_completed() and state.result()["samples"] == 8
 

@@ -28,15 +28,20 @@ import torch
 
 from tasks.capture.client import capture_many
 from tasks.capture.dump import RID_PREFIX, check_rid_prefix, new_rid, write_chunk
-from tasks.capture.extraction import extract_batch, reset_dump_dir, warm_up
+from tasks.capture.config import CaptureConfig
+from tasks.capture.extraction import Endpoint, extract_batch, reset_dump_dir, warm_up
 from tasks.capture.hook import make_capture_hook
 from tasks.data.dataset import Sample
 from tasks.data.regeneration import regenerate
 from tasks.serve.check import generate_all
-from tasks.server.launch import LogFollower, ServerConfig, ServerError, ServerHandle, auth_headers, launch_server, \
-    server_healthy, wait_healthy
+from tasks.server.health import wait_healthy
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, ServerHandle, launch_server
+from tasks.server.server_log import LogFollower
 from tasks.server.supervisor import API_KEY_ENV, ServerSupervisor, attach_api_key
-from tasks.store.ledger import open_store
+from tasks.sglang_api import ServerError, auth_headers, server_healthy
+from tasks.store.ledger.open import open_store
+from tasks.store.handle import Store
 from tasks.store.shards import BF16, FORMAT
 from tests.test_capture_hook import run_hook
 
@@ -60,8 +65,9 @@ def fake_sglang(monkeypatch):
     return launched
 
 
-def capture_config(tmp_path, name="dumps", **kw) -> ServerConfig:
-    return ServerConfig(model_path="m", dump_dir=tmp_path / name, capture_module="model", cpu=False, **kw)
+def capture_config(tmp_path, name="dumps", server: dict | None = None, **kw) -> LaunchSpec:
+    return LaunchSpec(ServerConfig(model="m", **(server or {})), dump_dir=tmp_path / name, capture_module="model",
+                      cpu=False, **kw)
 
 
 def logged_commands(log: Path) -> list[str]:
@@ -77,7 +83,7 @@ def test_each_launch_draws_its_own_rid_prefix_and_api_key_and_the_hook_gets_them
         # captures under that server's prefix, and the server wants that key.
         for server in (a, b):
             printed = server.log_path.read_text()
-            assert f"'rid_prefix': '{server.rid_prefix}'" in printed and f"api_key='{server.api_key}'" in printed
+            assert f"'rid_prefix': '{server.rid_prefix}'" in printed and f"'api_key': '{server.api_key}'" in printed
             assert server_healthy(server.url, api_key=server.api_key)
             assert not server_healthy(server.url)  # the fake, like SGLang's other endpoints, wants the key
     # An explicit prefix and key are kept (a relaunch from the same config reuses them).
@@ -112,14 +118,15 @@ def test_a_failed_start_quotes_the_log_without_the_key(fake_sglang, tmp_path, mo
     log = tmp_path / "server.log"
     with pytest.raises(ServerError, match="exited with code 3") as err:
         launch_server(capture_config(tmp_path), log, timeout_s=30)
-    key = re.search(r"api_key='([^']+)'", log.read_text()).group(1)
-    assert key not in str(err.value) and "api_key='<redacted>'" in str(err.value)
+    key = re.search(r"'api_key': '([^']+)'", log.read_text()).group(1)
+    assert key not in str(err.value) and "'api_key': '<redacted>'" in str(err.value)
     (command,) = logged_commands(log)
     assert not Path(command.split("--config ", 1)[1].split()[0]).exists()
 
 
 def test_a_relaunched_server_keeps_its_prefix_and_key(fake_sglang, tmp_path):
-    supervisor = ServerSupervisor(capture_config(tmp_path), tmp_path / "server.log", max_restarts=1, timeout_s=30)
+    supervisor = ServerSupervisor(capture_config(tmp_path, server={"max_restarts": 1}), tmp_path / "server.log",
+                                  timeout_s=30)
     try:
         supervisor.start()
         key, prefix, url, first = supervisor.api_key, supervisor.rid_prefix, supervisor.url, supervisor.handle
@@ -130,7 +137,7 @@ def test_a_relaunched_server_keeps_its_prefix_and_key(fake_sglang, tmp_path):
         # The batches in flight hold the URL, prefix and key: all three still hold.
         assert (supervisor.url, supervisor.rid_prefix, supervisor.api_key) == (url, prefix, key)
         relaunched = supervisor.handle.log_path.read_text().split("\n$ ")[-1]  # what the second server was given
-        assert f"'rid_prefix': '{prefix}'" in relaunched and f"api_key='{key}'" in relaunched
+        assert f"'rid_prefix': '{prefix}'" in relaunched and f"'api_key': '{key}'" in relaunched
         assert supervisor.healthy()  # with the key: the fake refuses health checks without it
     finally:
         supervisor.stop()
@@ -141,13 +148,13 @@ def test_attach_mode_takes_the_key_given_or_from_the_environment(monkeypatch, tm
     assert attach_api_key("given") == "given" and attach_api_key(None) == "from-env"
     monkeypatch.delenv(API_KEY_ENV)
     assert attach_api_key(None) is None
-    attached = ServerSupervisor(attach_url="http://127.0.0.1:1")
+    attached = ServerSupervisor(ServerConfig(url="http://127.0.0.1:1"))
     assert attached.rid_prefix == RID_PREFIX and attached.api_key is None  # a server started without either
     # A launched server draws its own; attach-mode values there are a mistake, not a wish.
-    with pytest.raises(ValueError, match="server_api_key, server_rid_prefix"):
-        ServerSupervisor(capture_config(tmp_path), tmp_path / "log", api_key="k")
-    with pytest.raises(ValueError, match="server_api_key, server_rid_prefix"):
-        ServerSupervisor(capture_config(tmp_path), tmp_path / "log", rid_prefix="mine-")
+    with pytest.raises(ValueError, match="server.api_key and server.rid_prefix"):
+        ServerSupervisor(capture_config(tmp_path, server={"api_key": "k"}), tmp_path / "log")
+    with pytest.raises(ValueError, match="server.api_key and server.rid_prefix"):
+        ServerSupervisor(capture_config(tmp_path, server={"rid_prefix": "mine-"}), tmp_path / "log")
 
 
 @pytest.mark.parametrize("prefix", ["", ".e3-", "e3/../", "x" * 31, None])
@@ -155,7 +162,7 @@ def test_an_unusable_rid_prefix_is_refused(prefix, tmp_path):
     with pytest.raises(ValueError, match="rid prefix"):
         check_rid_prefix(prefix)
     with pytest.raises(ValueError, match="rid prefix"):
-        ServerSupervisor(attach_url="http://127.0.0.1:1", rid_prefix=prefix)
+        ServerSupervisor(ServerConfig(url="http://127.0.0.1:1", rid_prefix=prefix))
     if prefix is not None:  # None in a hook config means "the default"
         # An empty prefix would capture every request, as capture_all does.
         with pytest.raises(ValueError, match="rid prefix"):
@@ -236,14 +243,14 @@ def capture_a_batch(fake, tmp_path):
     connection, so extract_batch asks the server's health before retrying."""
     fake.drop = True
     url, key, prefix = "http://fake", fake.key, fake.prefix
-    warm_up(url, fake.dump_dir, aux_layer_ids=(1, 3, 4), api_key=key, rid_prefix=prefix)
+    endpoint = Endpoint(url, fake.dump_dir, (1, 3, 4), api_key=key, rid_prefix=prefix)
+    warm_up(endpoint)
     store = tmp_path / "store"
     open_store(store, {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"},
                        "aux_layers": {"ids": [1, 3, 4]}, "hidden_size": 4, "dtype": BF16, "max_length": 64,
                        "max_length_policy": "truncate"})
     samples = [Sample(f"s{k}", k, np.arange(3 + k, dtype=np.int32), np.ones(3 + k, dtype=np.uint8)) for k in range(4)]
-    result = extract_batch(url, fake.dump_dir, store, "data.jsonl", samples, aux_layer_ids=(1, 3, 4), api_key=key,
-                           rid_prefix=prefix, concurrency=1)
+    result = extract_batch(endpoint, Store.open(store), "data.jsonl", samples, CaptureConfig(concurrency=1))
     assert result.samples == 4 and result.retried == 1 and not result.quarantined
     paths = [r.url.path for r in fake.requests]
     assert paths.count("/health") == 1 and paths.count("/generate") == 3 + 5
@@ -254,10 +261,10 @@ def capture_a_batch(fake, tmp_path):
 def check_health(fake, tmp_path):
     url, key = "http://fake", fake.key
     assert server_healthy(url, api_key=key)
-    attached = ServerSupervisor(attach_url=url, api_key=key, max_restarts=0)
+    attached = ServerSupervisor(ServerConfig(url=url, api_key=key))
     attached.start()
     attached.recover()  # healthy: nothing to do
-    handle = ServerHandle(ServerConfig(model_path="m", dump_dir=tmp_path, api_key=key),
+    handle = ServerHandle(LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, api_key=key),
                           SimpleNamespace(poll=lambda: None), url, tmp_path / "server.log")
     wait_healthy(handle, timeout_s=5)
     assert len(fake.requests) == 4
@@ -295,7 +302,7 @@ def test_a_capture_without_the_key_is_refused_and_named(network, tmp_path):
 def test_a_real_server_wants_its_key_and_captures_only_its_own_prefix(tiny_model, tmp_path):
     """NOT run where it was written (no SGLang server could be started there)."""
     dump_dir = tmp_path / "dumps"
-    cfg = ServerConfig(model_path=str(tiny_model), dump_dir=dump_dir, max_total_tokens=4096)
+    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=dump_dir)
     with launch_server(cfg, tmp_path / "server.log", timeout_s=600) as server:
         assert server.api_key not in Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode()
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}}
@@ -326,9 +333,10 @@ def parsed_by_sglang(cfg):
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
-    from tasks.server.launch import build_command, write_options_file
+    from tasks.server.launch import build_command, hook_spec
+    from tasks.server.run_secrets import write_options_file
 
-    options_file = write_options_file(cfg)
+    options_file = write_options_file(cfg.api_key, hook_spec(cfg))
     try:
         argv = build_command(cfg, 1234, cpu=True)[3:] + ["--config", str(options_file)]
         parser = argparse.ArgumentParser()
@@ -341,10 +349,10 @@ def parsed_by_sglang(cfg):
 
 def test_sglang_reads_the_key_and_the_hooks_from_the_options_file(tmp_path):
     """The options file gives the key and the hooks, the command line the rest."""
-    from tasks.server.launch import hook_spec, with_run_secrets
+    from tasks.server.launch import hook_spec
 
     name = 'd\u00e9j\u00e0 "q"'  # the hook config must survive the trip through YAML whole
-    cfg = with_run_secrets(capture_config(tmp_path, name))
+    cfg = capture_config(tmp_path, name).with_secrets()
     args, mode = parsed_by_sglang(cfg)
     assert mode == 0o600
     assert args.api_key == cfg.api_key and args.forward_hooks == hook_spec(cfg)
@@ -354,32 +362,36 @@ def test_sglang_reads_the_key_and_the_hooks_from_the_options_file(tmp_path):
 
 
 # Each flag build_command sets (or always owns), as a user might give it in
-# extra_args, with the config and machine where the launcher sets it, and
-# the field or flow parameter the refusal must name.
+# extra_args, with the server settings and machine where the launcher sets
+# it, and the setting the refusal must name.
 OWNED = [
-    (["--model-path=other"], {}, "ServerConfig.model_path (flow parameter model)"),
-    (["--model", "other"], {}, "ServerConfig.model_path"),          # SGLang's alias
-    (["--model-pa", "other"], {}, "ServerConfig.model_path"),       # an abbreviation argparse expands
-    (["--host", "0.0.0.0"], {}, "ServerConfig.host"),
-    (["--port", "1"], {}, "ServerConfig.port"),
-    (["--dtype", "float16"], {}, "ServerConfig.dtype"),
-    (["--tp-size", "2"], {}, "flow parameter tp_size"),
-    (["--tensor-parallel-size=2"], {}, "flow parameter tp_size"),
-    (["--max-total-tokens", "1"], {}, "flow parameter max_total_tokens"),
+    (["--model-path=other"], {}, "server.model"),
+    (["--model", "other"], {}, "server.model"),          # SGLang's alias
+    (["--model-pa", "other"], {}, "server.model"),       # an abbreviation argparse expands
+    (["--host", "0.0.0.0"], {}, "LaunchSpec.host"),
+    (["--port", "1"], {}, "LaunchSpec.port"),
+    (["--dtype", "float16"], {}, "server.dtype"),
+    (["--tp-size", "2"], {}, "server.tp_size"),
+    (["--tensor-parallel-size=2"], {}, "server.tp_size"),
+    (["--dp-size", "2"], {}, "server.dp_size"),
+    (["--data-parallel-size=2"], {}, "server.dp_size"),
+    (["--attn-dp-size", "2"], {}, "server.dp_size with server.dp_attention"),
+    (["--enable-dp-attention"], {}, "server.dp_attention"),
+    (["--max-total-tokens", "1"], {}, "server.max_total_tokens"),
     (["--disable-radix-cache"], {}, "without the prefix cache"),
-    (["--enable-return-aux-hidden-states"], {}, "ServerConfig.capture"),
-    (["--return-aux-hidden-state-layer-ids", "1", "2", "3"], {}, "flow parameter aux_layer_ids"),
-    (["--speculative-algorithm", "NGRAM"], {}, "ServerConfig.draft_model_path"),
-    (["--speculative-draft-model-path", "d"], {}, "ServerConfig.draft_model_path"),
-    (["--speculative-num-steps", "5"], {}, "ServerConfig.speculative_num_steps"),
-    (["--speculative-eagle-topk", "2"], {}, "ServerConfig.speculative_eagle_topk"),
-    (["--speculative-num-draft-tokens", "8"], {}, "ServerConfig.speculative_num_draft_tokens"),
-    (["--forward-hooks", "[]"], {}, "ServerConfig.capture_module"),
-    (["--api-key", "k"], {}, "flow parameter server_api_key"),
+    (["--enable-return-aux-hidden-states"], {}, "LaunchSpec.capture"),
+    (["--return-aux-hidden-state-layer-ids", "1", "2", "3"], {}, "capture.aux_layer_ids"),
+    (["--speculative-algorithm", "NGRAM"], {}, "LaunchSpec.draft_model_path"),
+    (["--speculative-draft-model-path", "d"], {}, "LaunchSpec.draft_model_path"),
+    (["--speculative-num-steps", "5"], {}, "serve.num_steps"),
+    (["--speculative-eagle-topk", "2"], {}, "LaunchSpec.speculative_eagle_topk"),
+    (["--speculative-num-draft-tokens", "8"], {}, "serve.num_draft_tokens"),
+    (["--forward-hooks", "[]"], {}, "LaunchSpec.capture_module"),
+    (["--api-key", "k"], {}, "server.api_key"),
     (["--config", "x.yaml"], {}, "the launcher passes its own --config"),
-    (["--chunked-prefill-size", "64"], {"chunked_prefill_size": 128}, "flow parameter chunked_prefill_size"),
-    (["--mem-fraction-static", "0.5"], {"mem_fraction_static": 0.8}, "ServerConfig.mem_fraction_static"),
-    (["--sleep-on-idle"], {}, "ServerConfig.sleep_on_idle"),
+    (["--chunked-prefill-size", "64"], {"chunked_prefill_size": 128}, "server.chunked_prefill_size"),
+    (["--mem-fraction-static", "0.5"], {"mem_fraction_static": 0.8}, "server.mem_fraction_static"),
+    (["--sleep-on-idle"], {}, "LaunchSpec.sleep_on_idle"),
     (["--cuda-graph-backend-prefill", "full"], {"cpu": False}, "would skip the capture hook"),
 ]
 
@@ -390,7 +402,7 @@ def test_a_flag_the_launcher_sets_is_refused_in_extra_args_naming_what_to_use(tm
 
     fields = dict(fields)
     cpu = fields.pop("cpu", True)
-    cfg = capture_config(tmp_path, extra_args=("--dp-size", "2", *extra), **fields)
+    cfg = capture_config(tmp_path, server={"extra_args": ["--max-running-requests", "8", *extra], **fields})
     flag = extra[0].split("=")[0]
     with pytest.raises(ValueError, match=f"must not set {re.escape(flag)}\\b") as err:
         build_command(cfg, 1234, cpu=cpu)
@@ -398,7 +410,6 @@ def test_a_flag_the_launcher_sets_is_refused_in_extra_args_naming_what_to_use(tm
 
 
 @pytest.mark.parametrize("extra, fields", [
-    (["--dp-size", "2", "--enable-dp-attention"], {}),
     (["--attention-backend", "torch_native"], {}),
     (["--trust-remote-code"], {}),
     (["--chunked-prefill-size", "64"], {}),         # the launcher sets it only from the config
@@ -409,7 +420,7 @@ def test_a_flag_the_launcher_sets_is_refused_in_extra_args_naming_what_to_use(tm
 def test_a_flag_the_launcher_leaves_alone_passes_through(tmp_path, extra, fields):
     from tasks.server.launch import build_command
 
-    cmd = build_command(capture_config(tmp_path, extra_args=tuple(extra), **fields), 1234, cpu=True)
+    cmd = build_command(capture_config(tmp_path, server={"extra_args": extra}, **fields), 1234, cpu=True)
     assert cmd[-len(extra):] == extra
 
 
@@ -418,9 +429,8 @@ def test_a_key_whose_random_part_starts_with_a_dash_still_starts_the_server(tmp_
     '-' read as an option (exit 2, seen once in 64 launches)."""
     import secrets as secrets_module
 
-    from tasks.server.launch import with_run_secrets
 
     monkeypatch.setattr(secrets_module, "token_urlsafe", lambda n: "-" + "x" * (n - 1))
-    cfg = with_run_secrets(capture_config(tmp_path, "d"))
+    cfg = capture_config(tmp_path, "d").with_secrets()
     args, _ = parsed_by_sglang(cfg)
     assert args.api_key == cfg.api_key and "-" + "x" * 31 in cfg.api_key

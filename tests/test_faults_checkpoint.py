@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks.train.checkpoint import CHECKPOINT, trained_drafter
+from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.export import export_weights, load_exported
-from tasks.train.loop import CHECKPOINT, TrainConfig, TrainingError, train, trained_drafter
+from tasks.train.loop import train
 from tests.conftest import random_store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,13 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def trained(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     store = random_store(d, tiny_model, 16)
-    cfg = TrainConfig(store=str(store), out_dir=str(d / "train"), draft_vocab_size=64, ttt_steps=2, epochs=1,
-                      tokens_per_batch=1024, heldout_fraction=0.25, eval_max_samples=8, checkpoint_every=1)
-    return cfg, train(cfg)
+    cfg = TrainConfig(out_dir=str(d / "train"), draft_vocab_size=64, ttt_steps=2, epochs=1, tokens_per_batch=1024,
+                      heldout_fraction=0.25, eval_max_samples=8, checkpoint_every=1)
+    return cfg, store, train(cfg, store)
 
 
 def test_checkpoints_load_as_plain_tensors_and_values(trained, tiny_model):
-    cfg, result = trained
+    cfg, _, result = trained
     ckpt = torch.load(Path(cfg.out_dir) / CHECKPOINT, weights_only=True)
     assert ckpt["step"] == result.steps > 0
     assert not list(Path(cfg.out_dir).glob(".*"))  # no temp files left
@@ -52,17 +54,17 @@ MARKER = None
 
 def test_a_checkpoint_that_would_run_code_is_refused_unrun(trained, tmp_path):
     global MARKER
-    cfg, _ = trained
+    cfg, store, _ = trained
     MARKER = tmp_path / "code-ran"
     out_dir = tmp_path / "train"
     out_dir.mkdir()
     torch.save({"identity": RunsCode()}, out_dir / CHECKPOINT)
     with pytest.raises(TrainingError, match=f"checkpoint {out_dir / CHECKPOINT} cannot be loaded .*GLOBAL posix.system.*delete it"):
-        train(TrainConfig(**{**cfg.__dict__, "out_dir": str(out_dir)}))
+        train(TrainConfig(**{**cfg.model_dump(), "out_dir": str(out_dir)}), store)
     assert not MARKER.exists()
     (out_dir / CHECKPOINT).write_bytes((Path(cfg.out_dir) / CHECKPOINT).read_bytes()[:-100])  # damaged
     with pytest.raises(TrainingError, match="cannot be loaded"):
-        train(TrainConfig(**{**cfg.__dict__, "out_dir": str(out_dir)}))
+        train(TrainConfig(**{**cfg.model_dump(), "out_dir": str(out_dir)}), store)
 
 
 # Export a drafter over an existing export, and die (SIGKILL) the moment an
@@ -72,8 +74,8 @@ import os, shutil, signal, sys
 from pathlib import Path
 from tasks.target.architectures import LLAMA
 from tasks.target.layers import AuxLayers
+from tasks.train.checkpoint import trained_drafter
 from tasks.train.export import export_drafter
-from tasks.train.loop import trained_drafter
 
 real_rmtree = shutil.rmtree
 def rmtree_then_die(path, *a, **kw):
@@ -92,7 +94,7 @@ export_drafter(model, AuxLayers(tuple(int(i) for i in sys.argv[4].split(","))), 
 
 @pytest.mark.parametrize("swap", ["exchange", "no-exchange"])
 def test_a_kill_while_replacing_an_export_leaves_a_whole_export(trained, tiny_model, swap):
-    cfg, result = trained
+    cfg, _, result = trained
     drafter = Path(result.drafter_dir)
     delta = {"exchange": 1.0, "no-exchange": 2.0}[swap]  # each run's export differs from any before
     trained_fc = trained_drafter(Path(cfg.out_dir), tiny_model).fc.weight.detach()
@@ -115,9 +117,9 @@ def test_training_refuses_a_sample_changed_after_verification(trained, tmp_path)
     from tasks.store.reader import CorruptSample, StoreReader
     from tasks.store.verification import require_verified
 
-    cfg, _ = trained
+    cfg, verified, _ = trained
     store = tmp_path / "store"
-    shutil.copytree(cfg.store, store)
+    shutil.copytree(verified, store)
     reader = StoreReader(store)
     shard = next((store / "shards").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
@@ -129,9 +131,42 @@ def test_training_refuses_a_sample_changed_after_verification(trained, tmp_path)
                if isinstance(_read_checked(store, i), CorruptSample)]
     assert len(damaged) == 1, damaged
     with pytest.raises(CorruptSample, match=f"sample {reader.sample_ids[damaged[0]]} in .*flows.verify"):
-        train(TrainConfig(**{**cfg.__dict__, "store": str(store), "out_dir": str(tmp_path / "train")}))
+        train(TrainConfig(**{**cfg.model_dump(), "out_dir": str(tmp_path / "train")}), store)
     assert not (tmp_path / "train" / "drafter").exists()
     assert len(before) == len(reader)
+
+
+def test_a_training_flow_on_a_corrupt_sample_fails_at_once_without_a_retry(trained, prefect_api, tmp_path):
+    """Corrupt data fails the same way on every try: the train task, which
+    retries other failures (resuming from its checkpoint), is not retried,
+    and the run fails with the sample named."""
+    import asyncio
+    import shutil
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    from flows.train import train_drafter
+
+    cfg, verified, _ = trained
+    store = tmp_path / "store"
+    shutil.copytree(verified, store)
+    shard = next((store / "shards").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x40
+    shard.write_bytes(bytes(data))
+    state = train_drafter(store=str(store), train=cfg.model_copy(update={"out_dir": str(tmp_path / "train")}),
+                          return_state=True)
+    assert state.is_failed() and "no longer match the checksum" in state.message, state.message
+
+    async def train_task_states():
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [state.state_details.flow_run_id]}))
+            (run,) = [r for r in runs if r.name.startswith("train-")]
+            return [s.name for s in await client.read_task_run_states(run.id)], run.run_count
+
+    names, run_count = asyncio.run(train_task_states())
+    assert run_count == 1 and "Retrying" not in names and names[-1] == "Failed", names
 
 
 def _read_checked(store, i):
@@ -166,7 +201,7 @@ def _nan_on(monkeypatch, steps, before=None):
 
 
 def _small_batches(cfg: TrainConfig, out_dir: Path, **kw) -> TrainConfig:
-    return TrainConfig(**{**cfg.__dict__, "out_dir": str(out_dir), "tokens_per_batch": 256, **kw})  # 5+ steps
+    return TrainConfig(**{**cfg.model_dump(), "out_dir": str(out_dir), "tokens_per_batch": 256, **kw})  # 5+ steps
 
 
 def _finite(state: dict) -> bool:
@@ -174,11 +209,11 @@ def _finite(state: dict) -> bool:
 
 
 def test_a_transient_nan_loss_is_skipped_and_training_ends_finite(trained, tiny_model, tmp_path, monkeypatch, caplog):
-    cfg, _ = trained
+    cfg, store, _ = trained
     calls = _nan_on(monkeypatch, {2})
     out_dir = tmp_path / "train"
     with caplog.at_level("WARNING", logger="eagle3.training"):
-        result = train(_small_batches(cfg, out_dir))
+        result = train(_small_batches(cfg, out_dir), store)
     assert calls["n"] == result.steps >= 4 and result.nonfinite_steps == 1
     assert "step 2: non-finite loss and gradient norm" in caplog.text and "step skipped" in caplog.text
     assert _finite(torch.load(out_dir / CHECKPOINT, weights_only=True)["model"])
@@ -187,7 +222,7 @@ def test_a_transient_nan_loss_is_skipped_and_training_ends_finite(trained, tiny_
 
 
 def test_a_persistent_nan_stops_and_keeps_the_last_good_checkpoint(trained, tiny_model, tmp_path, monkeypatch):
-    cfg, _ = trained
+    cfg, store, _ = trained
     out_dir = tmp_path / "train"
     good = {}
 
@@ -199,13 +234,13 @@ def test_a_persistent_nan_stops_and_keeps_the_last_good_checkpoint(trained, tiny
     run_cfg = _small_batches(cfg, out_dir, max_nonfinite_steps=2)
     with pytest.raises(TrainingError, match=r"step 3: 2 optimizer steps in a row had a non-finite loss and "
                                             r"gradient norm .*nothing was exported.*last good checkpoint"):
-        train(run_cfg)
+        train(run_cfg, store)
     assert (out_dir / CHECKPOINT).read_bytes() == good["bytes"]  # not replaced by the NaN steps' state
     ckpt = torch.load(out_dir / CHECKPOINT, weights_only=True)
     assert ckpt["step"] == 1 and _finite(ckpt["model"])
     assert not (out_dir / "drafter").exists() and not (out_dir / "result.json").exists()
     monkeypatch.undo()  # the fault is gone: a resume from the good checkpoint finishes
-    result = train(run_cfg)
+    result = train(run_cfg, store)
     assert result.resumed_from["step"] == 1 and result.steps >= 4 and result.nonfinite_steps == 0
     assert _finite(export_weights(load_exported(Path(result.drafter_dir), tiny_model)))
 
@@ -216,9 +251,9 @@ def test_the_export_check_refuses_a_nan_drafter(trained, tiny_model, tmp_path, m
     import flows.train
     from flows.train import check_export_task
     monkeypatch.setattr(flows.train, "get_run_logger", lambda: logging.getLogger("test"))  # outside a flow run
-    cfg, _ = trained
+    cfg, store, _ = trained
     out_dir = tmp_path / "train"  # its own run: the kill tests replace the module run's export
-    drafter = Path(train(_small_batches(cfg, out_dir)).drafter_dir)
+    drafter = Path(train(_small_batches(cfg, out_dir), store).drafter_dir)
     assert check_export_task.fn(str(drafter), str(out_dir), str(tiny_model))["worst_relative_diff"] < 1e-2
     tensors = load_file(drafter / "model.safetensors")
     tensors["fc.weight"][0, 0] = float("nan")

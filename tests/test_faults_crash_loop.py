@@ -9,14 +9,17 @@ import random
 import numpy as np
 import pytest
 
-from tasks.capture.extraction import CRASH_LIMIT, ServerUnavailable, extract_batch
+from tasks.capture.config import CaptureConfig
+from tasks.capture.extraction import CRASH_LIMIT, Endpoint, ServerUnavailable, extract_batch
 from tasks.data.dataset import Sample
-from tasks.server.launch import ServerConfig
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec
 from tasks.server.supervisor import ServerSupervisor
-from tasks.store.ledger import open_ledger
+from tasks.store.ledger.open import open_ledger
+from tasks.store.handle import Store
 from tasks.store.verification import verify_store
 from tasks.target.layers import AuxLayers
-from tasks.store.ledger import open_store
+from tasks.store.ledger.open import open_store
 from tasks.store.manifest import build_manifest
 from tasks.target.architectures import architecture_at, load_tokenizer
 from tests.conftest import ARTIFACTS
@@ -41,18 +44,17 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
                                      max_length=512, policy="truncate", sources=["data.jsonl"]))
     crash = {"name": "crash_on_poison", "target_modules": ["model.embed_tokens"],
              "hook_factory": "tests.sglang_crash_hook:make_crash_hook", "config": {"poison": POISON}}
-    cfg = ServerConfig(model_path=str(tiny_model), dump_dir=tmp_path / "dumps", max_total_tokens=4096,
-                       extra_hooks=(crash,))
-    server = ServerSupervisor(cfg, ARTIFACTS / "crash-loop-server.log", max_restarts=CRASH_LIMIT)
+    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096, max_restarts=CRASH_LIMIT),
+                     dump_dir=tmp_path / "dumps", extra_hooks=(crash,))
+    server = ServerSupervisor(cfg, ARTIFACTS / "crash-loop-server.log")
     server.start()
     unavailable = []
     try:
         for attempt in range(4):  # as the flow's batch task retries
             try:
-                result = extract_batch(server.url, cfg.dump_dir, store, "data.jsonl", samples,
-                                       aux_layer_ids=layers.sglang_ids, api_key=server.api_key,
-                                       rid_prefix=server.rid_prefix, concurrency=4,
-                                       on_server_down=server.recover)
+                endpoint = Endpoint(server.url, cfg.dump_dir, layers.sglang_ids, api_key=server.api_key,
+                                    rid_prefix=server.rid_prefix, on_down=server.recover)
+                result = extract_batch(endpoint, Store.open(store), "data.jsonl", samples, CaptureConfig(concurrency=4))
                 break
             except ServerUnavailable as e:
                 unavailable.append(str(e))

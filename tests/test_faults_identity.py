@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.store.ledger import open_store
+from tasks.store.ledger.open import open_store
 from tasks.store.manifest import StoreError, build_manifest, manifest_path
 from tasks.target.architectures import architecture_at, load_tokenizer
 from tasks.target.fingerprint import weights_fingerprint
@@ -56,18 +56,6 @@ def test_a_fine_tune_with_the_same_config_is_refused(tiny_model, fine_tune, tmp_
     open_store(store, manifest_for(tiny_model))  # the same weights again: fine
 
 
-def test_a_store_from_before_fingerprints_gets_one_then_is_checked(tiny_model, fine_tune, tmp_path):
-    store = tmp_path / "store"
-    open_store(store, manifest_for(tiny_model))
-    old = json.loads(manifest_path(store).read_text())
-    del old["target"]["weights_sha256"]
-    manifest_path(store).write_text(json.dumps(old))
-    open_store(store, manifest_for(tiny_model))
-    assert json.loads(manifest_path(store).read_text())["target"]["weights_sha256"] == weights_fingerprint(tiny_model)
-    with pytest.raises(StoreError, match="captured from other weights"):
-        open_store(store, manifest_for(fine_tune))
-
-
 def model_info_server(model_path: str):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -89,7 +77,8 @@ def model_info_server(model_path: str):
 
 
 def test_a_server_that_serves_another_model_is_refused(tiny_model, fine_tune, tmp_path):
-    from tasks.server.launch import ServerError, check_serves
+    from tasks.server.launch import check_serves
+    from tasks.sglang_api import ServerError
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model, copy)

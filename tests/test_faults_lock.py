@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.store.ledger import open_ledger, open_store
+from tasks.store.ledger.open import open_ledger, open_store
 from tasks.store.lock import LockHeld, hold_lock, lock_path, read_holder
 from tasks.store.manifest import StoreError
 from tasks.store.shards import ShardExists, remove_uncommitted, shard_path, write_shard
@@ -71,22 +71,47 @@ def test_the_extract_train_and_pipeline_flows_refuse_a_held_directory(tmp_path, 
     from flows.extract import extract_hidden_states
     from flows.train import train_drafter
     from prefect.logging import disable_run_logger
+    from tasks.capture.config import CaptureConfig
+    from tasks.store.config import StoreConfig
+    from tasks.train.config import TrainConfig
 
     store, out_dir = tmp_path / "store", tmp_path / "train"
     proc = holder(store)
     with pytest.raises(LockHeld, match=f"pid {proc.pid}"), disable_run_logger():
-        extract_hidden_states.fn(dataset=str(tmp_path / "none.jsonl"), store=str(store), verify=False)
+        extract_hidden_states.fn(capture=CaptureConfig(dataset=str(tmp_path / "none.jsonl")),
+                                 store=StoreConfig(path=str(store)), verify=False)
     assert not (store / "ledger.sqlite").exists()  # refused before touching the store
     proc = holder(out_dir)
     with pytest.raises(LockHeld, match=f"pid {proc.pid}"), disable_run_logger():
-        train_drafter.fn(store=str(store), out_dir=str(out_dir))
+        train_drafter.fn(store=str(store), train=TrainConfig(out_dir=str(out_dir)))
     # The pipeline holds both for its whole run: refused on either.
     from flows.pipeline import eagle3_pipeline
 
     proc = holder(tmp_path / "run" / "train")
     with pytest.raises(LockHeld, match=f"pid {proc.pid}"), disable_run_logger():
-        eagle3_pipeline.fn(run_dir=str(tmp_path / "run"))
+        eagle3_pipeline.fn(store=StoreConfig(path=str(tmp_path / "run" / "store")),
+                           train=TrainConfig(out_dir=str(tmp_path / "run" / "train")))
     assert read_holder(tmp_path / "run" / "store") is None  # released on the way out
+
+
+def test_a_second_extraction_on_a_dump_dir_in_use_is_refused_before_it_resets_it(tmp_path, holder):
+    """A node's second child (its live first one taken for dead by the
+    heartbeat automation), or another store's run attached to the same
+    server, would reset the dump dir under the running one."""
+    from flows.extract import extract_hidden_states
+    from prefect.logging import disable_run_logger
+    from tasks.capture.config import CaptureConfig
+    from tasks.store.config import StoreConfig
+
+    dumps = tmp_path / "dumps"
+    dumps.mkdir(mode=0o700)
+    in_flight = dumps / "e3-running-1234@0.safetensors"  # the running extraction's dump, not yet read
+    in_flight.write_bytes(b"x")
+    proc = holder(dumps)
+    with pytest.raises(LockHeld, match=f"{dumps} is in use by another run: .*pid {proc.pid}"), disable_run_logger():
+        extract_hidden_states.fn(capture=CaptureConfig(dataset=str(tmp_path / "none.jsonl"), dump_dir=str(dumps)),
+                                 store=StoreConfig(path=str(tmp_path / "store")), verify=False)
+    assert in_flight.exists() and read_holder(tmp_path / "store") is None
 
 
 def test_a_sigkilled_holder_is_taken_over(tmp_path, holder, caplog):

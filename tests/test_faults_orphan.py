@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from tasks.server.launch import ServerConfig, _group_members, _start_ticks, launch_server, pidfile_for, \
-    reap_orphan
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.processes import group_members, pidfile_for, reap_orphan, start_ticks
 from tests.test_extract_flow import servers_logging_to
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_a_record_of_another_process_or_host_stops_nothing(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        record = {"pid": sleeper.pid, "start_ticks": _start_ticks(sleeper.pid), "port": 1,
+        record = {"pid": sleeper.pid, "start_ticks": start_ticks(sleeper.pid), "port": 1,
                   "host": socket.gethostname(), "started": 0}
         for changed in ({"start_ticks": record["start_ticks"] + 1}, {"host": "elsewhere"}):
             path = tmp_path / "server.pid"
@@ -44,19 +45,53 @@ def test_a_server_orphaned_by_a_killed_run_is_stopped_by_the_next_launch(tiny_mo
     run = subprocess.run([sys.executable, "-c", f"""
 import os, signal
 from pathlib import Path
-from tasks.server.launch import ServerConfig, launch_server
-launch_server(ServerConfig(model_path={str(tiny_model)!r}, dump_dir=Path({str(dumps)!r}), max_total_tokens=4096),
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+launch_server(LaunchSpec(ServerConfig(model={str(tiny_model)!r}, max_total_tokens=4096), dump_dir=Path({str(dumps)!r})),
               Path({str(log)!r}), timeout_s=600)
 os.kill(os.getpid(), signal.SIGKILL)
 """], cwd=ROOT, timeout=900)
     assert run.returncode == -signal.SIGKILL
     orphans = servers_logging_to(log)
     assert len(orphans) == 1 and pidfile_for(log).exists()  # the server outlived its run
-    cfg = ServerConfig(model_path=str(tiny_model), dump_dir=dumps, max_total_tokens=4096)
+    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=dumps)
     with caplog.at_level("WARNING", logger="eagle3.server"):
         server = launch_server(cfg, log, timeout_s=600)
     with server:
-        assert not _group_members(orphans[0])  # the orphan's whole process group is gone
+        assert not group_members(orphans[0])  # the orphan's whole process group is gone
         assert servers_logging_to(log) == [server.process.pid]
         assert f"stopping SGLang server pid {orphans[0]}" in caplog.text
     assert not servers_logging_to(log) and not pidfile_for(log).exists()
+
+
+@pytest.mark.server
+def test_two_extractions_into_sibling_stores_keep_their_own_servers(tiny_model, prefect_api, tmp_path):
+    """Seen before: a second run into stores/b took stores/a's live server
+    for an orphan (both kept their record in stores/logs) and killed it. Each
+    store now owns its server's log and record: both runs, at once, complete."""
+    import time
+
+    from tests.conftest import demo_rows, write_jsonl
+
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(24))
+    stores = tmp_path / "stores"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    runs = {}
+    for name in ("a", "b"):
+        runs[name] = subprocess.Popen(
+            [sys.executable, "-m", "flows.extract", "--server.model", str(tiny_model), "--server.max-total-tokens",
+             "8192", "--capture.dataset", str(dataset), "--capture.batch-size", "8", "--capture.max-length", "256",
+             "--store.path", str(stores / name)], cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"),
+            stderr=open(tmp_path / f"{name}.err", "w"))
+        time.sleep(20)  # b starts while a's server runs
+    for p in runs.values():
+        p.wait(timeout=900)
+    for name, p in runs.items():
+        out, err = (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+        assert "left running by an earlier run" not in err
+        log = (stores / name / "logs" / "sglang-server.log").read_text()
+        assert log.count("The server is fired up and ready to roll") == 1, name  # its own server, once
+        result = json.loads(out[out.index("{"):])
+        assert result["samples"] == 24 and result["verification"]["ok"]
+    assert not (stores / "logs").exists()

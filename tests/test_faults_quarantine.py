@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from tasks.capture.dump import write_chunk
-from tasks.capture.extraction import FailureGuard, TooManyFailures, extract_batch
+from tasks.capture.config import CaptureConfig
+from tasks.capture.extraction import Endpoint, FailureGuard, TooManyFailures, extract_batch
 from tasks.data.dataset import Sample, sample_id
-from tasks.store.ledger import open_ledger, open_store
+from tasks.store.ledger.open import open_ledger, open_store
+from tasks.store.handle import Store
 from tasks.store.shards import shard_path, write_shard
 from tasks.store.verification import verify_store
 from tests.test_store import MANIFEST
@@ -69,20 +71,20 @@ def test_a_run_whose_every_capture_fails_stops_with_the_reason(tmp_path, no_dump
     open_store(store, MANIFEST)
     guard = FailureGuard(max_ratio=0.05, max_consecutive=6)
     first = samples(4)
-    result = extract_batch(no_dump_server, dump_dir, store, "data.jsonl", first, aux_layer_ids=[1, 3, 4],
-                           sample_attempts=2, guard=guard)
+    endpoint = Endpoint(no_dump_server, dump_dir, [1, 3, 4])
+    result = extract_batch(endpoint, Store.open(store), "data.jsonl", first, CaptureConfig(sample_attempts=2),
+                           guard=guard)
     assert result.samples == 0 and len(result.quarantined) == 4  # under the streak limit: goes on
     with pytest.raises(TooManyFailures, match=r"6 captures in a row failed.*no capture in"):
-        extract_batch(no_dump_server, dump_dir, store, "data.jsonl", samples(4, start=4),
-                      aux_layer_ids=[1, 3, 4], sample_attempts=2, guard=guard)
+        extract_batch(endpoint, Store.open(store), "data.jsonl", samples(4, start=4), CaptureConfig(sample_attempts=2),
+                      guard=guard)
     # Every failed sample is quarantined with its reason, nothing was stored.
     ledger = open_ledger(store)
     assert ledger.summary()["samples"] == 0 and ledger.summary()["quarantined"] == 8
     assert ledger.quarantined().reason.str.contains("no capture").all()
     # A later batch of the same run does not even start.
     with pytest.raises(TooManyFailures):
-        extract_batch(no_dump_server, dump_dir, store, "data.jsonl", samples(2, start=20),
-                      aux_layer_ids=[1, 3, 4], guard=guard)
+        extract_batch(endpoint, Store.open(store), "data.jsonl", samples(2, start=20), guard=guard)
     assert open_ledger(store).summary()["quarantined"] == 8
 
 
@@ -91,8 +93,8 @@ def test_a_small_run_is_judged_by_its_ratio_at_the_end(tmp_path, no_dump_server,
     dump_dir.mkdir()
     open_store(store, MANIFEST, ledger_url)
     guard = FailureGuard(max_ratio=0.05, max_consecutive=20)
-    extract_batch(no_dump_server, dump_dir, store, "data.jsonl", samples(3), aux_layer_ids=[1, 3, 4],
-                  sample_attempts=1, guard=guard)
+    extract_batch(Endpoint(no_dump_server, dump_dir, [1, 3, 4]), Store.open(store), "data.jsonl", samples(3),
+                  CaptureConfig(sample_attempts=1), guard=guard)
     with pytest.raises(TooManyFailures, match=r"3 of 3 samples tried failed their capture \(100% > 5% allowed\)"):
         guard.finish()
 
@@ -127,7 +129,7 @@ def test_the_flow_fails_when_every_capture_fails(capture_server, prefect_api, tm
 
     monkeypatch.setattr(capture_client, "read_capture", nothing_dumped)
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(12))
-    state = extract_hidden_states(**attach(capture_server, dataset=str(dataset), store=str(tmp_path / "store"),
+    state = extract_hidden_states(**attach(capture_server, store=tmp_path / "store", dataset=str(dataset),
                                            batch_size=4, sample_attempts=1, max_consecutive_failures=6,
                                            batch_retry_delay_s=0), return_state=True)
     assert state.is_failed() and "captures in a row failed" in state.message
@@ -162,8 +164,8 @@ def test_a_killed_runs_uncommitted_shard_is_replaced_and_committed(tmp_path, cap
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with caplog.at_level("WARNING", logger="eagle3.extract"):
-            result = extract_batch(f"http://127.0.0.1:{server.server_address[1]}", dump_dir, store, "data.jsonl",
-                                   batch, aux_layer_ids=[1, 3, 4], guard=FailureGuard())
+            result = extract_batch(Endpoint(f"http://127.0.0.1:{server.server_address[1]}", dump_dir, [1, 3, 4]),
+                                   Store.open(store), "data.jsonl", batch, guard=FailureGuard())
     finally:
         server.shutdown()
     assert result.samples == 3 and result.shard == leftover.name

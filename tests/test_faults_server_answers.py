@@ -12,10 +12,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from tasks.capture.extraction import FailureGuard, TooManyFailures, extract_batch
+from tasks.capture.config import CaptureConfig
+from tasks.capture.extraction import Endpoint, FailureGuard, TooManyFailures, extract_batch
 from tasks.data.dataset import Sample
-from tasks.server.launch import ServerConfig, ServerError, launch_server
-from tasks.store.ledger import open_ledger, open_store
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.sglang_api import ServerError
+from tasks.store.handle import Store
+from tasks.store.ledger.open import open_ledger, open_store
 from tests.test_faults_store import MANIFEST
 
 
@@ -56,8 +60,8 @@ def test_a_200_that_is_not_sglangs_json_is_a_failed_capture_never_a_stored_one(t
     open_store(store, MANIFEST)
     try:
         with pytest.raises(TooManyFailures):
-            extract_batch(url, tmp_path / "dumps", store, "d.jsonl", samples(6), aux_layer_ids=(1, 3, 4),
-                          sample_attempts=2, guard=FailureGuard(max_consecutive=6))
+            extract_batch(Endpoint(url, tmp_path / "dumps", (1, 3, 4)), Store.open(store), "d.jsonl", samples(6),
+                          CaptureConfig(sample_attempts=2), guard=FailureGuard(max_consecutive=6))
     finally:
         server.shutdown()
     ledger = open_ledger(store)
@@ -75,8 +79,8 @@ def test_a_request_that_hangs_past_the_timeout_fails_its_sample_and_not_the_serv
     open_store(store, MANIFEST)
     t0 = time.monotonic()
     try:
-        result = extract_batch(url, tmp_path / "dumps", store, "d.jsonl", samples(2), aux_layer_ids=(1, 3, 4),
-                               sample_attempts=1, request_timeout_s=1.0)
+        result = extract_batch(Endpoint(url, tmp_path / "dumps", (1, 3, 4)), Store.open(store), "d.jsonl",
+                               samples(2), CaptureConfig(sample_attempts=1, request_timeout_s=1.0))
     finally:
         server.shutdown()
     assert time.monotonic() - t0 < 20  # the timeout, not the hang, decided
@@ -90,7 +94,7 @@ def test_a_port_another_process_holds_is_refused_before_anything_starts(tmp_path
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        cfg = ServerConfig(model_path=str(tmp_path), dump_dir=tmp_path / "d", port=port)
+        cfg = LaunchSpec(ServerConfig(model=str(tmp_path)), dump_dir=tmp_path / "d", port=port)
         t0 = time.monotonic()
         with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is taken by another process"):
             launch_server(cfg, tmp_path / "server.log")
@@ -118,8 +122,8 @@ def test_a_request_the_server_refuses_is_quarantined_at_once_with_its_answer(tmp
     open_store(store, MANIFEST)
     batch = samples(2) + [Sample("long", 9, np.arange(9, dtype=np.int32), np.ones(9, np.uint8))]
     try:
-        result = extract_batch(url, tmp_path / "dumps", store, "d.jsonl", batch, aux_layer_ids=(1, 3, 4),
-                               sample_attempts=3, dump_wait_s=0.2)
+        result = extract_batch(Endpoint(url, tmp_path / "dumps", (1, 3, 4), dump_wait_s=0.2), Store.open(store),
+                               "d.jsonl", batch, CaptureConfig(sample_attempts=3))
     finally:
         server.shutdown()
     assert "long" in result.quarantined

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.capture.extraction import extract_batch, reset_dump_dir
+from tasks.capture.config import CaptureConfig
+from tasks.capture.extraction import Endpoint, extract_batch, reset_dump_dir
 from tasks.data.dataset import Sample
 from tasks.store import shards
-from tasks.store.ledger import open_ledger, open_store
+from tasks.store.handle import Store
+from tasks.store.ledger.open import open_ledger, open_store
 from tasks.store.reader import StoreReader
 from tasks.store.shards import FORMAT, remove_leaked_temps
 from tasks.store.verification import verify_store
@@ -44,8 +46,8 @@ def batch(first: int, n: int = 6) -> list[Sample]:
 def run_batch(tmp_path, store, samples):
     server = FakeServer(tmp_path / "dumps")
     try:
-        return extract_batch("http://fake", tmp_path / "dumps", store, "data.jsonl", samples, aux_layer_ids=LAYERS,
-                             concurrency=3, store_workers=2, transport=server.transport)
+        return extract_batch(Endpoint("http://fake", tmp_path / "dumps", LAYERS, transport=server.transport),
+                             Store.open(store), "data.jsonl", samples, CaptureConfig(concurrency=3), store_workers=2)
     finally:
         server.writer.close(timeout=10)
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from tasks.data.dataset import prepare_samples
-from tasks.store.ledger import open_ledger, open_store
+from tasks.store.ledger.open import open_ledger, open_store
 from tasks.store.manifest import StoreError, create_or_check, read_manifest
 from tasks.store.prune import prune_gone, prune_samples
 from tasks.store.reader import StoreReader

@@ -1,16 +1,34 @@
-"""The README's Layout section names every module of tasks/, and nothing
-that is not there: a newcomer finds a stage by its folder."""
+"""The module map in docs/layout.md names every module of tasks/ and of
+flows/, and nothing that is not there: a newcomer finds a stage by its
+folder, and a flow, the command line or the run config by its module."""
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+LAYOUT = REPO / "docs" / "layout.md"
 
 
-def documented() -> dict[str, set[str]]:
-    """{folder: {module.py, ...}} from the indented tree in README's Layout."""
-    section = REPO.joinpath("README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+def blocks() -> dict[str, list[str]]:
+    """{root: its lines} of the indented trees (`    tasks/`, `    flows/`)."""
+    out, root = {}, None
+    for line in LAYOUT.read_text().splitlines():
+        m = re.match(r"^    (\w+)/\s*$", line)
+        if m:
+            root = m.group(1)
+            out[root] = []
+        elif root and line.startswith("      "):
+            out[root].append(line)
+        else:
+            root = None
+    return out
+
+
+def documented_tasks() -> dict[str, set[str]]:
+    """{folder: {module.py, sub/, ...}, "": {top-level module.py}} from the
+    tasks/ tree: a folder's entry and its continuation lines name its
+    modules and sub-packages."""
     tree, folder = {}, None
-    for line in section.splitlines():
+    for line in blocks()["tasks"]:
         m = re.match(r"^      (\w+)/\s+(.*)$", line) or re.match(r"^      (\w+\.py)\s+(.*)$", line)
         if m and m.group(1).endswith(".py"):
             tree.setdefault("", set()).add(m.group(1))
@@ -27,7 +45,7 @@ def documented() -> dict[str, set[str]]:
     return tree
 
 
-def actual() -> dict[str, set[str]]:
+def actual_tasks() -> dict[str, set[str]]:
     tasks = REPO / "tasks"
     tree = {"": {p.name for p in tasks.glob("*.py") if p.name != "__init__.py"}}
     for pkg in sorted(p for p in tasks.iterdir() if (p / "__init__.py").exists()):
@@ -36,5 +54,24 @@ def actual() -> dict[str, set[str]]:
     return tree
 
 
-def test_readme_layout_matches_tasks():
-    assert documented() == actual()
+def documented_flows() -> set[str]:
+    """The modules the flows/ tree names, one an entry."""
+    return {m.group(1) for line in blocks()["flows"] if (m := re.match(r"^      (\w+\.py|\w+/)\s", line))}
+
+
+def actual_flows() -> set[str]:
+    flows = REPO / "flows"
+    return ({p.name for p in flows.glob("*.py") if p.name != "__init__.py"}
+            | {f"{p.name}/" for p in flows.iterdir() if p.is_dir() and p.name != "__pycache__"})
+
+
+def test_the_layout_names_every_module_of_tasks():
+    assert documented_tasks() == actual_tasks()
+
+
+def test_the_layout_names_every_module_of_flows():
+    assert documented_flows() == actual_flows()
+
+
+def test_the_readme_points_to_the_layout():
+    assert "docs/layout.md" in REPO.joinpath("README.md").read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.store.ledger import open_ledger, open_store
+from tasks.store.ledger.open import open_ledger, open_store
 from tasks.store.manifest import StoreError
 from tasks.store.reader import StoreReader
 from tasks.store.shards import write_shard
@@ -33,7 +33,8 @@ def test_interface_round_trip(tmp_path, ledger_url, index_db):
     a, rows_a = write_shard(store, [item(0, 5), item(1, 3)], source="d")
     b, rows_b = write_shard(store, [item(2, 4)], source="d")
     ledger.commit_shard(b, rows_b)
-    ledger.commit_shard(a, rows_a)  # the commit clears its rows' quarantine
+    canaries = [canary_row(a.name, "s000", 0.1), canary_row(a.name, "s001", 0.7)]
+    ledger.commit_shard(a, rows_a, canaries)  # the commit clears its rows' quarantine
     assert set(ledger.quarantined().source_row) == {9}
     s = ledger.summary()
     assert (s["samples"], s["tokens"], s["shards"], s["bytes"]) == (3, 12, 2, a.bytes + b.bytes)
@@ -44,13 +45,24 @@ def test_interface_round_trip(tmp_path, ledger_url, index_db):
                                       r["num_loss_tokens"], r["source_row"], r["checksum"]) for r in expect]
     assert ledger.samples().to_dict("records") == expect
     assert ledger.has_shard(a.name) and not ledger.has_shard("shard-none")
-    ledger.replace_shard(a.name, None, [])
-    assert ledger.stored_ids() == {"s002"} and not ledger.has_shard(a.name)
+    assert ledger.canaries().drop(columns="at").to_dict("records") == canaries
+    assert ledger.canaries(latest=1).drop(columns="at").to_dict("records") == canaries[1:]  # the newest only (ties: by sample id)
+    # Pruning s000 away: s001's canary follows it to the new shard, s000's goes.
+    kept, rows_kept = write_shard(store, [item(1, 3)], source="d")
+    ledger.replace_shard(a.name, kept, rows_kept)
+    assert ledger.canaries().drop(columns="at").to_dict("records") == [canary_row(kept.name, "s001", 0.7)]
+    ledger.replace_shard(kept.name, None, [])
+    assert ledger.stored_ids() == {"s002"} and not ledger.has_shard(kept.name) and ledger.canaries().empty
     with pytest.raises(StoreError, match="not committed"):
         ledger.replace_shard(a.name, None, [])
     # What the database itself holds, read with its own driver.
     with index_db(store) as db:
         assert db.execute("SELECT sample_id, shard FROM samples").fetchall() == [("s002", b.name)]
+
+
+def canary_row(shard, sample_id, ratio):
+    return {"shard": shard, "sample_id": sample_id, "positions": 8, "worst_deviation": ratio / 10,
+            "worst_ratio": ratio, "profile": "1.5,2.5", "profile_outlier": ""}
 
 
 def test_crash_counts_add_up_across_opens(tmp_path, ledger_url, index_db):
@@ -90,7 +102,7 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, "tests")
 from test_store import item
-from tasks.store.ledger import open_ledger
+from tasks.store.ledger.open import open_ledger
 from tasks.store.manifest import StoreError
 from tasks.store.shards import write_shard
 store, go = Path(sys.argv[1]), Path(sys.argv[2])
@@ -208,7 +220,7 @@ def test_many_first_opens_of_a_postgres_ledger_at_once_make_one_schema(tmp_path,
     advisory lock serialises them, none fails on the catalogue."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.store.ledger_postgres import PostgresLedger
+    from tasks.store.ledger.postgres import PostgresLedger
 
     with ThreadPoolExecutor(8) as pool:
         ledgers = list(pool.map(lambda _: PostgresLedger(tmp_path, postgres_url, "eagle3_race"), range(8)))
@@ -230,13 +242,13 @@ def test_runs_creating_a_postgres_store_at_once_all_use_one_schema(tmp_path, pos
     schema is the store's, and every other run opens that one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.store.ledger import _choose_postgres
+    from tasks.store.ledger.open import choose_postgres
 
     monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
     store = tmp_path / "s"
     store.mkdir()
     def create_and_open(_):
-        _choose_postgres(store, postgres_url, existed=False)
+        choose_postgres(store, postgres_url, existed=False)
         return open_ledger(store).schema  # what this run goes on writing
 
     with ThreadPoolExecutor(6) as pool:

@@ -1,6 +1,6 @@
 """Extraction across nodes, for real on one machine: PostgreSQL (the store's
 index and Prefect's database), a Prefect server on it, and two "nodes", each
-`python -m tasks.server.node`: a real CPU SGLang server (tiny model, its own
+`python -m flows.node`: a real CPU SGLang server (tiny model, its own
 dump dir) and a real Prefect worker on its own work queue. The parent flow
 runs from the command line, as `python -m flows.extract_nodes`.
 
@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, write_jsonl
-from tests.prefect_stack import REPO, cli, log_tail, prefect_database, prefect_server, start_node, stop, wait_node
+from tests.prefect_stack import REPO, cli, log_tail, prefect_database, prefect_server, start_node, stop, stop_node, wait_node
 
 pytestmark = pytest.mark.server
 LOGS = ARTIFACTS / "many-nodes"
@@ -43,26 +44,28 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
         done = subprocess.run([sys.executable, "-c", "from tasks.capture.nodes import ensure_zombie_automation as z; "
                                f"print(z({ZOMBIE_AFTER_S}))"], cwd=REPO, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-        started = {q: start_node(q, str(tiny_model), env, LOGS, "--max-total-tokens", "16384",
-                                 "--chunked-prefill-size", str(CHUNKED_PREFILL)) for q in QUEUES}
+        started = {q: start_node(q, str(tiny_model), env, LOGS, "--server.max-total-tokens", "16384",
+                                 "--server.chunked-prefill-size", str(CHUNKED_PREFILL)) for q in QUEUES}
         nodes = {q: {"proc": proc} for q, (proc, _) in started.items()}
         for q, (proc, out) in started.items():  # both servers start at once
             nodes[q] = wait_node(proc, out)
         yield {"api": api, "env": env, "nodes": nodes, "model": str(tiny_model)}
     finally:
         for node in nodes.values():
-            stop(node["proc"])
+            stop_node(node)
         stop(server)
 
 
-def run_parent(stack, d: Path, rows: int, **params) -> subprocess.Popen:
+def run_parent(stack, d: Path, rows: int, *argv: str) -> subprocess.Popen:
+    """The parent from the command line: a run file (as configs/nodes.yaml),
+    then the test's own keys."""
     dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
-    args = {"queues": list(QUEUES), "store": str(d / "store"), "dataset": str(dataset),
-            "model": stack["model"], "max_length": 512, **params}
-    argv = []
-    for k, v in args.items():
-        argv += [f"--{k.replace('_', '-')}", *(map(str, v) if isinstance(v, list) else [str(v)])]
-    return subprocess.Popen([sys.executable, "-m", "flows.extract_nodes", *argv], cwd=REPO, env=stack["env"],
+    run_file = d / "nodes.yaml"
+    run_file.write_text(yaml.safe_dump({"queues": list(QUEUES), "model": stack["model"],
+                                        "capture": {"dataset": str(dataset), "max_length": 512},
+                                        "store": {"path": str(d / "store"), "ledger_url": "env"}}))
+    return subprocess.Popen([sys.executable, "-m", "flows.extract_nodes", "--config", str(run_file), *argv],
+                            cwd=REPO, env=stack["env"],
                             stdout=open(d / "parent.out", "w"), stderr=subprocess.STDOUT, text=True)
 
 
@@ -92,20 +95,20 @@ def processes_of_run(run_id: str) -> list[int]:
 
 
 def stored(store: Path) -> list[str]:
-    from tasks.store.ledger import open_ledger
+    from tasks.store.ledger.open import open_ledger
 
     return list(open_ledger(store).samples().sample_id)
 
 
 def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
-    proc = run_parent(stack, tmp_path, 16, batch_size=2, batches_per_child=2)
+    proc = run_parent(stack, tmp_path, 16, "--capture.batch-size", "2", "--batches-per-child", "2")
     result = parent_result(proc, tmp_path / "parent.out", 900)
 
     assert result["verification"]["ok"], result["verification"]
     ids = stored(tmp_path / "store")
     assert len(ids) == len(set(ids)) == 16
-    runs = [r for r in children(stack["api"]) if r["parameters"]["store"] == str(tmp_path / "store")]
+    runs = [r for r in children(stack["api"]) if r["parameters"]["store"]["path"] == str(tmp_path / "store")]
     assert {r["state_type"] for r in runs} == {"COMPLETED"}
     assert {r["work_queue_name"] for r in runs} == set(QUEUES)  # both nodes worked
     assert all(r["parent_task_run_id"] for r in runs)  # the UI shows them under the parent's node tasks
@@ -119,7 +122,8 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
 def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
     api, victim = stack["api"], stack["nodes"]["node-b"]
-    proc = run_parent(stack, tmp_path, 24, batch_size=2, batches_per_child=1, max_node_failures=1)
+    proc = run_parent(stack, tmp_path, 24, "--capture.batch-size", "2", "--batches-per-child", "1",
+                      "--max-node-failures", "1")
     store = str(tmp_path / "store")
 
     # Kill node-b while one of its child runs is Running and has sent a heartbeat.
@@ -127,7 +131,7 @@ def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp
     while running is None:
         assert proc.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "parent.out", 80)
         for r in children(api):
-            if r["parameters"]["store"] == store and r["work_queue_name"] == "node-b" and r["state_type"] == "RUNNING":
+            if r["parameters"]["store"]["path"] == store and r["work_queue_name"] == "node-b" and r["state_type"] == "RUNNING":
                 beats = api.call("POST", "/events/filter", {"filter": {
                     "event": {"name": ["prefect.flow-run.heartbeat"]},
                     "any_resource": {"id": [f"prefect.flow-run.{r['id']}"]}}})
@@ -159,5 +163,5 @@ def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp
     table = api.call("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [artifact_key("nodes", store)]}}})
     rows = {r["node"]: r["status"] for r in json.loads(table[0]["data"])}
     assert rows["node-a"] == "OK" and rows["node-b"].startswith("drained: 1 shares failed in a row there")
-    assert not [r for r in children(api) if r["parameters"]["store"] == store
+    assert not [r for r in children(api) if r["parameters"]["store"]["path"] == store
                 and r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED")]

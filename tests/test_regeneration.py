@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tasks.data.regeneration import prompt_messages, regenerate
-from tasks.server.launch import ServerConfig, launch_server
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
 from tests.conftest import ARTIFACTS, demo_rows, write_jsonl
 
 
@@ -32,8 +33,8 @@ def test_regenerated_answers_are_the_targets_greedy_tokens(tiny_model, tmp_path)
 
     source = write_jsonl(tmp_path / "data.jsonl", demo_rows(3) + ["{broken"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    cfg = ServerConfig(model_path=str(tiny_model), dump_dir=tmp_path / "unused", capture=False, dtype="float32",
-                       max_total_tokens=8192)
+    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
+                     dump_dir=tmp_path / "unused", capture=False)
     with launch_server(cfg, ARTIFACTS / "regenerate-server.log") as server:
         result = regenerate(server.url, source, tmp_path / "out.jsonl", tokenizer, api_key=server.api_key,
                             max_new_tokens=12)

@@ -7,7 +7,8 @@ import sqlite3
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.store.ledger import SAMPLE_COLUMNS, SHARD_COLUMNS, open_store
+from tasks.store.ledger.index import SAMPLE_COLUMNS, SHARD_COLUMNS
+from tasks.store.ledger.open import open_store
 from tasks.store.lock import LockHeld, hold_lock
 from tasks.store.seal import seal
 from tasks.store.shards import write_shard

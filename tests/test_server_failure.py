@@ -2,7 +2,10 @@ import time
 
 import pytest
 
-from tasks.server.launch import ServerConfig, ServerError, _group_members, launch_server
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.processes import group_members
+from tasks.sglang_api import ServerError
 
 
 def test_bad_model_path_fails_fast_with_log_tail_and_leaves_no_process(tmp_path, monkeypatch):
@@ -17,7 +20,7 @@ def test_bad_model_path_fails_fast_with_log_tail_and_leaves_no_process(tmp_path,
         return proc
 
     monkeypatch.setattr("tasks.server.launch.subprocess.Popen", spy)
-    cfg = ServerConfig(model_path=str(tmp_path / "no-such-model"), dump_dir=tmp_path / "dumps")
+    cfg = LaunchSpec(ServerConfig(model=str(tmp_path / "no-such-model")), dump_dir=tmp_path / "dumps")
     t0 = time.monotonic()
     with pytest.raises(ServerError) as err:
         launch_server(cfg, tmp_path / "server.log", timeout_s=300)
@@ -27,4 +30,4 @@ def test_bad_model_path_fails_fast_with_log_tail_and_leaves_no_process(tmp_path,
     assert "Last lines of" in message and str(tmp_path / "server.log") in message
     proc = started["proc"]
     assert proc.poll() is not None
-    assert _group_members(proc.pid) == []
+    assert group_members(proc.pid) == []

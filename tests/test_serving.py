@@ -9,10 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tasks.serve.config import ServeConfig
 from tasks.serve.check import GenerationRun, compare, serve_check
-from tasks.server.launch import ServerConfig, build_command
-from tasks.train.export import export_random_drafter
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, build_command
 from tests.conftest import ARTIFACTS
+from tests.random_drafter import export_random_drafter
 
 PROMPTS = [[1, 5, 9, 33, 100, 7, 8], [1, 42], [1, 200, 300, 400]]
 MAX_NEW_TOKENS = 24
@@ -65,8 +67,8 @@ def pinned_drafter(tiny_model, tmp_path_factory):
 
 @pytest.mark.server
 def test_speculative_decoding_gives_the_plain_greedy_outputs(tiny_model, pinned_drafter):
-    report = serve_check(tiny_model, pinned_drafter, PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
-                         log_dir=ARTIFACTS / "serving")
+    report = serve_check(ServerConfig(model=str(tiny_model), max_total_tokens=16384), pinned_drafter, PROMPTS,
+                         ServeConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=3), log_dir=ARTIFACTS / "serving")
     assert report.outputs_equal, f"speculative outputs differ from plain greedy for prompts {report.differing_prompts}"
     assert report.plain_completion_tokens == report.spec_completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
     # Every request went through verify steps, and drafts were accepted and rejected.
@@ -93,8 +95,8 @@ def test_compare_weights_acceptance_by_verify_steps_and_names_differences():
 
 
 def test_speculative_server_command(tmp_path):
-    cfg = ServerConfig(model_path="m", dump_dir=tmp_path, capture=False, draft_model_path="d",
-                       speculative_num_steps=5, speculative_eagle_topk=2, speculative_num_draft_tokens=8)
+    cfg = LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, capture=False, draft_model_path="d",
+                     speculative_num_steps=5, speculative_eagle_topk=2, speculative_num_draft_tokens=8)
     cmd = build_command(cfg, 1234, cpu=True)
     flags = dict(zip(cmd, cmd[1:]))
     assert flags["--speculative-algorithm"] == "EAGLE3" and flags["--speculative-draft-model-path"] == "d"
@@ -103,7 +105,7 @@ def test_speculative_server_command(tmp_path):
     assert flags["--attention-backend"] == "intel_amx"
     assert "--enable-return-aux-hidden-states" not in cmd
     assert "--attention-backend" not in build_command(cfg, 1234, cpu=False)
-    assert "--speculative-algorithm" not in build_command(ServerConfig(model_path="m", dump_dir=tmp_path,
-                                                                       capture=False), 1234, cpu=True)
+    assert "--speculative-algorithm" not in build_command(LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path,
+                                                                     capture=False), 1234, cpu=True)
     with pytest.raises(ValueError, match="capture server cannot also serve a drafter"):
-        build_command(ServerConfig(model_path="m", dump_dir=tmp_path, draft_model_path="d"), 1234, cpu=True)
+        build_command(LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, draft_model_path="d"), 1234, cpu=True)

@@ -5,14 +5,15 @@ tasks.store's own reader. Every test that touches the ledger runs on both
 backends (the `ledger_url` fixture)."""
 import hashlib
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 import xxhash
-from safetensors.torch import save as safetensors_bytes
 
-from tasks.store.ledger import open_store
+from tasks.store.handle import Store
+from tasks.store.ledger.open import open_store
 from tasks.store.manifest import StoreError
 from tasks.store.reader import StoreReader
 from tasks.store.shards import FORMAT, FP8, write_shard
@@ -184,63 +185,33 @@ def test_verification_names_a_flipped_byte(store):
     assert "sha256 differs" in report.files[report.files.status == "FAIL"].problems.iloc[0]
 
 
-# --- format /1, written the old way (safetensors.save, per-sample sha256) ---
-
-V1 = "eagle3-capture-store/1"
-
-
-def write_v1_shard(store, items, source):
-    """The /1 writer as it was: concatenated tensors through safetensors'
-    own save, sha256 over each sample's ids, mask, aux and final."""
-    from tasks.store.shards import ShardInfo, shard_name
-
-    ids = [torch.as_tensor(it["input_ids"], dtype=torch.int32) for it in items]
-    masks = [torch.as_tensor(it["loss_mask"], dtype=torch.uint8) for it in items]
-    aux = [it["aux_hidden_states"].to(torch.bfloat16) for it in items]
-    final = [it["final_hidden_state"].to(torch.bfloat16) for it in items]
-    offsets = np.concatenate([[0], np.cumsum([len(t) for t in ids])]).astype(np.int64)
-    sample_ids = [it["sample_id"] for it in items]
-    name = shard_name(sample_ids)
-    data = safetensors_bytes({"input_ids": torch.cat(ids), "loss_mask": torch.cat(masks),
-                              "aux_hidden_states": torch.cat(aux), "final_hidden_state": torch.cat(final),
-                              "offsets": torch.from_numpy(offsets)},
-                             metadata={"format": V1, "sample_ids": json.dumps(sample_ids)})
-    (store / "shards" / f"{name}.safetensors").write_bytes(data)
-    rows = []
-    for k, it in enumerate(items):
-        h = hashlib.sha256()
-        for part in (ids[k].numpy().astype("<i4"), masks[k].numpy(), aux[k].view(torch.int16).numpy(),
-                     final[k].view(torch.int16).numpy()):
-            h.update(part.tobytes())
-        rows.append({"sample_id": it["sample_id"], "source": source, "source_row": it["source_row"], "shard": name,
-                     "position": k, "token_offset": int(offsets[k]), "num_tokens": len(ids[k]),
-                     "num_loss_tokens": int(masks[k].sum()), "checksum": h.hexdigest()})
-    return ShardInfo(name, hashlib.sha256(data).hexdigest(), len(data), len(items), int(offsets[-1])), rows
+def test_a_store_opened_is_its_manifest_and_its_ledger(tmp_path, ledger_url):
+    created = Store.create(tmp_path / "s", {**MANIFEST, "dtype": FP8, "sources": ["a.jsonl"]}, ledger_url)
+    created.ledger.commit_shard(*write_shard(created.path, [item(0, 5)], source="a.jsonl", dtype=created.dtype))
+    again = Store.create(tmp_path / "s", {**MANIFEST, "dtype": FP8, "sources": ["b.jsonl"]}, ledger_url)
+    assert again.manifest["sources"] == ["a.jsonl", "b.jsonl"]  # what the store holds now, not what was passed
+    opened = Store.open(tmp_path / "s")
+    assert opened.manifest == again.manifest and opened.dtype == FP8
+    assert opened.ledger.stored_ids() == {"s000"}
 
 
-@pytest.fixture
-def v1_store(tmp_path, ledger_url):
-    ledger = open_store(tmp_path / "v1", {**MANIFEST, "format": V1}, ledger_url)
-    items = [item(5, 6), item(6, 2)]
-    ledger.commit_shard(*write_v1_shard(tmp_path / "v1", items, "data.jsonl"))
-    return tmp_path / "v1", items
+def test_opening_a_directory_that_is_not_a_store_names_it_and_creates_nothing(tmp_path):
+    with pytest.raises(StoreError, match=re.escape(f"{tmp_path} is not a store: no manifest.json")):
+        Store.open(tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_a_format_1_store_still_reads_and_verifies(v1_store):
-    path, items = v1_store
-    reader = StoreReader(path)
-    for i, it in enumerate(items):
-        assert torch.equal(reader[i]["aux_hidden_states"], it["aux_hidden_states"].to(torch.bfloat16))
-    assert verify_store(path, recheck_source=False, write_report=False).ok
-    flip_byte(sorted((path / "shards").iterdir())[0], 3)
-    report = verify_store(path, recheck_source=False, write_report=False)
-    assert "checksum differs" in " ".join(report.samples.problems)
-
-
-def test_a_format_1_store_is_not_added_to(v1_store):
-    path, _ = v1_store
+def test_a_store_of_another_format_is_neither_read_nor_added_to(store, ledger_url):
+    path, _ = store
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format": "eagle3-capture-store/1"}))
+    refused = re.escape(f"store {path} is format 'eagle3-capture-store/1'; this version reads only {FORMAT}")
+    with pytest.raises(StoreError, match=refused):
+        StoreReader(path)
+    with pytest.raises(StoreError, match=refused):
+        verify_store(path, recheck_source=False, write_report=False)
     with pytest.raises(StoreError, match="different format"):
-        open_store(path, MANIFEST)
+        open_store(path, MANIFEST, ledger_url)
 
 
 # --- FP8 storage ---
@@ -251,7 +222,7 @@ def fp8_store(tmp_path, ledger_url):
     items = [item(0, 5), item(1, 3)]
     items[1]["aux_hidden_states"][1] *= 1e-3  # rows of very different magnitude
     items[1]["final_hidden_state"][2] = 0  # an all-zero row
-    ledger.commit_shard(*write_shard(tmp_path / "fp8", items, source="data.jsonl", storage=FP8))
+    ledger.commit_shard(*write_shard(tmp_path / "fp8", items, source="data.jsonl", dtype=FP8))
     return tmp_path / "fp8", items
 
 
@@ -347,7 +318,7 @@ def test_a_write_that_fails_midway_leaves_no_file_and_nothing_committed(tmp_path
     assert ledger.summary()["samples"] == 0
 
 
-# --- pruning and re-linking keep the stored bytes (FP8, format 1) ---
+# --- pruning and re-linking keep the stored bytes (FP8) ---
 
 def _stored_samples(path, index_db):
     """sample_id -> (checksum, each tensor's raw bytes), from the files by hand."""
@@ -362,11 +333,10 @@ def _stored_samples(path, index_db):
     return out
 
 
-@pytest.mark.parametrize("fixture", ["fp8_store", "v1_store"])
-def test_pruning_copies_the_kept_samples_stored_bytes(fixture, request, index_db):
+def test_pruning_copies_the_kept_samples_stored_bytes(fp8_store, index_db):
     from tasks.store.prune import prune_samples
 
-    path, items = request.getfixturevalue(fixture)
+    path, items = fp8_store
     before = _stored_samples(path, index_db)
     result = prune_samples(path, [items[0]["sample_id"]])
     assert result["pruned"] == 1 and result["rewritten"] == 1
@@ -380,7 +350,7 @@ def test_an_fp8_shard_written_again_is_kept_not_refused(fp8_store, tmp_path):
     path, items = fp8_store
     shard = next((path / "shards").iterdir())
     before = shard.read_bytes()
-    info, _ = write_shard(path, items, source="data.jsonl", storage=FP8)  # same samples, same name
+    info, _ = write_shard(path, items, source="data.jsonl", dtype=FP8)  # same samples, same name
     assert shard.read_bytes() == before and info.sha256 == hashlib.sha256(before).hexdigest()
     assert [p.name for p in (path / "shards").iterdir()] == [shard.name]
 
@@ -397,12 +367,12 @@ def test_an_fp8_shard_with_other_header_bytes_but_equal_tensors_is_kept_and_othe
         meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     save_file(t, str(shard), metadata=meta)  # safetensors' own layout: other bytes, same content
     same = shard.read_bytes()
-    info, _ = write_shard(path, items, source="data.jsonl", storage=FP8)
+    info, _ = write_shard(path, items, source="data.jsonl", dtype=FP8)
     assert shard.read_bytes() == same and info.sha256 == hashlib.sha256(same).hexdigest()
     t["aux_scale"] = t["aux_scale"] * 2
     save_file(t, str(shard), metadata=meta)
     changed = shard.read_bytes()
     with pytest.raises(ShardExists):
-        write_shard(path, items, source="data.jsonl", storage=FP8)
+        write_shard(path, items, source="data.jsonl", dtype=FP8)
     assert shard.read_bytes() == changed
     assert [p.name for p in (path / "shards").iterdir()] == [shard.name]  # no temp file left

@@ -20,23 +20,26 @@ from safetensors.torch import load_file
 
 from tasks.store.reader import StoreReader
 from tasks.store.verification import StoreNotVerified, require_verified
+from tasks.train.checkpoint import CHECKPOINT
+from tasks.train.config import TrainConfig
 from tasks.train.data import split
-from tasks.train.loop import CHECKPOINT, TrainConfig, train
+from tasks.train.launch import write_launch_config
+from tasks.train.loop import train
 
 pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parent.parent
 
 
-def config(store, out_dir, **kw) -> TrainConfig:
-    base = dict(store=str(store), out_dir=str(out_dir), draft_vocab_size=512, ttt_steps=3, epochs=8, lr=5e-3,
-                tokens_per_batch=2048, heldout_fraction=0.1, checkpoint_every=4, log_every=10)
+def config(out_dir, **kw) -> TrainConfig:
+    base = dict(out_dir=str(out_dir), draft_vocab_size=512, ttt_steps=3, epochs=8, lr=5e-3, tokens_per_batch=2048,
+                heldout_fraction=0.1, checkpoint_every=4, log_every=10)
     return TrainConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_store, tmp_path_factory):
-    cfg = config(tiny_store, tmp_path_factory.mktemp("train") / "run")
-    return cfg, train(cfg)
+    cfg = config(tmp_path_factory.mktemp("train") / "run")
+    return cfg, train(cfg, tiny_store)
 
 
 def test_training_beats_the_untrained_drafter(trained):
@@ -97,14 +100,14 @@ def independent_step0_predictions(drafter_dir: Path, target: Path, input_ids: to
     return draft + w["d2t"].long()[draft]  # SGLang: hot_token_id = d2t + arange
 
 
-def test_an_independent_forward_agrees_with_the_targets_greedy_tokens(trained, tiny_model):
+def test_an_independent_forward_agrees_with_the_targets_greedy_tokens(trained, tiny_store, tiny_model):
     """Not the training code's alignment: the target model itself (HF, fp32)
     says which token comes next, and the exported files alone say what the
     drafter proposes. Labels shifted by one would make these disagree."""
     from transformers import AutoModelForCausalLM
 
     cfg, result = trained
-    reader = StoreReader(Path(cfg.store))
+    reader = StoreReader(tiny_store)
     _, held = split(reader, cfg.heldout_fraction)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     hits = total = 0
@@ -125,12 +128,12 @@ def test_an_independent_forward_agrees_with_the_targets_greedy_tokens(trained, t
     assert abs(independent - reported) < 0.08, (independent, reported)
 
 
-def test_a_killed_run_resumes_to_the_same_result(trained, tmp_path):
+def test_a_killed_run_resumes_to_the_same_result(trained, tiny_store, tmp_path):
     cfg, uninterrupted = trained
     out = tmp_path / "run"
-    killed_cfg = config(cfg.store, out, checkpoint_every=3)
+    killed_cfg = config(out, checkpoint_every=3)
     out.mkdir()
-    (out / "cfg.json").write_text(json.dumps(killed_cfg.__dict__))
+    write_launch_config(out / "cfg.json", killed_cfg, tiny_store)
     proc = subprocess.Popen([sys.executable, "-m", "tasks.train.launch", "--config", str(out / "cfg.json")],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -151,7 +154,7 @@ def test_a_killed_run_resumes_to_the_same_result(trained, tmp_path):
     killed_at = torch.load(out / CHECKPOINT, weights_only=False)
     assert not (out / "drafter").exists()
 
-    resumed = train(killed_cfg)
+    resumed = train(killed_cfg, tiny_store)
     assert resumed.resumed_from == {"epoch": killed_at["epoch"], "batches_done": killed_at["batches_done"],
                                     "step": killed_at["step"]}
     assert resumed.steps == uninterrupted.steps
@@ -161,12 +164,12 @@ def test_a_killed_run_resumes_to_the_same_result(trained, tmp_path):
         assert math.isclose(a["loss"], b["loss"], rel_tol=0.02), (a, b)
 
 
-def test_a_changed_setting_is_not_resumed_silently(trained, tmp_path):
+def test_a_changed_setting_is_not_resumed_silently(trained, tiny_store, tmp_path):
     cfg, _ = trained
     out = tmp_path / "run"
     shutil.copytree(cfg.out_dir, out)
     with pytest.raises(Exception, match="other settings.*lr"):
-        train(config(cfg.store, out, lr=1e-4))
+        train(config(out, lr=1e-4), tiny_store)
 
 
 def test_unverified_or_failed_stores_are_refused(tiny_store, tmp_path):
@@ -177,16 +180,16 @@ def test_unverified_or_failed_stores_are_refused(tiny_store, tmp_path):
     report = json.loads(latest.read_text())
     latest.write_text(json.dumps({**report, "ok": False, "failed_files": 1}))
     with pytest.raises(StoreNotVerified, match="failed its last verification"):
-        train(config(store, tmp_path / "out"))
+        train(config(tmp_path / "out"), store)
     latest.unlink()
     with pytest.raises(StoreNotVerified, match="no verification report.*flows.verify"):
-        train(config(store, tmp_path / "out"))
+        train(config(tmp_path / "out"), store)
 
 
 def test_two_process_ddp_run_trains_and_exports(tiny_store, tmp_path):
     """torchrun with two CPU processes (gloo): the same code as on GPUs."""
     from tasks.train.launch import launch_distributed
 
-    result = launch_distributed(config(tiny_store, tmp_path / "ddp", epochs=1, devices=2))
+    result = launch_distributed(config(tmp_path / "ddp", epochs=1, devices=2), tiny_store)
     assert (Path(result.drafter_dir) / "model.safetensors").exists()
     assert result.final["tau"] > result.history[0]["tau"]

@@ -19,13 +19,17 @@ from typing import Callable, Sequence, TypeVar
 
 import httpx
 
+from tasks.capture.canary import server_logprobs
 from tasks.capture.dump import (
     RID_PREFIX, Capture, CaptureError, CaptureMissing, CaptureRefused, discard_rid, new_rid, read_capture, remove_capture,
 )
-from tasks.server.launch import ServerError, client_options
+from tasks.sglang_api import ServerError, client_options
 from tasks.store.shards import default_workers
 
 T = TypeVar("T")
+# Checks a capture against the server's logprobs of its prompt (one per
+# token, None first): tasks/capture/canary.py.
+Canary = Callable[[Capture, list], object]
 
 # The hook hands dumps to a background writer (tasks/capture/writer.py), so
 # the HTTP response can arrive before the file is renamed into place. How
@@ -62,22 +66,27 @@ async def capture_one(
     aux_layer_ids: Sequence[int] | None = None,
     executor: Executor | None = None,
     dump_wait_s: float = DUMP_WAIT_S,
+    canary: Canary | None = None,
+    failed: list[str] | None = None,
 ) -> Capture:
     """Prefill `input_ids` (no generation) and return its checked capture,
     read in `executor` (the loop's default one if None). `client` carries
-    the server's API key (client_options); `rid_prefix` is the server's."""
+    the server's API key (client_options); `rid_prefix` is the server's.
+    With a `canary`, the same request asks for every prompt token's logprob
+    and `canary(capture, logprobs)` checks the capture against them (in
+    `executor`); what it returns is kept as `capture.canary`. A failed
+    attempt's rid is appended to `failed`, its dump removed."""
     rid = new_rid(tag, rid_prefix)
-    response = await client.post(f"{url}/generate", json={
-        "input_ids": [int(i) for i in input_ids],
-        "sampling_params": {"max_new_tokens": 0},
-        "rid": rid,
-    })
-    if response.status_code in REFUSALS:
-        raise CaptureRefused(f"rid {rid}: server refused the request, HTTP {response.status_code}: "
-                             f"{response.text[:300]}")
-    if response.status_code != 200:
-        raise CaptureError(f"rid {rid}: server answered HTTP {response.status_code}: {response.text[:300]}")
+    request = {"input_ids": [int(i) for i in input_ids], "sampling_params": {"max_new_tokens": 0}, "rid": rid}
+    if canary is not None:
+        request |= {"return_logprob": True, "logprob_start_len": 0}
     try:
+        response = await client.post(f"{url}/generate", json=request)
+        if response.status_code in REFUSALS:
+            raise CaptureRefused(f"rid {rid}: server refused the request, HTTP {response.status_code}: "
+                                 f"{response.text[:300]}")
+        if response.status_code != 200:
+            raise CaptureError(f"rid {rid}: server answered HTTP {response.status_code}: {response.text[:300]}")
         try:
             meta = response.json()["meta_info"]
         except (ValueError, KeyError, TypeError):
@@ -85,9 +94,18 @@ async def capture_one(
                                f"{response.text[:120]!r}; is it an SGLang server?") from None
         check_meta(meta, rid, len(input_ids))
         read = partial(read_capture, dump_dir, rid, input_ids, aux_layer_ids=aux_layer_ids)
-        return await _read_when_written(read, dump_wait_s, executor)
-    except CaptureError:
-        discard_rid(dump_dir, rid)  # the retry uses a fresh rid; leave nothing behind
+        capture = await _read_when_written(read, dump_wait_s, executor)
+        if canary is not None:
+            logprobs = server_logprobs(meta, input_ids)
+            capture.canary = await asyncio.get_running_loop().run_in_executor(executor, canary, capture, logprobs)
+        return capture
+    except BaseException:
+        # Whatever ended the attempt (a bad capture, a timeout, the server
+        # going down, cancellation), its dump must not stay in the (RAM-backed)
+        # dump dir; one the writer lands later is swept by the caller (failed).
+        discard_rid(dump_dir, rid)
+        if failed is not None:
+            failed.append(rid)
         raise
 
 
@@ -124,6 +142,8 @@ def capture_many(
     read_workers: int | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     dump_wait_s: float = DUMP_WAIT_S,
+    canaries: dict[int, Canary] | None = None,
+    failed: list[str] | None = None,
 ) -> list[T | Exception]:
     """Capture every list of ids with at most `concurrency` requests in
     flight. `consume(i, capture)` runs as each capture arrives; the dump
@@ -132,7 +152,10 @@ def capture_many(
     `api_key` and `rid_prefix` are the capture server's (ServerHandle and
     ServerSupervisor have both). `read_workers` threads read and check dumps
     (default: one per core, at most 8); `transport` replaces the network
-    (benchmarks, tests)."""
+    (benchmarks, tests); `canaries` maps an input's index to the canary
+    its capture is checked with (capture_one); `failed` collects the rids
+    of failed requests (a dump can land after its request failed: sweep
+    them later with discard_rid)."""
 
     async def run(pool: Executor) -> list:
         limit = asyncio.Semaphore(concurrency)
@@ -144,7 +167,8 @@ def capture_many(
                 async with limit:
                     capture = await capture_one(client, url, dump_dir, ids, tag=str(i), rid_prefix=rid_prefix,
                                                 aux_layer_ids=aux_layer_ids, executor=pool,
-                                                dump_wait_s=dump_wait_s)
+                                                dump_wait_s=dump_wait_s, canary=(canaries or {}).get(i),
+                                                failed=failed)
                 try:
                     return consume(i, capture)
                 finally:

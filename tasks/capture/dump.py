@@ -139,10 +139,16 @@ class Capture:
     final_hidden_state: torch.Tensor  # [n, H]
     aux_layer_ids: tuple[int, ...]
     files: list[Path]
+    canary: object | None = None  # the canary's result, when it was one (tasks/capture/canary.py)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def chunk_starts(self) -> list[int]:
+        """Where each forward of a chunked prefill began (from the chunks' names)."""
+        return [int(f.name[: -len(SUFFIX)].rsplit("@", 1)[1]) for f in self.files]
 
 
 def read_capture(
@@ -219,6 +225,21 @@ def read_capture(
 def remove_capture(capture: Capture) -> None:
     for path in capture.files:
         path.unlink(missing_ok=True)
+
+
+def discard_rids(dump_dir: Path, rids: set[str]) -> int:
+    """discard_rid for many rids in one listing of the directory (their
+    chunks and the writer's temp files); returns how many files went.
+    Cleanup only: never a source of progress."""
+    if not rids:
+        return 0
+    removed = 0
+    for path in Path(dump_dir).iterdir():
+        name = path.name.removeprefix(TMP_PREFIX)
+        if SUFFIX in name and name.split("@", 1)[0] in rids:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def discard_rid(dump_dir: Path, rid: str) -> None:

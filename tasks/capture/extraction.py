@@ -18,20 +18,26 @@ from typing import Callable, Sequence
 
 import httpx
 
+from tasks.capture import canary
 from tasks.capture.client import DUMP_WAIT_S, capture_many, probe_capture
-from tasks.capture.dump import CaptureError, CaptureRefused, RID_PREFIX, SUFFIX, TMP_PREFIX, check_rid_prefix
+from tasks.capture.config import CaptureConfig
+from tasks.capture.dump import (
+    CaptureError, CaptureRefused, RID_PREFIX, SUFFIX, TMP_PREFIX, check_rid_prefix, discard_rids,
+)
+from tasks.failures import Permanent
 from tasks.paths import ensure_private_dir
 from tasks.data.dataset import Rejected, Sample, prepare_samples
-from tasks.server.launch import server_healthy
-from tasks.store.ledger import Ledger, open_ledger
-from tasks.store.manifest import StoreError, read_manifest
+from tasks.sglang_api import server_healthy
+from tasks.store.handle import Store
+from tasks.store.ledger.index import Ledger
+from tasks.store.manifest import StoreError
 from tasks.store.shards import BF16, ShardExists, bytes_per_token, remove_uncommitted, write_shard
 
 logger = logging.getLogger("eagle3.extract")
 
 
-class InsufficientSpace(RuntimeError):
-    pass
+class InsufficientSpace(Permanent, RuntimeError):
+    """The plan's states do not fit where they must go (a retry finds the same space)."""
 
 
 class ServerUnavailable(RuntimeError):
@@ -54,13 +60,13 @@ class Plan:
         return [self.todo[i: i + batch_size] for i in range(0, len(self.todo), batch_size)]
 
 
-def plan_extraction(dataset: Path, tokenizer, ledger: Ledger, *, max_length: int, policy: str,
-                    rows: Sequence[int] | None = None) -> Plan:
-    """Tokenise the dataset (or only its `rows`) and keep only what the
-    ledger does not hold yet. Rows that cannot be used go to the quarantine
-    table with their reason."""
-    source = str(Path(dataset).resolve())
-    samples, rejected = prepare_samples(dataset, tokenizer, max_length=max_length, policy=policy,
+def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Sequence[int] | None = None) -> Plan:
+    """Tokenise the capture's dataset (or only its `rows`) and keep only
+    what the ledger does not hold yet. Rows that cannot be used go to the
+    quarantine table with their reason."""
+    source = str(Path(capture.dataset).resolve())
+    samples, rejected = prepare_samples(Path(capture.dataset), tokenizer, max_length=capture.max_length,
+                                        policy=capture.max_length_policy,
                                         rows=None if rows is None else frozenset(rows))
     stored = ledger.stored_ids()
     todo, seen = [], set()
@@ -73,16 +79,19 @@ def plan_extraction(dataset: Path, tokenizer, ledger: Ledger, *, max_length: int
     return Plan(source, todo, len(samples) - len(todo), rejected, len(samples) + len(rejected))
 
 
-def storage_preflight(plan: Plan, store: Path, dump_dir: Path, *, hidden_size: int, in_flight_tokens: int,
-                      storage: str = BF16) -> dict:
+def storage_preflight(plan: Plan, store: Path, dump_dir: Path | None, *, hidden_size: int, in_flight_tokens: int,
+                      dtype: str = BF16) -> dict:
     """Bytes the plan will need where the store and the dump dir live; raise
-    InsufficientSpace (needed, free, where) before any work if they cannot fit."""
-    per_token = bytes_per_token(hidden_size, storage=storage)
+    InsufficientSpace (needed, free, where) before any work if they cannot fit.
+    No dump dir: the store alone (a many-node parent, for the whole plan;
+    each node checks its own dump dir)."""
+    per_token = bytes_per_token(hidden_size, dtype=dtype)
     need_store = plan.todo_tokens * per_token
     # A dump holds the model dtype (at most fp32) plus int64 ids, only while in flight.
     need_dump = in_flight_tokens * ((3 + 1) * hidden_size * 4 + 8)
     out = {"tokens": plan.todo_tokens, "bytes_per_token": per_token, "store_bytes": need_store, "dump_bytes": need_dump}
-    for what, path, need in (("store", store, need_store), ("dump dir", dump_dir, need_dump)):
+    places = [("store", store, need_store)] + ([("dump dir", dump_dir, need_dump)] if dump_dir is not None else [])
+    for what, path, need in places:
         path = _existing_parent(Path(path))
         free = shutil.disk_usage(path).free
         out[f"{what.replace(' ', '_')}_free"] = free
@@ -131,19 +140,19 @@ def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
     return removed
 
 
-def warm_up(url: str, dump_dir: Path, *, aux_layer_ids: Sequence[int], api_key: str | None = None,
-            rid_prefix: str = RID_PREFIX, requests: int = 3) -> dict:
+def warm_up(endpoint: "Endpoint", requests: int = 3) -> dict:
     """A few probe captures of growing length: the first forwards on a fresh
     server are slow, and a capture that does not round-trip stops the run
     before any batch is sent."""
     summary = {}
     for k in range(requests):
-        summary = probe_capture(url, dump_dir, api_key=api_key, rid_prefix=rid_prefix, num_tokens=16 * (k + 1),
-                                aux_layer_ids=aux_layer_ids)
+        summary = probe_capture(endpoint.url, endpoint.dump_dir, api_key=endpoint.api_key,
+                                rid_prefix=endpoint.rid_prefix, num_tokens=16 * (k + 1),
+                                aux_layer_ids=endpoint.aux_layer_ids)
     return summary
 
 
-class TooManyFailures(RuntimeError):
+class TooManyFailures(Permanent, RuntimeError):
     """So many captures failed that the run is not storing a dataset but
     quarantining it: something is wrong with the server or the capture."""
 
@@ -156,15 +165,20 @@ class FailureGuard:
     and at the end of the run over everything). Without it, a run whose every
     capture fails ends Completed with nothing stored."""
 
-    def __init__(self, *, max_ratio: float = 0.05, max_consecutive: int = 20, min_samples: int = 100):
+    def __init__(self, *, max_ratio: float = 0.05, max_consecutive: int = 20, min_samples: int = 100,
+                 canaries: canary.CanaryTally | None = None):
         self.max_ratio, self.max_consecutive, self.min_samples = max_ratio, max_consecutive, min_samples
+        self.canaries = canaries or canary.CanaryTally()
+        self.failed_rids: dict[str, float] = {}  # rid -> when it failed (monotonic)
         self.stored = self.failed = self.streak = 0
         self.last_reason = ""
         self.tripped: str | None = None
         self._mutex = threading.Lock()
 
     def check(self) -> None:
-        """Raise TooManyFailures if the run was already stopped."""
+        """Raise TooManyFailures if the run was already stopped, CanaryDisagrees
+        if its canaries failed beyond their limit."""
+        self.canaries.check()
         if self.tripped:
             raise TooManyFailures(self.tripped)
 
@@ -182,6 +196,20 @@ class FailureGuard:
             if not self.tripped and self.stored + self.failed >= self.min_samples:
                 self.tripped = self._ratio_exceeded()
         self.check()
+
+    def sweep(self, dump_dir: Path, rids: Sequence[str] = ()) -> None:
+        """Remember `rids` (failed requests) and remove any dump of the run's
+        failed requests, in one listing of the dump dir: one can land after
+        its request failed (a timeout while the server still ran it). A rid
+        is forgotten LATE_DUMP_WINDOW_S after it failed, so the set stays as
+        small as the failures of the last minutes."""
+        now = time.monotonic()
+        with self._mutex:
+            self.failed_rids.update(dict.fromkeys(rids, now))
+            for rid in [r for r, at in self.failed_rids.items() if now - at > LATE_DUMP_WINDOW_S]:
+                del self.failed_rids[rid]
+            recent = set(self.failed_rids)
+        discard_rids(dump_dir, recent)
 
     def finish(self) -> None:
         """The ratio over the whole run, however few samples it had."""
@@ -211,6 +239,7 @@ class BatchResult:
     seconds: float
     quarantined: list[str] = field(default_factory=list)
     retried: int = 0
+    canaries: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,177 +256,246 @@ def _was_in_flight(error: Exception) -> bool:
     return _server_down(error) and not isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
+# A failed request's dump can land after it failed, while the server still
+# runs it: at most a request timeout later (capture.request_timeout_s,
+# default 600 s). Its rid is swept for this long.
+LATE_DUMP_WINDOW_S = 900.0
 # A sample in flight at this many server crashes is quarantined as their
 # cause. Once in flight at one, it is sent alone, so a second crash names it.
 CRASH_LIMIT = 2
 
 
-def extract_batch(
-    url: str,
-    dump_dir: Path,
-    store: Path,
-    source: str,
-    samples: list[Sample],
-    *,
-    aux_layer_ids: Sequence[int],
-    api_key: str | None = None,
-    rid_prefix: str = RID_PREFIX,
-    concurrency: int = 8,
-    sample_attempts: int = 3,
-    on_server_down: Callable[[], None] | None = None,
-    store_workers: int | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-    dump_wait_s: float = DUMP_WAIT_S,
-    guard: FailureGuard | None = None,
-    request_timeout_s: float = 600.0,
-    writer: str = "",
-) -> BatchResult:
-    """Capture one batch, write it as one shard, commit it to the ledger.
+@dataclass(frozen=True)
+class Endpoint:
+    """A capture server as its client sees it: where requests go, with which
+    API key and rid prefix, which aux layers it captures and where its dumps
+    land. `on_down` makes it serve again when it stops answering (a run's
+    supervisor relaunching it), or raises; `transport` answers in place of
+    the network (tests, benchmarks). `checkpoint` is the target the server
+    is meant to serve: its head scores the canaries (none without it)."""
 
-    `api_key` and `rid_prefix` are the capture server's. Each sample gets up
-    to `sample_attempts` tries, each under a fresh rid; a sample whose dump
-    is missing, foreign, short or non-finite every time is quarantined with
-    the reason, and the rest of the batch is stored. If the server itself
-    stops answering, ServerUnavailable is raised (after calling
-    `on_server_down`, e.g. the run's supervisor relaunching it) so the task
-    is retried as a whole. `store_workers` threads read the dumps back and
-    write the shard (default: one per core, at most 8); `transport` answers
-    the HTTP requests instead of a server (benchmarks). With a `guard`, the
-    batch does not start once the run has been stopped, and records its
-    outcomes after committing what it captured (raising TooManyFailures if
-    the run must stop). A request not answered within `request_timeout_s`
-    fails its sample's attempt (a server that stops answering /health as
-    well counts as down). `writer` names this node in a store many nodes
-    write (its shards carry the name: tasks/store/shards.py shard_name).
-    """
-    if guard is not None:
-        guard.check()
-    t0 = time.perf_counter()
-    ledger = open_ledger(store)
-    stored = ledger.stored_ids()
-    pending = [s for s in samples if s.sample_id not in stored]
-    if len(pending) < len(samples):
-        logger.info("%d of %d samples of this batch are already stored", len(samples) - len(pending), len(samples))
-    captured: dict[str, dict] = {}
-    errors: dict[str, str] = {}
-    retried = 0
-    quarantined = []
-    crashes = ledger.crash_counts()
-    culprits = [s for s in pending if crashes.get(s.sample_id, 0) >= CRASH_LIMIT]
-    if culprits:
-        for s in culprits:
-            errors[s.sample_id] = (f"in flight at {crashes[s.sample_id]} SGLang server crashes, the last while "
-                                   f"sent alone: taken to crash the server (see its log)")
-        ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
-                            "reason": errors[s.sample_id], "attempts": crashes[s.sample_id]} for s in culprits])
-        for s in culprits:
-            logger.error("quarantined sample %s (row %d): in flight at %d server crashes", s.sample_id,
-                         s.source_row, crashes[s.sample_id])
-        quarantined = [s.sample_id for s in culprits]
-        pending = [s for s in pending if crashes.get(s.sample_id, 0) < CRASH_LIMIT]
+    url: str
+    dump_dir: Path
+    aux_layer_ids: Sequence[int]
+    checkpoint: Path | None = None
+    api_key: str | None = None
+    rid_prefix: str = RID_PREFIX
+    on_down: Callable[[], None] | None = None
+    transport: httpx.AsyncBaseTransport | None = None
+    dump_wait_s: float = DUMP_WAIT_S
 
-    def capture(group: list[Sample], width: int) -> list:
+
+class _BatchCapture:
+    """The captures of one batch: what was captured, what failed and why,
+    what was quarantined, and the crash accounting when the server goes
+    down under the batch's requests."""
+
+    def __init__(self, endpoint: Endpoint, store: Store, source: str, capture: CaptureConfig,
+                 store_workers: int | None):
+        self.endpoint, self.store, self.source, self.cfg = endpoint, store, source, capture
+        self.store_workers = store_workers
+        self.captured: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        self.quarantined: list[str] = []
+        self.retried = 0
+        self.failed_rids: list[str] = []
+        self.canaries: set[str] = set()
+        self.head: canary.Head | None = None
+        self.history: list[list[float]] = []
+
+    def choose_canaries(self, pending: list[Sample]) -> None:
+        """The batch's canaries (a seeded share, at least one), the target's
+        head and the run's earlier canary profiles, read once per batch."""
+        if self.endpoint.checkpoint is None or self.cfg.canary_fraction <= 0 or not pending:
+            return
+        self.canaries = canary.pick_canaries([s.sample_id for s in pending], self.cfg.canary_fraction)
+        self.head = canary.load_head(str(self.endpoint.checkpoint))
+        earlier = self.store.ledger.canaries(latest=canary.PROFILE_HISTORY)
+        self.history = [[float(v) for v in p.split(",")] for p in earlier.profile if p]
+
+    def _canary_for(self, s: Sample):
+        return partial(canary.check_capture, head=self.head, sample_id=s.sample_id,
+                       positions=self.cfg.canary_positions, storage_dtype=self.store.dtype, history=self.history)
+
+    def send(self, group: list[Sample], width: int) -> list:
         """Capture a group; if the server went down meanwhile, count a crash
         against the samples that were in flight, and stop the batch."""
         def keep(i, capture, batch=group):
             s = batch[i]
             return {"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
                     "loss_mask": s.loss_mask, "aux_hidden_states": capture.aux_hidden_states,
-                    "final_hidden_state": capture.final_hidden_state}
+                    "final_hidden_state": capture.final_hidden_state, "canary": capture.canary}
 
-        outs = capture_many(url, dump_dir, [s.input_ids.tolist() for s in group], keep, api_key=api_key,
-                            rid_prefix=rid_prefix, concurrency=width, aux_layer_ids=aux_layer_ids,
-                            read_workers=store_workers, transport=transport, dump_wait_s=dump_wait_s,
-                            timeout_s=request_timeout_s)
+        e = self.endpoint
+        canaries = {i: self._canary_for(s) for i, s in enumerate(group) if s.sample_id in self.canaries}
+        outs = capture_many(e.url, e.dump_dir, [s.input_ids.tolist() for s in group], keep, api_key=e.api_key,
+                            rid_prefix=e.rid_prefix, concurrency=width, aux_layer_ids=e.aux_layer_ids,
+                            read_workers=self.store_workers, transport=e.transport, dump_wait_s=e.dump_wait_s,
+                            timeout_s=self.cfg.request_timeout_s, canaries=canaries, failed=self.failed_rids)
         down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
-        if down and not server_healthy(url, api_key=api_key):
+        if down and not server_healthy(e.url, api_key=e.api_key):
             in_flight = [s.sample_id for s, o in zip(group, outs) if isinstance(o, Exception) and _was_in_flight(o)]
-            counts = ledger.record_crash(in_flight) if in_flight else {}
-            if on_server_down is not None:
-                on_server_down()
+            counts = self.store.ledger.record_crash(in_flight) if in_flight else {}
+            if e.on_down is not None:
+                e.on_down()
             suspects = ", ".join(f"{i} (crash {n})" for i, n in counts.items()) or "none"
             raise ServerUnavailable(
-                f"SGLang server at {url} stopped answering mid-batch ({down[0]!r}); the batch will be retried. "
+                f"SGLang server at {e.url} stopped answering mid-batch ({down[0]!r}); the batch will be retried. "
                 f"Samples in flight, sent alone from now on: {suspects}") from down[0]
+        for s, out in zip(group, outs):
+            if not isinstance(out, Exception):
+                self.captured[s.sample_id] = out
         return outs
 
-    # Samples in flight at an earlier crash go first, one at a time: if one
-    # of them brings the server down, it alone is counted again.
-    alone = [s for s in pending if crashes.get(s.sample_id, 0) >= 1]
-    for s in alone:
-        out = capture([s], 1)[0]
-        if not isinstance(out, Exception):
-            captured[s.sample_id] = out
-    pending = [s for s in pending if s.sample_id not in captured]
+    def quarantine(self, failed: list[tuple[Sample, int]], why: str = "") -> None:
+        """Quarantine samples (each with its attempts) for their last error."""
+        if not failed:
+            return
+        self.store.ledger.quarantine([{"source": self.source, "source_row": s.source_row, "sample_id": s.sample_id,
+                                       "reason": self.errors[s.sample_id], "attempts": n} for s, n in failed])
+        for s, n in failed:
+            logger.error("quarantined sample %s (row %d)%s: %s", s.sample_id, s.source_row,
+                         why or f" after {n} attempt{'s' * (n != 1)}", self.errors[s.sample_id])
+        self.quarantined += [s.sample_id for s, _ in failed]
 
-    refused: list[tuple[Sample, int]] = []
-    for attempt in range(1, sample_attempts + 1):
-        if not pending:
-            break
-        if attempt > 1:
-            retried += len(pending)
-            logger.warning("retrying %d samples (attempt %d of %d)", len(pending), attempt, sample_attempts)
-        outs = capture(pending, concurrency)
-        failed = []
-        for s, out in zip(pending, outs):
-            if isinstance(out, Exception):
-                errors[s.sample_id] = f"{type(out).__name__}: {out}"
-                if isinstance(out, CaptureRefused):
-                    refused.append((s, attempt))  # the same request gets the same answer: not retried
-                else:
-                    failed.append(s)
+    def try_all(self, pending: list[Sample]) -> None:
+        """Up to sample_attempts tries each, each under a fresh rid; what a
+        server refuses as such is not retried (the same request gets the
+        same answer)."""
+        refused: list[tuple[Sample, int]] = []
+        for attempt in range(1, self.cfg.sample_attempts + 1):
+            if not pending:
+                break
+            if attempt > 1:
+                self.retried += len(pending)
+                logger.warning("retrying %d samples (attempt %d of %d)", len(pending), attempt,
+                               self.cfg.sample_attempts)
+            failed = []
+            for s, out in zip(pending, self.send(pending, self.cfg.concurrency)):
+                if not isinstance(out, Exception):
+                    continue
+                self.errors[s.sample_id] = f"{type(out).__name__}: {out}"
+                (refused.append((s, attempt)) if isinstance(out, CaptureRefused) else failed.append(s))
                 if not isinstance(out, (CaptureError, httpx.HTTPError)):
                     logger.error("sample %s (row %d): %r", s.sample_id, s.source_row, out)
-            else:
-                captured[s.sample_id] = out
-        pending = failed
+            pending = failed
+        self.quarantine(refused)
+        self.quarantine([(s, self.cfg.sample_attempts) for s in pending])
 
-    if refused:
-        ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
-                            "reason": errors[s.sample_id], "attempts": tries} for s, tries in refused])
-        for s, _ in refused:
-            logger.error("quarantined sample %s (row %d): %s", s.sample_id, s.source_row, errors[s.sample_id])
-        quarantined += [s.sample_id for s, _ in refused]
-    if pending:
-        ledger.quarantine([{"source": source, "source_row": s.source_row, "sample_id": s.sample_id,
-                            "reason": errors[s.sample_id], "attempts": sample_attempts} for s in pending])
-        for s in pending:
-            logger.error("quarantined sample %s (row %d) after %d attempts: %s",
-                         s.sample_id, s.source_row, sample_attempts, errors[s.sample_id])
-        quarantined += [s.sample_id for s in pending]
+    def tally_canaries(self, tally: canary.CanaryTally) -> list[str]:
+        """Count each canary sample once: passed (its last try), or failed
+        (quarantined for disagreeing with the server's logprobs on every
+        try); returns the failed ones' reasons."""
+        failed = []
+        for sample_id in sorted(self.canaries):
+            if sample_id in self.captured:
+                result = self.captured[sample_id]["canary"]
+                tally.passed(result)
+                if result.profile_outlier:
+                    logger.warning("canary %s: its aux profile stands out from the run's: %s", sample_id,
+                                   result.profile_outlier)
+            elif self.errors.get(sample_id, "").startswith(canary.CanaryMismatch.__name__):
+                failed.append(f"sample {sample_id}: {self.errors[sample_id]}")
+                tally.mismatched(failed[-1])
+        return failed
 
-    items = [captured[s.sample_id] for s in samples if s.sample_id in captured]
-    shard = None
-    if items:
-        # The storage dtype is the store's, fixed in its manifest when it was created.
-        storage = read_manifest(store).get("dtype", BF16)
-        write = partial(write_shard, store, items, source=source, storage=storage, workers=store_workers,
-                        writer=writer)
+    def commit(self, samples: list[Sample], writer: str) -> tuple[str | None, list[dict]]:
+        """The captured samples, in batch order, as one shard committed to
+        the index; (its name, its items)."""
+        items = [self.captured[s.sample_id] for s in samples if s.sample_id in self.captured]
+        if not items:
+            return None, items
+        store = self.store
+        write = partial(write_shard, store.path, items, source=self.source, dtype=store.dtype,
+                        workers=self.store_workers, writer=writer)
         try:
             shard_info, rows = write()
         except ShardExists as e:
-            if ledger.has_shard(e.name):
+            if store.ledger.has_shard(e.name):
                 raise
             # An interrupted run wrote this batch but never committed it.
             logger.warning("replacing %s: left uncommitted by an interrupted run", e.path)
-            remove_uncommitted(store, e.name)
+            remove_uncommitted(store.path, e.name)
             shard_info, rows = write()
+        canaries = [it["canary"].record(shard_info.name) for it in items if it["canary"] is not None]
         try:
-            ledger.commit_shard(shard_info, rows)
+            store.ledger.commit_shard(shard_info, rows, canaries)
         except StoreError:
             # Another writer committed some of these samples first (a node
             # taken for dead that was not): ours stays out of the store, and a
             # retry of the batch re-reads the ledger and stores only the rest.
-            if not ledger.has_shard(shard_info.name):
-                remove_uncommitted(store, shard_info.name)
+            if not store.ledger.has_shard(shard_info.name):
+                remove_uncommitted(store.path, shard_info.name)
             raise
-        shard = shard_info.name
-    tokens = sum(len(it["input_ids"]) for it in items)
+        return shard_info.name, items
+
+
+def extract_batch(endpoint: Endpoint, store: Store, source: str, samples: list[Sample],
+                  capture: CaptureConfig = CaptureConfig(), *, guard: FailureGuard | None = None, writer: str = "",
+                  store_workers: int | None = None) -> BatchResult:
+    """Capture one batch, write it as one shard, commit it to the store's
+    index.
+
+    Each sample gets up to `capture.sample_attempts` tries, each under a
+    fresh rid; a sample whose dump is missing, foreign, short or non-finite
+    every time is quarantined with the reason, and the rest of the batch is
+    stored. If the server itself stops answering, ServerUnavailable is
+    raised (after `endpoint.on_down`) so the task is retried as a whole; a
+    sample in flight at CRASH_LIMIT crashes is quarantined as their cause.
+    A seeded share of the samples are canaries (tasks/capture/canary.py):
+    one that disagrees with the server's logprobs on every try is
+    quarantined and the batch is not stored (CanaryBatchRejected, retried
+    as a whole; CanaryDisagrees, which stops the run, once they fail
+    wholesale). `store_workers` threads read the dumps back and write the shard
+    (default: one per core, at most 8). With a `guard`, the batch does not
+    start once the run has been stopped, and records its outcomes after
+    committing what it captured (raising TooManyFailures if the run must
+    stop). `writer` names this node in a store many nodes write (its shards
+    carry the name: tasks/store/shards.py shard_name).
+    """
     if guard is not None:
-        failed_ids = set(quarantined)
-        guard.record([s.sample_id not in failed_ids for s in samples if s.sample_id not in stored],
-                     errors[quarantined[-1]] if quarantined else "")
-    return BatchResult(shard, len(items), tokens, time.perf_counter() - t0, quarantined, retried)
+        guard.check()
+    t0 = time.perf_counter()
+    stored = store.ledger.stored_ids()
+    pending = [s for s in samples if s.sample_id not in stored]
+    if len(pending) < len(samples):
+        logger.info("%d of %d samples of this batch are already stored", len(samples) - len(pending), len(samples))
+    batch = _BatchCapture(endpoint, store, source, capture, store_workers)
+    batch.choose_canaries(pending)
+    if guard is not None:
+        guard.sweep(endpoint.dump_dir)  # late dumps of the run's earlier failed requests
+    try:
+        crashes = store.ledger.crash_counts()
+        culprits = [s for s in pending if crashes.get(s.sample_id, 0) >= CRASH_LIMIT]
+        for s in culprits:
+            batch.errors[s.sample_id] = (f"in flight at {crashes[s.sample_id]} SGLang server crashes, the last while "
+                                         f"sent alone: taken to crash the server (see its log)")
+        batch.quarantine([(s, crashes[s.sample_id]) for s in culprits], why=" as a server crash's cause")
+        pending = [s for s in pending if crashes.get(s.sample_id, 0) < CRASH_LIMIT]
+        # Samples in flight at an earlier crash go first, one at a time: if one
+        # of them brings the server down, it alone is counted again.
+        for s in [s for s in pending if crashes.get(s.sample_id, 0) >= 1]:
+            batch.send([s], 1)
+        batch.try_all([s for s in pending if s.sample_id not in batch.captured])
+        tally = guard.canaries if guard is not None else canary.CanaryTally()
+        disagree = batch.tally_canaries(tally)
+        if disagree:
+            tally.check()  # stops the run when canaries fail wholesale
+            # Its captures came from the same server in the same moments as the
+            # canary's: none is stored; the retry captures them all afresh.
+            raise canary.CanaryBatchRejected(f"batch not stored: {disagree[0]}; the batch is retried as a whole")
+        shard, items = batch.commit(samples, writer)
+        if guard is not None:
+            failed = set(batch.quarantined)
+            guard.record([s.sample_id not in failed for s in samples if s.sample_id not in stored],
+                         batch.errors[batch.quarantined[-1]] if batch.quarantined else "")
+        return BatchResult(shard, len(items), sum(len(it["input_ids"]) for it in items), time.perf_counter() - t0,
+                           batch.quarantined, batch.retried, sum(it["canary"] is not None for it in items))
+    finally:
+        if guard is not None:
+            guard.sweep(endpoint.dump_dir, batch.failed_rids)
+        else:
+            discard_rids(endpoint.dump_dir, set(batch.failed_rids))
 
 
 @dataclass

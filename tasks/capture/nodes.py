@@ -12,21 +12,33 @@ router's retry could capture a sample twice on another one.
 
 A share whose child run does not complete (Failed, Crashed, Cancelled, or
 never started by a worker) goes back to the front of the line for the other
-nodes; the ledger, not the child's report, says what it had stored, and the
+nodes, never to a node that failed it while a healthy node that did not is
+left; the ledger, not the child's report, says what it had stored, and the
 next child stores only the rest. A node that fails `max_node_failures` shares
 in a row is drained: given nothing more, with the reason logged. A child on
 a node that died stays Running in Prefect unless something marks it Crashed:
 flow-run heartbeats and the automation `ensure_zombie_automation` creates.
+Every share a node takes is handed back, whatever happens while its child
+runs (`feed_node`), and every wait is bounded: no node thread, and so no
+parent, can wait for a share that nobody holds.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 ZOMBIE_AUTOMATION = "eagle3: crash flow runs that stop sending heartbeats"
+# How long a node thread sleeps at most before it looks at the line again
+# (it is woken at once when a share finishes; this only bounds the wait).
+WAIT_S = 30.0
+# Prefect API calls while a child runs: retried this long (a server restart,
+# a network blip) before the share is given up on and handed back.
+API_PATIENCE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class Dispatcher:
             raise ValueError(f"node queues must be distinct, got {nodes}")
         self._pending = deque(samples)
         self._returned: deque[Share] = deque()
+        self._failed_on: dict[int, set[str]] = {}  # share index -> nodes whose child runs of it failed
         self._cut_so_far = 0
         self._in_flight = 0
         self._cond = threading.Condition()
@@ -78,6 +91,16 @@ class Dispatcher:
         return Share(self._cut_so_far - 1, tuple(s.source_row for s in share), len(share),
                      sum(s.num_tokens for s in share))
 
+    def _returned_for(self, node: str) -> Share | None:
+        """The first returned share `node` may take: one it has not failed,
+        or one every healthy node has failed (nobody else will take it)."""
+        healthy = {n for n in self.nodes if n not in self.drained}
+        for share in self._returned:
+            failed = self._failed_on.get(share.index, set())
+            if node not in failed or healthy <= failed:
+                return share
+        return None
+
     def take(self, node: str) -> Share | None:
         """The next share for `node`; None once there is none left for it
         (all done, or the node drained). While other nodes still run shares
@@ -86,12 +109,17 @@ class Dispatcher:
             while True:
                 if node in self.drained:
                     return None
-                if self._returned or self._pending:
+                share = self._returned_for(node)
+                if share is not None:
+                    self._returned.remove(share)
                     self._in_flight += 1
-                    return self._returned.popleft() if self._returned else self._cut()
-                if self._in_flight == 0:
+                    return share
+                if self._pending:
+                    self._in_flight += 1
+                    return self._cut()
+                if self._in_flight == 0 and not self._returned:
                     return None
-                self._cond.wait()
+                self._cond.wait(WAIT_S)
 
     def finished(self, node: str, share: Share, error: str | None) -> None:
         """`node` finished `share`: completed (error None) or not (why)."""
@@ -102,7 +130,8 @@ class Dispatcher:
                 self.done[node].append(share)
             else:
                 self.failures_in_a_row[node] += 1
-                self._returned.appendleft(share)  # first in line for a healthy node
+                self._failed_on.setdefault(share.index, set()).add(node)
+                self._returned.appendleft(share)  # first in line for the nodes that did not fail it
                 if self.failures_in_a_row[node] >= self.max_node_failures:
                     self.drained[node] = (f"{self.failures_in_a_row[node]} shares failed in a row there, "
                                           f"the last: {error}")
@@ -113,6 +142,37 @@ class Dispatcher:
         """Samples no node completed (every node drained before they ran)."""
         with self._cond:
             return sum(g.samples for g in self._returned) + len(self._pending)
+
+
+def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, int], tuple[str | None, str]],
+              log: logging.Logger | logging.LoggerAdapter, on_progress: Callable[[], None] = lambda: None) -> dict:
+    """Feed one node its shares until none is left for it. `run_share(share,
+    n)` runs the node's n-th share and returns (error or None, the child
+    run's name); whatever it raises, the share is handed back to the
+    dispatcher (never left counted in flight, which would keep every other
+    node waiting for it) and the node goes on with the next one."""
+    samples = tokens = runs = 0
+    while (share := dispatcher.take(queue)) is not None:
+        runs += 1
+        t0 = time.monotonic()
+        error, name = f"share {share.index} on {queue}: its child run was never seen to end", "?"
+        try:
+            error, name = run_share(share, runs)
+        except Exception as e:  # noqa: BLE001 - any failure hands the share back; the reason is logged
+            error = f"watching its child run failed: {type(e).__name__}: {e}"
+        finally:
+            dispatcher.finished(queue, share, error)
+        seconds = time.monotonic() - t0
+        if error is None:
+            samples, tokens = samples + share.samples, tokens + share.tokens
+            log.info("share %d on %s: %d samples, %s tokens in %.0f s (%.0f tok/s) [%s]", share.index, queue,
+                     share.samples, f"{share.tokens:,}", seconds, share.tokens / max(seconds, 1e-9), name)
+        else:
+            log.warning("share %d on %s did not complete (%s); it goes to another node", share.index, queue, error)
+        if queue in dispatcher.drained:
+            log.error("node %s drained: %s. Its shares go to the other nodes", queue, dispatcher.drained[queue])
+        on_progress()
+    return {"queue": queue, "samples": samples, "tokens": tokens, "drained": dispatcher.drained.get(queue)}
 
 
 def run_on_node(deployment: str, parameters: dict, queue: str, *, start_timeout_s: float,
@@ -126,20 +186,44 @@ def run_on_node(deployment: str, parameters: dict, queue: str, *, start_timeout_
     from prefect.deployments import run_deployment
     from prefect.states import Cancelled
 
-    run = run_deployment(deployment, parameters=parameters, work_queue_name=queue, timeout=0,
-                         idempotency_key=idempotency_key, flow_run_name=name)
+    # The same idempotency key on every try: a retried call gets the child
+    # the first one created, never a second one.
+    run = _patiently(lambda: run_deployment(deployment, parameters=parameters, work_queue_name=queue, timeout=0,
+                                            idempotency_key=idempotency_key, flow_run_name=name), what="start")
     created = time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
-            run = client.read_flow_run(run.id)
+            run = _patiently(lambda: client.read_flow_run(run.id), what=f"watch {run.name}")
             state = run.state
             if state is not None and state.is_final():
                 return run
             waiting = state is None or state.type in (StateType.SCHEDULED, StateType.PENDING)
             if waiting and time.monotonic() - created > start_timeout_s:
-                client.set_flow_run_state(run.id, Cancelled(
-                    message=f"no worker on queue {queue!r} started it within {start_timeout_s:.0f} s"), force=True)
+                _patiently(lambda: client.set_flow_run_state(run.id, Cancelled(
+                    message=f"no worker on queue {queue!r} started it within {start_timeout_s:.0f} s"), force=True),
+                    what=f"cancel {run.name}")
             time.sleep(poll_s)
+
+
+def _patiently(call: Callable, *, what: str, patience_s: float | None = None):
+    """`call()`, retried with growing pauses while the Prefect API cannot be
+    reached or answers 5xx, for at most `patience_s` (API_PATIENCE_S)."""
+    import httpx
+
+    deadline = time.monotonic() + (API_PATIENCE_S if patience_s is None else patience_s)
+    pause = 1.0
+    while True:
+        try:
+            return call()
+        except (httpx.TransportError, httpx.HTTPStatusError, OSError) as e:
+            status = getattr(getattr(e, "response", None), "status_code", 500)
+            if status < 500 or time.monotonic() + pause > deadline:
+                raise RuntimeError(f"could not {what}: the Prefect API failed for "
+                                   f"{API_PATIENCE_S if patience_s is None else patience_s:.0f} s ({e!r})") from e
+            logging.getLogger("eagle3.nodes").warning("the Prefect API failed (%r); trying to %s again in %.0f s",
+                                                      e, what, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, 30.0)
 
 
 def ensure_zombie_automation(within_s: float = 90.0) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from tasks.data.dataset import Rejected, read_rows, to_messages
-from tasks.server.launch import client_options
+from tasks.sglang_api import client_options
 
 logger = logging.getLogger("eagle3.regeneration")
 

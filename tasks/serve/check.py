@@ -13,13 +13,16 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import httpx
 
-from tasks.server.launch import ServerConfig, ServerError, client_options, launch_server
+from tasks.serve.config import ServeConfig
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
+from tasks.sglang_api import ServerError, client_options
 from tasks.target.architectures import architecture_at
 
 logger = logging.getLogger("eagle3.serving")
@@ -66,33 +69,34 @@ class ServeReport:
 
 
 def serve_check(
-    target_model_path: str | Path,
+    server: ServerConfig,
     draft_dir: str | Path,
     prompts: Sequence[Sequence[int]],
+    serve: ServeConfig,
     *,
     log_dir: str | Path,
-    max_new_tokens: int = 32,
-    dtype: str | None = None,
     ignore_eos: bool = True,
     concurrency: int = 1,
-    num_steps: int = 3,
     eagle_topk: int = 1,
-    num_draft_tokens: int = 4,
-    max_total_tokens: int = 16384,
     startup_timeout_s: float = 600.0,
     request_timeout_s: float = 600.0,
 ) -> ServeReport:
-    """Generate greedily for `prompts` (token ids) on a plain server, then on
-    an EAGLE-3 speculative server with the drafter in `draft_dir`, and compare.
+    """Generate greedily for `prompts` (token ids) on a plain server of
+    `server.model` (a checkpoint folder), launched with the section's
+    settings, then on an EAGLE-3 speculative server with the drafter in
+    `draft_dir`, and compare. `serve` has its num_steps set (the flow takes
+    the drafter's own when the run gives none).
 
-    float32 by default (dtype None): in bf16, two plain servers can already
-    disagree at near-tied logits, which would hide what speculation itself
-    changes. A target SGLang runs in one dtype only (gpt-oss: bf16) is run
-    in that one, and its outputs may then differ at such ties.
-    `ignore_eos` makes every generation `max_new_tokens` long, so the two
-    servers do the same amount of work. Server logs and the report
+    float32 by default (serve.dtype None): in bf16, two plain servers can
+    already disagree at near-tied logits, which would hide what speculation
+    itself changes. A target SGLang runs in one dtype only (gpt-oss: bf16) is
+    run in that one, and its outputs may then differ at such ties.
+    `ignore_eos` makes every generation serve.max_new_tokens long, so the
+    two servers do the same amount of work. Server logs and the report
     (serve-report.json) go to `log_dir`.
     """
+    if serve.num_steps is None:
+        raise ValueError("serve.num_steps is not set: give the steps the drafter is served with")
     if not prompts:
         raise ValueError("serve_check needs at least one prompt")
     if any(len(p) == 0 for p in prompts):
@@ -102,26 +106,28 @@ def serve_check(
         raise FileNotFoundError(f"no drafter at {draft_dir}: expected an SGLang EAGLE-3 directory with config.json")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    target_model_path = server.model
+    dtype = serve.dtype
     if dtype is None:
         only = architecture_at(Path(target_model_path)).only_dtype
         dtype = only or "float32"
         if only:
             logger.info("%s runs in %s only in SGLang: the greedy outputs may differ at near-tied logits",
                         target_model_path, only)
-    common = dict(model_path=str(target_model_path), dump_dir=log_dir / "unused-dumps", capture=False,
-                  dtype=dtype, max_total_tokens=max_total_tokens)
+    num_steps, max_new_tokens = serve.num_steps, serve.max_new_tokens
+    num_draft_tokens = serve.num_draft_tokens or num_steps + 1
+    plain = LaunchSpec(server.model_copy(update={"dtype": dtype}), dump_dir=log_dir / "unused-dumps", capture=False)
     speculative = dict(num_steps=num_steps, eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens)
     runs = {}
-    for name, cfg in (
-        ("plain", ServerConfig(**common)),
-        ("speculative", ServerConfig(**common, draft_model_path=str(draft_dir), speculative_num_steps=num_steps,
-                                     speculative_eagle_topk=eagle_topk,
-                                     speculative_num_draft_tokens=num_draft_tokens)),
+    for name, spec in (
+        ("plain", plain),
+        ("speculative", replace(plain, draft_model_path=str(draft_dir), speculative_num_steps=num_steps,
+                                speculative_eagle_topk=eagle_topk, speculative_num_draft_tokens=num_draft_tokens)),
     ):
         log_path = log_dir / f"{name}-server.log"
         logger.info("starting the %s server on %s (log: %s)", name, target_model_path, log_path)
         started = time.monotonic()
-        with launch_server(cfg, log_path, timeout_s=startup_timeout_s) as server:
+        with launch_server(spec, log_path, timeout_s=startup_timeout_s) as server:
             logger.info("%s server up after %.0f s; generating %d prompts x %d tokens",
                         name, time.monotonic() - started, len(prompts), max_new_tokens)
             try:

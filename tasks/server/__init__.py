@@ -1,2 +1,2 @@
-"""Running stock SGLang: launch, health, stop, supervision, and what it
-needs on a machine without a GPU."""
+"""Running stock SGLang: the server section a user gives, launch, health,
+stop, supervision, and (cpu/) what it needs on a machine without a GPU."""

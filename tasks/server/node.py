@@ -1,9 +1,7 @@
-"""Start one extraction node: a long-lived capture server and a Prefect worker
-on the node's own work queue, whose flow runs find that server in their
-environment (tasks/server/supervisor.py NODE_ENV). Ctrl-C (or SIGTERM) stops
-the worker, then the server.
-
-    python -m tasks.server.node --queue node-a --model /models/kimi-k2.5 --tp-size 8
+"""One extraction node: a long-lived capture server and a Prefect worker on
+the node's own work queue, whose flow runs find that server in their
+environment (tasks/server/supervisor.py NODE_ENV). Ctrl-C (or SIGTERM)
+stops the worker, then the server. Its command line: `python -m flows.node`.
 
 A model loads once per node, not once per child run: on a 1T-parameter
 target that is many minutes. The queue gets a concurrency limit of 1: the
@@ -11,20 +9,19 @@ node's server and dump dir serve one child run at a time.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from tasks.paths import REPO_ROOT, default_dump_root
-from tasks.server.launch import ServerConfig, launch_server
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, launch_server
 from tasks.server.supervisor import API_KEY_ENV, NODE_ENV
-from tasks.target.architectures import architecture_of
-from tasks.target.layers import AuxLayers
-from tasks.target.models import resolve_model
+from tasks.target.checkpoint import Target
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 HEARTBEAT_S = "30"  # Prefect's minimum; the zombie automation waits for 3 missed ones
@@ -33,8 +30,8 @@ HEARTBEAT_S = "30"  # Prefect's minimum; the zombie automation waits for 3 misse
 def node_environment(server, base: dict | None = None) -> dict:
     """The worker's environment: how its flow runs reach this node's server."""
     env = dict(os.environ if base is None else base)
-    env.update({NODE_ENV["server_url"]: server.url, NODE_ENV["dump_dir"]: str(server.config.dump_dir),
-                NODE_ENV["server_rid_prefix"]: server.rid_prefix, API_KEY_ENV: server.api_key,
+    env.update({NODE_ENV["url"]: server.url, NODE_ENV["dump_dir"]: str(server.spec.dump_dir),
+                NODE_ENV["rid_prefix"]: server.rid_prefix, API_KEY_ENV: server.api_key,
                 "EAGLE3_REPO": str(REPO_ROOT)})
     env.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", HEARTBEAT_S)
     return env
@@ -51,40 +48,30 @@ def ensure_queue(pool: str, queue: str, env: dict) -> None:
         prefect("work-queue", "create", queue, "--pool", pool, "--limit", "1")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tasks.server.node", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--queue", required=True, help="this node's work queue (and its name in shard names)")
-    parser.add_argument("--model", required=True, help="the target: a checkpoint folder or a known name")
-    parser.add_argument("--pool", default="eagle3", help="the work pool (default: eagle3)")
-    parser.add_argument("--aux-layer-ids", type=int, nargs="*", default=None,
-                        help="SGLang 'output of layer i' ids; the runs must ask for the same (default: the model's)")
-    parser.add_argument("--dump-dir", default=None, help="node-local dump dir (default: under /dev/shm)")
-    parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--max-total-tokens", type=int, default=65536)
-    parser.add_argument("--chunked-prefill-size", type=int, default=None)
-    parser.add_argument("--log-dir", default=None, help="server and worker logs (default: ./runs/node-<queue>)")
-    parser.add_argument("--extra-server-args", nargs=argparse.REMAINDER, default=[])
-    args = parser.parse_args(argv)
+def node_launch(queue: str, server: ServerConfig, aux_layer_ids: Sequence[int] | None = None,
+                dump_dir: str | None = None) -> LaunchSpec:
+    """The node's capture server: the section's settings on its target, the
+    aux layers the runs sent to it capture."""
+    target = Target.load(server.model, aux_layer_ids)
+    return LaunchSpec(server.model_copy(update={"model": str(target.path)}),
+                      dump_dir=Path(dump_dir or default_dump_root() / f"node-{queue}"),
+                      aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
 
-    model = resolve_model(args.model)
-    config = json.loads((model / "config.json").read_text())
-    arch = architecture_of(config)
-    layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], args.aux_layer_ids)
-    log_dir = Path(args.log_dir or f"runs/node-{args.queue}").resolve()
+
+def run_node(queue: str, spec: LaunchSpec, pool: str, log_dir: Path) -> None:
+    """Serve the node until its worker ends or the process is told to stop;
+    prints one JSON line (queue, server_url, server_pid, worker_pid, logs)
+    once both are up."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    cfg = ServerConfig(model_path=str(model), dump_dir=Path(args.dump_dir or default_dump_root() / f"node-{args.queue}"),
-                       aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids), capture_module=arch.decoder_stack,
-                       tp_size=args.tp_size, max_total_tokens=args.max_total_tokens,
-                       chunked_prefill_size=args.chunked_prefill_size, extra_args=tuple(args.extra_server_args))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop like Ctrl-C: worker first, then server
-    with launch_server(cfg, log_dir / "sglang-server.log") as server:
+    with launch_server(spec, log_dir / "sglang-server.log") as server:
         env = node_environment(server)
-        ensure_queue(args.pool, args.queue, env)
+        ensure_queue(pool, queue, env)
         with open(log_dir / "prefect-worker.log", "ab") as log:
-            worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", args.pool, "--work-queue", args.queue,
-                                       "--name", f"node-{args.queue}"], env=env, cwd=REPO_ROOT, stdout=log,
+            worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--work-queue", queue,
+                                       "--name", f"node-{queue}"], env=env, cwd=REPO_ROOT, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
-        print(json.dumps({"queue": args.queue, "server_url": server.url, "server_pid": server.process.pid,
+        print(json.dumps({"queue": queue, "server_url": server.url, "server_pid": server.process.pid,
                           "worker_pid": worker.pid, "logs": str(log_dir)}), flush=True)
         try:
             worker.wait()
@@ -98,7 +85,3 @@ def main(argv: list[str] | None = None) -> None:
                 except subprocess.TimeoutExpired:
                     os.killpg(worker.pid, signal.SIGKILL)
                     worker.wait()
-
-
-if __name__ == "__main__":
-    main()

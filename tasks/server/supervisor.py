@@ -2,14 +2,17 @@
 after a crash) or attached to by URL."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 from pathlib import Path
 
-from tasks.capture.dump import RID_PREFIX, check_rid_prefix
-from tasks.server.launch import LogFollower, ServerConfig, ServerError, ServerHandle, launch_server, \
-    server_healthy, stop_server
+from tasks.capture.config import CaptureConfig
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, ServerHandle, launch_server, stop_server
+from tasks.server.server_log import LogFollower
+from tasks.sglang_api import ServerError, server_healthy
 
 logger = logging.getLogger("eagle3.server")
 
@@ -18,22 +21,29 @@ logger = logging.getLogger("eagle3.server")
 API_KEY_ENV = "EAGLE3_API_KEY"
 
 
-# A node's capture server, as its worker's environment describes it: the
-# child runs of a fanned-out extraction (flows/extract_nodes.py) are sent to
-# a node's work queue with "env" for these, so each finds its own node's
-# server and reads the dumps on the node that wrote them.
-NODE_ENV = {"server_url": "EAGLE3_SERVER_URL", "dump_dir": "EAGLE3_DUMP_DIR", "server_rid_prefix": "EAGLE3_RID_PREFIX"}
+# A node's capture server, as its worker's environment describes it
+# (tasks/server/node.py sets these): the child runs of a fanned-out
+# extraction (flows/extract_nodes.py) are sent to a node's work queue with
+# server.url "env", so each finds its own node's server and reads the dumps
+# on the node that wrote them.
+NODE_ENV = {"url": "EAGLE3_SERVER_URL", "dump_dir": "EAGLE3_DUMP_DIR", "rid_prefix": "EAGLE3_RID_PREFIX"}
+FROM_NODE = "env"
 
 
-def from_node_env(parameter: str, value: str | None) -> str | None:
-    """`value`, or for "env" the node's setting in its environment."""
-    if value != "env":
-        return value
-    found = os.environ.get(NODE_ENV[parameter])
-    if not found:
-        raise ValueError(f"{parameter} is 'env' but ${NODE_ENV[parameter]} is not set on this node: start the "
-                         f"node with `python -m tasks.server.node`, which sets it for its worker")
-    return found
+def node_sections(server: ServerConfig, capture: CaptureConfig) -> tuple[ServerConfig, CaptureConfig]:
+    """The sections as given, or for server.url "env" this node's server:
+    its URL, rid prefix and API key, and its dump dir, from the
+    environment."""
+    if server.url != FROM_NODE:
+        return server, capture
+    missing = [v for v in NODE_ENV.values() if not os.environ.get(v)]
+    if missing:
+        raise ValueError(f"server.url is {FROM_NODE!r} but ${', $'.join(missing)} is not set on this node: start "
+                         f"the node with `python -m flows.node`, which sets it for its worker")
+    env = {k: os.environ[v] for k, v in NODE_ENV.items()}
+    return (server.model_copy(update={"url": env["url"], "rid_prefix": env["rid_prefix"],
+                                      "api_key": os.environ.get(API_KEY_ENV)}),
+            capture.model_copy(update={"dump_dir": env["dump_dir"]}))
 
 
 def attach_api_key(given: str | None) -> str | None:
@@ -45,27 +55,30 @@ def attach_api_key(given: str | None) -> str | None:
 class ServerSupervisor:
     """The capture server of one run: launched by the run, or attached by URL.
 
-    A server the run launched is relaunched (same port, same dump dir) after a
-    crash, at most `max_restarts` times; an attached server is only checked,
-    since its owner must restart it. The run hands the supervisor to its
-    batch tasks, which call `recover()` when the server stops answering.
+    Given a LaunchSpec, it launches that server and relaunches it (same port,
+    same dump dir, same secrets) after a crash, at most server.max_restarts
+    times. Given a server section with a url, it attaches to that server,
+    which it only checks, since its owner must restart it. The run hands the
+    supervisor to its batch tasks, which call `recover()` when the server
+    stops answering.
 
     `api_key` and `rid_prefix` are what every request to the server carries
     and starts its rid with: a launched server's own (random, kept across
-    relaunches), or for an attached server what its owner started it with.
+    relaunches), or for an attached server what its owner started it with
+    (the section's; the key by default from $EAGLE3_API_KEY).
     """
 
-    def __init__(self, cfg: ServerConfig | None = None, log_path: Path | None = None, *,
-                 attach_url: str | None = None, api_key: str | None = None, rid_prefix: str = RID_PREFIX,
-                 max_restarts: int = 2, timeout_s: float = 600.0):
-        if (cfg is None) == (attach_url is None):
-            raise ValueError("give either a server config to launch or a URL to attach to")
-        if cfg is not None and (api_key is not None or rid_prefix != RID_PREFIX):
-            raise ValueError("api_key and rid_prefix (flow parameters server_api_key, server_rid_prefix) are for "
-                             "attaching to a server you started (server_url); a launched server draws its own")
-        self.cfg, self.log_path, self.attach_url = cfg, log_path, attach_url
-        self._attach_key, self._attach_prefix = api_key, check_rid_prefix(rid_prefix)
-        self.max_restarts, self.timeout_s = max_restarts, timeout_s
+    def __init__(self, target: LaunchSpec | ServerConfig, log_path: Path | None = None, *,
+                 timeout_s: float = 600.0):
+        if isinstance(target, ServerConfig):
+            if target.url is None:
+                raise ValueError("this server section has no url to attach to: give a LaunchSpec of it to launch "
+                                 "a server instead")
+            self.spec, self.attach_url, self.max_restarts = None, target.url, 0
+            self._attach_key, self._attach_prefix = attach_api_key(target.api_key), target.rid_prefix
+        else:
+            self.spec, self.attach_url, self.max_restarts = target, None, target.server.max_restarts
+        self.log_path, self.timeout_s = log_path, timeout_s
         self.restarts = 0
         self.handle: ServerHandle | None = None
         self.follower = LogFollower(log_path) if log_path else None
@@ -85,11 +98,10 @@ class ServerSupervisor:
 
     def start(self) -> str:
         if self.attach_url is None:
-            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
+            self.handle = launch_server(self.spec, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
             # A relaunch reuses the port, rid prefix and API key (the
-            # launched config holds them), so what the batches hold stays valid.
-            self.cfg = self.handle.config
-            self.cfg.port = int(self.handle.url.rsplit(":", 1)[1])
+            # launched spec holds them), so what the batches hold stays valid.
+            self.spec = dataclasses.replace(self.handle.spec, port=int(self.handle.url.rsplit(":", 1)[1]))
         elif not self.healthy():
             raise ServerError(f"no healthy SGLang server at {self.attach_url}")
         return self.url
@@ -115,7 +127,7 @@ class ServerSupervisor:
                            "Last log lines:\n%s", self.url, self.handle.process.poll(), self.restarts,
                            self.max_restarts, self.handle.log_tail(15))
             stop_server(self.handle)
-            self.handle = launch_server(self.cfg, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
+            self.handle = launch_server(self.spec, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
             logger.warning("SGLang server relaunched at %s", self.url)
 
     def forward_log(self, log: logging.Logger) -> None:

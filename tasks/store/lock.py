@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from tasks.failures import Permanent
+
 logger = logging.getLogger("eagle3.lock")
 
 LOCK_NAME = "run.lock"
@@ -47,7 +49,7 @@ _process_locks: dict[str, dict] = {}
 _process_mutex = threading.Lock()
 
 
-class LockHeld(RuntimeError):
+class LockHeld(Permanent, RuntimeError):
     """Another run holds the directory."""
 
 

@@ -10,8 +10,7 @@
 
 Two runs may write into the same store only if the keys in IDENTITY_KEYS are
 equal: the format and the storage dtype among them, so one store never mixes
-bf16 and FP8 shards, and a store of an older format is read and verified but
-not added to.
+bf16 and FP8 shards. A store of another format is neither read nor added to.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tasks.durable import replace_durably
+from tasks.failures import Permanent
 from tasks.store.shards import BF16, FORMAT, STORAGE_DTYPES, file_sha256
 from tasks.target.architectures import Architecture
 from tasks.target.fingerprint import weights_fingerprint
@@ -34,15 +34,27 @@ class StoreError(RuntimeError):
     pass
 
 
+class StoreMismatch(Permanent, StoreError):
+    """The run would add data made another way than the store's: it needs a
+    store directory of its own."""
+
+
+# The run settings each identity key comes from, named in a refusal.
+IDENTITY_SETTINGS = {"target": "server.model", "architecture": "server.model", "tokenizer": "server.model",
+                     "hidden_size": "server.model", "aux_layers": "capture.aux_layer_ids", "dtype": "store.dtype",
+                     "max_length": "capture.max_length", "max_length_policy": "capture.max_length_policy"}
+
+
 def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Architecture, *, max_length: int,
-                   policy: str, sources: Sequence[str], storage: str = BF16) -> dict:
+                   policy: str, sources: Sequence[str], dtype: str = BF16) -> dict:
     """What produced the data. The keys in IDENTITY_KEYS must match for a run
-    to add to an existing store. `storage`: bfloat16 (default) or
-    float8_e4m3fn (half the bytes; tasks/store/fp8.py)."""
+    to add to an existing store. `dtype`, the storage dtype of the hidden
+    states: bfloat16 (default) or float8_e4m3fn (half the bytes;
+    tasks/store/fp8.py)."""
     from importlib.metadata import version
 
-    if storage not in STORAGE_DTYPES:
-        raise StoreError(f"storage dtype {storage!r} is not supported: choose one of {', '.join(STORAGE_DTYPES)}")
+    if dtype not in STORAGE_DTYPES:
+        raise StoreError(f"storage dtype {dtype!r} is not supported: choose one of {', '.join(STORAGE_DTYPES)}")
     model_path = Path(model_path)
     config = json.loads((model_path / "config.json").read_text())
     sizes = architecture.sizes(config)
@@ -58,7 +70,7 @@ def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Archit
                       "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()},
         "aux_layers": aux_layers.as_record(),
         "hidden_size": sizes["hidden_size"],
-        "dtype": storage,
+        "dtype": dtype,
         "max_length": max_length,
         "max_length_policy": policy,
         "sglang_version": version("sglang"),
@@ -71,10 +83,15 @@ def manifest_path(store: Path) -> Path:
 
 
 def read_manifest(store: Path) -> dict:
+    """The manifest of an existing store whose format this version reads."""
     path = manifest_path(store)
     if not path.exists():
         raise StoreError(f"{store} is not a store: no manifest.json")
-    return json.loads(path.read_text())
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise StoreMismatch(f"store {store} is format {manifest.get('format')!r}; this version reads only {FORMAT}: "
+                         f"extract its data again into a new store")
+    return manifest
 
 
 def create_or_check(store: Path, manifest: dict) -> None:
@@ -88,31 +105,26 @@ def create_or_check(store: Path, manifest: dict) -> None:
         write_json_atomic(path, manifest)
         return
     existing = json.loads(path.read_text())
-    # Stores written before the architecture was recorded: the target's
-    # config hash (part of the identity) already fixes its architecture.
-    if "architecture" not in existing and existing.get("target") == manifest.get("target"):
-        existing["architecture"] = manifest.get("architecture")
-    # Stores written before the weights were fingerprinted: recorded now,
-    # checked from this run on.
     target, new_target = existing.get("target") or {}, manifest.get("target") or {}
-    if "weights_sha256" not in target and "weights_sha256" in new_target:
-        existing["target"] = target = {**target, "weights_sha256": new_target["weights_sha256"]}
+    # A message of its own: a fine-tune keeps its base model's config.json,
+    # so the weights fingerprint is the only part of the target that differs.
     if (target.get("weights_sha256") != new_target.get("weights_sha256")
             and {**target, "weights_sha256": None} == {**new_target, "weights_sha256": None}):
-        raise StoreError(
+        raise StoreMismatch(
             f"store {store} was captured from other weights than {manifest.get('target_path')} (same config.json, "
             f"weights fingerprint {target.get('weights_sha256', '')[:12]} vs {new_target.get('weights_sha256', '')[:12]}: "
             "a fine-tune, or a re-download that changed?). States from two models must not mix: use a new store "
             "directory for this run.")
     diff = [k for k in IDENTITY_KEYS if existing.get(k) != manifest.get(k)]
     if diff:
-        raise StoreError(
+        raise StoreMismatch(
             f"store {store} was built with different {', '.join(diff)}: "
-            + "; ".join(f"{k}: store has {existing.get(k)!r}, this run {manifest.get(k)!r}" for k in diff)
+            + "; ".join(f"{k}{f' ({IDENTITY_SETTINGS[k]})' if k in IDENTITY_SETTINGS else ''}: store has "
+                        f"{existing.get(k)!r}, this run {manifest.get(k)!r}" for k in diff)
             + ". Use a new store directory for this run."
         )
     updated = {**existing, "sources": sorted(set(existing.get("sources", [])) | set(manifest.get("sources", [])))}
-    if updated != json.loads(path.read_text()):
+    if updated != existing:
         write_json_atomic(path, updated)
 
 

@@ -16,10 +16,10 @@ from typing import Iterable
 
 from safetensors import safe_open
 
-from tasks.store.ledger import open_ledger
+from tasks.store.handle import Store
 from tasks.store.lock import hold_lock
-from tasks.store.manifest import StoreError, read_manifest
-from tasks.store.shards import BF16, FORMAT_V1, shard_dtypes, shard_path, write_shard
+from tasks.store.manifest import StoreError
+from tasks.store.shards import FORMAT, shard_dtypes, shard_path, write_shard
 
 logger = logging.getLogger("eagle3.prune")
 
@@ -30,8 +30,8 @@ def prune_samples(store: Path, sample_ids: Iterable[str]) -> dict:
     store = Path(store)
     wanted = set(sample_ids)
     with hold_lock(store, "prune samples"):
-        ledger = open_ledger(store)
-        samples = ledger.samples()
+        opened = Store.open(store)
+        samples = opened.ledger.samples()
         unknown = wanted - set(samples.sample_id)
         if unknown:
             raise StoreError(f"{len(unknown)} samples to prune are not in {store} (e.g. {sorted(unknown)[0]})")
@@ -39,8 +39,8 @@ def prune_samples(store: Path, sample_ids: Iterable[str]) -> dict:
         for name in sorted(set(samples[samples.sample_id.isin(wanted)].shard)):
             mine = samples[samples.shard == name]
             keep = mine[~mine.sample_id.isin(wanted)]
-            new, rows = (None, []) if keep.empty else _rewrite_without(store, name, keep)
-            ledger.replace_shard(name, new, rows)
+            new, rows = (None, []) if keep.empty else _rewrite_without(opened, name, keep)
+            opened.ledger.replace_shard(name, new, rows)
             shard_path(store, name).unlink(missing_ok=True)
             out["pruned"] += len(mine) - len(keep)
             out["rewritten" if new else "removed"] += 1
@@ -49,21 +49,19 @@ def prune_samples(store: Path, sample_ids: Iterable[str]) -> dict:
         return out
 
 
-def _rewrite_without(store: Path, name: str, keep):
+def _rewrite_without(store: Store, name: str, keep):
     sources = set(keep.source)
     if len(sources) != 1:
         raise StoreError(f"shard {name} holds samples of {len(sources)} sources; cannot rewrite it")
     # The kept samples' tensors are copied as stored (FP8 values and their
     # scales included), never converted: the new shard holds the same bytes
-    # per sample, so every checksum still holds. The shard keeps its format.
-    with safe_open(str(shard_path(store, name)), framework="pt") as f:
-        fmt = (f.metadata() or {}).get("format", FORMAT_V1)
-        manifest = read_manifest(store)
-        storage = manifest.get("dtype", BF16)
-        if fmt != manifest.get("format", FORMAT_V1):
-            raise StoreError(f"shard {name} is {fmt}, but the store's manifest says {manifest.get('format')}: "
+    # per sample, so every checksum still holds.
+    with safe_open(str(shard_path(store.path, name)), framework="pt") as f:
+        fmt = (f.metadata() or {}).get("format")
+        if fmt != FORMAT:
+            raise StoreError(f"shard {name} is {fmt}, but the store's manifest says {FORMAT}: "
                              "run verification and repair the store before pruning")
-        dtypes = shard_dtypes(storage, fmt)
+        dtypes = shard_dtypes(store.dtype)
         t = {k: f.get_tensor(k) for k in dtypes}
     items = []
     for s in keep.itertuples():
@@ -71,10 +69,10 @@ def _rewrite_without(store: Path, name: str, keep):
         items.append({"sample_id": s.sample_id, "source_row": int(s.source_row),
                       "input_ids": t["input_ids"][a:b].numpy(), "loss_mask": t["loss_mask"][a:b].numpy(),
                       **{k: t[k][a:b] for k in dtypes if k not in ("input_ids", "loss_mask", "offsets")}})
-    new, rows = write_shard(store, items, source=sources.pop(), storage=storage, format=fmt, stored=True)
+    new, rows = write_shard(store.path, items, source=sources.pop(), dtype=store.dtype, stored=True)
     bad = [r["sample_id"] for r, s in zip(rows, keep.itertuples()) if r["checksum"] != s.checksum]
     if bad:
-        shard_path(store, new.name).unlink(missing_ok=True)
+        shard_path(store.path, new.name).unlink(missing_ok=True)
         raise StoreError(f"shard {name}: {len(bad)} samples to keep no longer match their checksums "
                          f"(e.g. {bad[0]}); run verification and repair the store before pruning")
     return new, rows

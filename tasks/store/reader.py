@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from tasks.failures import Permanent
 from tasks.store import fp8
-from tasks.store.ledger import open_ledger
-from tasks.store.manifest import read_manifest
-from tasks.store.shards import FORMAT, FP8, sample_checksum, shard_path
+from tasks.store.handle import Store
+from tasks.store.shards import FP8, sample_checksum, shard_path
 
 
-class CorruptSample(RuntimeError):
+class CorruptSample(Permanent, RuntimeError):
     """A sample's bytes no longer match the checksum its shard was
     committed with."""
 
@@ -30,20 +30,19 @@ class StoreReader:
     instead of training it silently; xxh3 costs ~1 s per 20 GB."""
 
     def __init__(self, store: Path, *, max_open_shards: int = 64, verify_checksums: bool = False):
-        self.store = Path(store)
-        self.manifest = read_manifest(self.store)
-        rows = open_ledger(self.store).sample_index()
+        opened = Store.open(store)
+        self.store, self.manifest = opened.path, opened.manifest
+        rows = opened.ledger.sample_index()
         self.sample_ids = [r[0] for r in rows]
         self._shards = [r[1] for r in rows]
         self._offsets = np.array([r[2] for r in rows], dtype=np.int64)
         self.num_tokens = np.array([r[3] for r in rows], dtype=np.int64)
         self.num_loss_tokens = np.array([r[4] for r in rows], dtype=np.int64)
         self._checksums = [r[6] for r in rows] if verify_checksums else None
-        self._format = self.manifest.get("format", FORMAT)
         self._open: OrderedDict[str, object] = OrderedDict()
         self._max_open = max_open_shards
         self._lock = threading.Lock()
-        self._fp8 = self.manifest.get("dtype") == FP8
+        self._fp8 = opened.dtype == FP8
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -71,7 +70,7 @@ class StoreReader:
         scales = {n: f.get_slice(n)[a:b] for n in ("aux_scale", "final_scale")} if self._fp8 else {}
         if self._checksums is not None:
             stored = {k: v for k, v in out.items() if k != "sample_id"} | scales
-            if sample_checksum(stored, self._format) != self._checksums[i]:
+            if sample_checksum(stored) != self._checksums[i]:
                 raise CorruptSample(
                     f"sample {self.sample_ids[i]} in {shard_path(self.store, self._shards[i])}: its bytes no longer "
                     "match the checksum committed with it (the shard changed after it was written); run "

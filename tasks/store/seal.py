@@ -1,8 +1,8 @@
 """Seal a store: export its index beside the shards, as files any reader
 opens without the ledger's database (no PostgreSQL client, no server):
 
-    <store>/index/shards.parquet, samples.parquet, quarantine.parquet
-    <store>/index/ledger.sqlite     the same three tables (ledger.py's schema)
+    <store>/index/shards.parquet, samples.parquet, quarantine.parquet, canaries.parquet
+    <store>/index/ledger.sqlite     the same four tables (ledger/sqlite.py's schema)
     <store>/index/sealed.json       when, from which backend, the counts, and
                                     each file's sha256
 
@@ -21,7 +21,8 @@ from pathlib import Path
 import pandas as pd
 
 from tasks.durable import replace_durably
-from tasks.store.ledger import SCHEMA, ledger_record, open_ledger
+from tasks.store.ledger.open import ledger_record, open_ledger
+from tasks.store.ledger.sqlite import SCHEMA
 from tasks.store.lock import hold_lock
 from tasks.store.manifest import write_json_atomic
 from tasks.store.shards import file_sha256
@@ -34,7 +35,8 @@ def seal(store: Path) -> dict:
     store = Path(store)
     with hold_lock(store, "seal the store's index"):
         ledger = open_ledger(store)
-        tables = {"shards": ledger.shards(), "samples": ledger.samples(), "quarantine": ledger.quarantined()}
+        tables = {"shards": ledger.shards(), "samples": ledger.samples(), "quarantine": ledger.quarantined(),
+                  "canaries": ledger.canaries()}
         summary = ledger.summary()
         out = store / INDEX_DIR
         out.mkdir(exist_ok=True)

@@ -21,16 +21,12 @@ or, in a store whose manifest says `dtype: float8_e4m3fn` (tasks/store/fp8.py):
 with metadata `format`, `sample_ids` (JSON list, shard order = batch order).
 Shards are written to a temp name, fsynced and linked to their final name
 (never over an existing file: a committed shard is never replaced); a shard
-counts only once the ledger has committed it (tasks/store/ledger.py), so a
+counts only once the ledger has committed it (tasks/store/ledger/), so a
 killed run leaves nothing a rerun would trust. The ledger records each shard's sha256.
 
-A sample's `checksum` covers its bytes in the shard, tensor by tensor in
-CHECKSUM_ORDER (ids int32 LE, mask uint8, the hidden tensors raw, then the
-scales), so one sample can be checked without the rest. Its hash depends on
-the format:
-
-    eagle3-capture-store/1   sha256, bf16 only (still read and verified)
-    eagle3-capture-store/2   xxh3_128 (xxhash), bf16 or FP8
+A sample's `checksum` is an xxh3_128 (xxhash) of its bytes in the shard,
+tensor by tensor in CHECKSUM_ORDER (ids int32 LE, mask uint8, the hidden
+tensors raw, then the scales), so one sample can be checked without the rest.
 
 Why xxh3_128: the per-sample checksum guards against corruption, not
 tampering (the shard's sha256, recorded in the ledger, is the cryptographic
@@ -45,10 +41,11 @@ import json
 import os
 import re
 import threading
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
@@ -56,30 +53,25 @@ import xxhash
 
 from tasks.store import fp8
 
-FORMAT_V1 = "eagle3-capture-store/1"
 FORMAT = "eagle3-capture-store/2"
-READABLE_FORMATS = (FORMAT_V1, FORMAT)
-SAMPLE_HASH = {FORMAT_V1: "sha256", FORMAT: "xxh3_128"}
 
 BF16 = "bfloat16"
 FP8 = "float8_e4m3fn"
-STORAGE_DTYPES = (BF16, FP8)
-HIDDEN_DTYPE = torch.bfloat16  # what readers get back, whatever the storage
+# How a store keeps hidden states (its manifest's "dtype"): the one list of them.
+StorageDtype = Literal["bfloat16", "float8_e4m3fn"]
+STORAGE_DTYPES = typing.get_args(StorageDtype)
 CHECKSUM_ORDER = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state", "aux_scale", "final_scale")
 _SAFETENSORS_DTYPE = {torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
                       torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
 
 
-def shard_dtypes(storage: str = BF16, format: str = FORMAT) -> dict[str, torch.dtype]:
+def shard_dtypes(dtype: str = BF16) -> dict[str, torch.dtype]:
     """The tensors of a shard, in file order, and their dtypes: the writer, the
     reader and the verifier all use this."""
-    if format not in READABLE_FORMATS:
-        raise ValueError(f"unknown store format {format!r}: this version reads {', '.join(READABLE_FORMATS)}; "
-                         "a newer format needs a newer eagle3-capture")
-    if storage not in STORAGE_DTYPES or (format == FORMAT_V1 and storage != BF16):
-        raise ValueError(f"storage dtype {storage!r} is not part of {format} (choose one of {STORAGE_DTYPES})")
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage dtype {dtype!r} is not part of {FORMAT} (choose one of {STORAGE_DTYPES})")
     out = {"input_ids": torch.int32, "loss_mask": torch.uint8, "offsets": torch.int64}
-    if storage == BF16:
+    if dtype == BF16:
         return {**out, "aux_hidden_states": torch.bfloat16, "final_hidden_state": torch.bfloat16}
     return {**out, "aux_hidden_states": fp8.STORAGE_DTYPE, "final_hidden_state": fp8.STORAGE_DTYPE,
             "aux_scale": fp8.SCALE_DTYPE, "final_scale": fp8.SCALE_DTYPE}
@@ -91,10 +83,10 @@ def shard_shapes(num_tokens: int, num_samples: int, num_aux: int, hidden: int) -
             "aux_scale": (num_tokens, num_aux), "final_scale": (num_tokens,)}
 
 
-def bytes_per_token(hidden_size: int, num_aux: int = 3, storage: str = BF16) -> int:
+def bytes_per_token(hidden_size: int, num_aux: int = 3, dtype: str = BF16) -> int:
     """Stored bytes per token: (3 aux + 1 final) x H values, an int32 id, a mask
     byte, and under FP8 a float32 scale per aux layer and for the final state."""
-    if storage == FP8:
+    if dtype == FP8:
         return (num_aux + 1) * hidden_size + (num_aux + 1) * 4 + 4 + 1
     return (num_aux + 1) * hidden_size * 2 + 4 + 1
 
@@ -126,10 +118,9 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
 
 
-def sample_checksum(tensors: dict[str, torch.Tensor], format: str = FORMAT) -> str:
-    """The checksum of one sample's slices (name -> tensor, as stored), by the
-    hash its format names."""
-    h = hashlib.sha256() if SAMPLE_HASH[format] == "sha256" else xxhash.xxh3_128()
+def sample_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """The checksum of one sample's slices (name -> tensor, as stored)."""
+    h = xxhash.xxh3_128()
     for name in CHECKSUM_ORDER:
         if name in tensors:
             h.update(_raw(tensors[name]))
@@ -244,9 +235,8 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def write_shard(store: Path, items: list[dict], *, source: str, storage: str = BF16,
-                workers: int | None = None, format: str = FORMAT,
-                stored: bool = False, writer: str = "") -> tuple[ShardInfo, list[dict]]:
+def write_shard(store: Path, items: list[dict], *, source: str, dtype: str = BF16,
+                workers: int | None = None, stored: bool = False, writer: str = "") -> tuple[ShardInfo, list[dict]]:
     """Pack samples into one shard, durably. items: sample_id, source_row,
     input_ids, loss_mask, aux_hidden_states [n,3,H], final_hidden_state [n,H].
     Returns the shard and the ledger rows to commit for it.
@@ -260,12 +250,11 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
     With `stored`, the items' hidden tensors are already as stored (the
     storage dtype, and under FP8 also aux_scale [n,3] and final_scale [n]):
     they are copied byte for byte, never converted, so rewriting a shard
-    (tasks/store/prune.py) keeps every sample's checksum. `format` is the
-    store's (a format-1 store gets format-1 shards). `writer` names the node
-    writing, in a store many nodes write (`shard_name`)."""
+    (tasks/store/prune.py) keeps every sample's checksum. `writer` names the
+    node writing, in a store many nodes write (`shard_name`)."""
     if not items:
         raise ValueError("no samples to write")
-    dtypes = shard_dtypes(storage, format)
+    dtypes = shard_dtypes(dtype)
     lengths, num_aux, hidden = _check_items(items)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     sample_ids = [it["sample_id"] for it in items]
@@ -274,7 +263,7 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
     masks = torch.cat([torch.as_tensor(np.asarray(it["loss_mask"])).to(torch.uint8) for it in items])
     small = {"input_ids": ids, "loss_mask": masks, "offsets": torch.from_numpy(offsets)}
     shapes = shard_shapes(int(offsets[-1]), len(items), num_aux, hidden)
-    header, starts, total = _layout(dtypes, shapes, {"format": format, "sample_ids": json.dumps(sample_ids)})
+    header, starts, total = _layout(dtypes, shapes, {"format": FORMAT, "sample_ids": json.dumps(sample_ids)})
     row_bytes = {k: int(np.prod(shapes[k][1:], dtype=np.int64)) * dtypes[k].itemsize for k in dtypes}
 
     checksums: list[str | None] = [None] * len(items)
@@ -287,7 +276,7 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
                 if t.dtype != dtypes[key]:
                     raise ValueError(f"sample {it['sample_id']}: stored {key} is {t.dtype}, the shard holds "
                                      f"{dtypes[key]}")
-        elif storage == FP8:
+        elif dtype == FP8:
             aux, aux_scale = fp8.quantize(it["aux_hidden_states"])
             final, final_scale = fp8.quantize(it["final_hidden_state"])
             out = {"aux_hidden_states": aux, "final_hidden_state": final, "aux_scale": aux_scale,
@@ -298,7 +287,7 @@ def write_shard(store: Path, items: list[dict], *, source: str, storage: str = B
         for key, t in out.items():
             _pwrite(fd, _raw(t), starts[key] + int(offsets[k]) * row_bytes[key])
         a, b = int(offsets[k]), int(offsets[k + 1])
-        checksums[k] = sample_checksum({"input_ids": ids[a:b], "loss_mask": masks[a:b], **out}, format)
+        checksums[k] = sample_checksum({"input_ids": ids[a:b], "loss_mask": masks[a:b], **out})
         return out
 
     path = shard_path(store, name)

@@ -1,14 +1,13 @@
 """Verify a store: every shard file and every sample, against the ledger and
 against a fresh tokenisation of the source data.
 
-Per file: present, size and sha256 as recorded, readable, a format this
-version reads and the manifest's, the tensors the contract names (for that
-format and the store's storage dtype: FP8 scales included) with their dtypes
-and shapes, offsets consistent, the sample list equal to the ledger's. Per
-sample: tokens recounted from the file equal the index, loss tokens
-recounted, checksum (by the hash the shard's format names), finiteness (FP8:
-of the stored values and of the scales, which must also be positive). A
-sample inside a missing, unreadable or inconsistent shard FAILs.
+Per file: present, size and sha256 as recorded, readable, the manifest's
+format, the tensors the contract names (for the store's storage dtype: FP8
+scales included) with their dtypes and shapes, offsets consistent, the sample
+list equal to the ledger's. Per sample: tokens recounted from the file equal
+the index, loss tokens recounted, checksum, finiteness (FP8: of the stored
+values and of the scales, which must also be positive). A sample inside a
+missing, unreadable or inconsistent shard FAILs.
 
 Against the sources, samples are matched by their id (their content), not by
 row number, so inserting or moving rows changes nothing. A sample no source
@@ -23,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -31,18 +30,20 @@ import torch
 from safetensors import safe_open
 
 from tasks.data.dataset import prepare_samples, sample_id
-from tasks.store.ledger import open_ledger
-from tasks.store.manifest import read_manifest, write_json_atomic
+from tasks.failures import Permanent
+from tasks.store.handle import Store
+from tasks.store.manifest import write_json_atomic
 from tasks.target.architectures import load_tokenizer
-from tasks.store.shards import BF16, FORMAT_V1, file_sha256, sample_checksum, shard_dtypes, shard_path, shard_shapes
+from tasks.store.shards import FORMAT, file_sha256, sample_checksum, shard_dtypes, shard_path, shard_shapes
 
 
 @dataclass
 class VerifyReport:
     ok: bool
-    files: pd.DataFrame  # shard, status, samples, tokens, bytes, problems
+    files: pd.DataFrame  # shard, status, samples, tokens, bytes, canaries, canary_worst_ratio, problems
     samples: pd.DataFrame  # sample_id, shard, source_row, tokens, status, problems
     paths: dict
+    canary: dict = field(default_factory=dict)  # canary_summary
 
     def failures(self) -> str:
         bad_files = self.files[self.files.status == "FAIL"]
@@ -86,22 +87,21 @@ def _fresh_samples(manifest: dict, sources: list[str]) -> FreshSources:
 
 
 def verify_store(store: Path, *, recheck_source: bool = True, write_report: bool = True) -> VerifyReport:
-    store = Path(store)
-    manifest = read_manifest(store)
-    ledger = open_ledger(store)
-    shards = ledger.shards()
-    samples = ledger.samples()
+    opened = Store.open(store)
+    store, manifest = opened.path, opened.manifest
+    shards = opened.ledger.shards()
+    samples = opened.ledger.samples()
     # Every source the store was built from: a sample moved to another of
     # them (a renamed file extracted again) is still found.
     sources = sorted(set(samples.source) | set(manifest.get("sources", [])))
     fresh = _fresh_samples(manifest, sources) if recheck_source else None
     hidden = manifest["hidden_size"]
-    store_format, storage = manifest.get("format", FORMAT_V1), manifest.get("dtype", BF16)
+    canaries = opened.ledger.canaries()
     file_rows, sample_rows = [], []
 
     for shard in shards.itertuples():
         mine = samples[samples.shard == shard.name]
-        problems, per_sample, content_ids = _check_shard(store, shard, mine, hidden, store_format, storage)
+        problems, per_sample, content_ids = _check_shard(store, shard, mine, hidden, opened.dtype)
         for s in mine.itertuples():
             p = per_sample.get(s.sample_id, [])
             if fresh is not None and content_ids.get(s.sample_id, s.sample_id) != s.sample_id:
@@ -111,29 +111,37 @@ def verify_store(store: Path, *, recheck_source: bool = True, write_report: bool
             sample_rows.append({"sample_id": s.sample_id, "shard": shard.name, "source_row": int(s.source_row),
                                 "tokens": int(s.num_tokens), "status": "FAIL" if p else status,
                                 "problems": "; ".join(p + ([note] if note else []))})
+        checked = canaries[canaries.shard == shard.name]
+        held = set(mine.sample_id)
+        problems += [f"canary {c.sample_id} outside its bound ({c.worst_ratio:.2f})" for c in checked.itertuples()
+                     if c.worst_ratio > 1]
+        problems += [f"canary {c.sample_id} names a sample this file does not hold" for c in checked.itertuples()
+                     if c.sample_id not in held]
         file_rows.append({"shard": shard.name, "status": "FAIL" if problems or any(per_sample.values()) else "OK",
                           "samples": len(mine), "tokens": int(mine.num_tokens.sum()), "bytes": int(shard.bytes),
+                          "canaries": len(checked),
+                          "canary_worst_ratio": float(checked.worst_ratio.max()) if len(checked) else 0.0,
                           "problems": "; ".join(problems)})
     orphan_names = sorted(p.name.removesuffix(".safetensors") for p in (store / "shards").glob("shard-*.safetensors"))
     for name in sorted(set(orphan_names) - set(shards.name)):
         file_rows.append({"shard": name, "status": "ORPHAN", "samples": 0, "tokens": 0,
-                          "bytes": shard_path(store, name).stat().st_size,
+                          "bytes": shard_path(store, name).stat().st_size, "canaries": 0, "canary_worst_ratio": 0.0,
                           "problems": "not in the ledger (left by an interrupted run); ignored"})
     for s in samples[~samples.shard.isin(shards.name)].itertuples():
         sample_rows.append({"sample_id": s.sample_id, "shard": s.shard, "source_row": int(s.source_row),
                             "tokens": int(s.num_tokens), "status": "FAIL", "problems": "its shard is not in the ledger"})
 
-    files_df = pd.DataFrame(file_rows, columns=["shard", "status", "samples", "tokens", "bytes", "problems"])
+    files_df = pd.DataFrame(file_rows, columns=["shard", "status", "samples", "tokens", "bytes", "canaries",
+                                                "canary_worst_ratio", "problems"])
     samples_df = pd.DataFrame(sample_rows, columns=["sample_id", "shard", "source_row", "tokens", "status", "problems"])
     ok = not (files_df.status == "FAIL").any() and not samples_df.status.isin(["FAIL", "GONE"]).any()
-    report = VerifyReport(ok, files_df, samples_df, {})
+    report = VerifyReport(ok, files_df, samples_df, {}, canary_summary(canaries[canaries.shard.isin(shards.name)]))
     if write_report:
         report.paths = _write_report(store, report)
     return report
 
 
-def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, store_format: str,
-                 storage: str) -> tuple[list[str], dict, dict]:
+def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, dtype: str) -> tuple[list[str], dict, dict]:
     """File problems, problems per sample, and the id each sample's tokens
     and mask in the file give (its content address)."""
     path = shard_path(store, shard.name)
@@ -157,21 +165,21 @@ def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, store_form
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             fmt = meta.get("format")
-            if fmt != store_format:
-                return every_sample_fails(problems + [f"format {fmt!r}, but the store's manifest says {store_format!r}"],
+            if fmt != FORMAT:
+                return every_sample_fails(problems + [f"format {fmt!r}, but the store's manifest says {FORMAT!r}"],
                                           "its shard's format is not the store's")
-            dtypes = shard_dtypes(storage, fmt)
+            dtypes = shard_dtypes(dtype)
             missing = sorted(set(dtypes) - set(f.keys()))
             if missing:
                 return every_sample_fails(
-                    problems + [f"tensors {missing} missing (a {fmt} {storage} shard has {list(dtypes)})"],
+                    problems + [f"tensors {missing} missing (a {fmt} {dtype} shard has {list(dtypes)})"],
                     "its shard's tensors are missing")
             t = {k: f.get_tensor(k) for k in dtypes}
     except Exception as e:
         return every_sample_fails(problems + [f"unreadable as a store shard: {e}"], "its shard file is unreadable")
-    for k, dtype in dtypes.items():
-        if t[k].dtype != dtype:
-            problems.append(f"{k} is {t[k].dtype}, expected {dtype}")
+    for k, expected_dtype in dtypes.items():
+        if t[k].dtype != expected_dtype:
+            problems.append(f"{k} is {t[k].dtype}, expected {expected_dtype}")
     if t["input_ids"].ndim != 1:
         return every_sample_fails(problems + [f"input_ids shape {tuple(t['input_ids'].shape)}, expected [T]"],
                                   "its shard is inconsistent")
@@ -214,7 +222,7 @@ def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, store_form
         ids, mask = piece["input_ids"], piece["loss_mask"]
         if int(mask.sum()) != s.num_loss_tokens:
             p.append(f"recounted {int(mask.sum())} loss tokens, index says {s.num_loss_tokens}")
-        if sample_checksum(piece, fmt) != s.checksum:
+        if sample_checksum(piece) != s.checksum:
             p.append("checksum differs")
         values = [piece["aux_hidden_states"], piece["final_hidden_state"]]
         if not all(bool(torch.isfinite(v.float()).all()) for v in values):
@@ -249,6 +257,17 @@ def _against_source(s, fresh: FreshSources) -> tuple[str, str]:
                     f"(edited?); prune it with `python -m flows.verify --prune-gone`")
 
 
+def canary_summary(canaries: pd.DataFrame) -> dict:
+    """The capture canary over the store (tasks/capture/canary.py): samples
+    whose final state was checked against the server's own logprobs when
+    captured, their worst deviation (in logprob, and as a share of its
+    bound), and aux profiles that stood out."""
+    return {"samples": len(canaries), "positions": int(canaries.positions.sum()) if len(canaries) else 0,
+            "worst_deviation": float(canaries.worst_deviation.max()) if len(canaries) else 0.0,
+            "worst_ratio": float(canaries.worst_ratio.max()) if len(canaries) else 0.0,
+            "profile_outliers": int((canaries.profile_outlier != "").sum()) if len(canaries) else 0}
+
+
 def _write_report(store: Path, report: VerifyReport) -> dict:
     out = store / "reports"
     out.mkdir(exist_ok=True)
@@ -262,13 +281,14 @@ def _write_report(store: Path, report: VerifyReport) -> dict:
                "samples": len(report.samples), "failed_samples": int((report.samples.status == "FAIL").sum()),
                "gone_samples": int((report.samples.status == "GONE").sum()),
                "source_missing_samples": int((report.samples.status == "SOURCE_MISSING").sum()),
-               "tokens": int(report.samples.tokens.sum()) if len(report.samples) else 0, **paths}
+               "tokens": int(report.samples.tokens.sum()) if len(report.samples) else 0,
+               "canary": report.canary, **paths}
     write_json_atomic(out / "latest.json", summary)  # training trusts it: never torn
     paths["summary_report"] = str(out / "latest.json")
     return paths
 
 
-class StoreNotVerified(RuntimeError):
+class StoreNotVerified(Permanent, RuntimeError):
     """Training refuses data that no passing verification covers."""
 
 
@@ -289,7 +309,7 @@ def require_verified(store: Path) -> dict:
                                + f"; see {summary.get('files_report')}): re-extract or repair it"
                                + (" (`python -m flows.verify --prune-gone` removes the gone ones)" if gone else "")
                                + ", then verify again")
-    now = open_ledger(store).summary()
+    now = Store.open(store).ledger.summary()
     samples = now["samples"]
     if samples != summary.get("samples") or (now["newest_shard"] or 0) > summary.get("time", 0):
         raise StoreNotVerified(f"store {store} changed since its last verification ({summary.get('samples')} "

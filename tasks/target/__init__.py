@@ -1,2 +1,2 @@
 """What the project knows about target models: architectures, aux layer ids,
-the models it builds, and an independent forward pass to check captures."""
+the demo model, and an independent forward pass to check captures."""

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from tasks.failures import Permanent
 from tasks.target.layers import default_aux_layer_ids
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(Permanent, ValueError):
     pass
 
 
@@ -41,7 +42,7 @@ class Architecture:
     # 1, otherwise the ids are layers_to_capture themselves).
     layer_id_rule: str = "plus_one"
     # On a CPU, the attention backend this class needs from SGLang, with the
-    # plain-PyTorch kernels of tasks/server/cpu_spec_ops.py behind it (None:
+    # plain-PyTorch kernels of tasks/server/cpu/spec_ops.py behind it (None:
     # SGLang's default torch_native). MLA needs "intel_amx": torch_native
     # has no MLA path and fails on the latent KV cache.
     cpu_attention_backend: str | None = None

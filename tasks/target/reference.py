@@ -11,7 +11,6 @@ from typing import Sequence
 
 import torch
 
-from tasks.capture.dump import Capture
 from tasks.target.architectures import architecture_of, read_config
 from tasks.target.layers import AuxLayers
 
@@ -51,20 +50,3 @@ def reference_states(model, input_ids: Sequence[int], layers: AuxLayers) -> tupl
 
 def per_token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
-
-
-def compare_with_reference(capture: Capture, ref_aux: torch.Tensor, ref_final: torch.Tensor) -> dict:
-    """Worst per-token cosine and largest absolute difference, aux and final."""
-    if capture.aux_hidden_states.shape != ref_aux.shape or capture.final_hidden_state.shape != ref_final.shape:
-        raise ValueError(
-            f"shape mismatch: capture aux {tuple(capture.aux_hidden_states.shape)} final "
-            f"{tuple(capture.final_hidden_state.shape)} vs reference {tuple(ref_aux.shape)} {tuple(ref_final.shape)}"
-        )
-    return {
-        "min_cosine_aux": per_token_cosine(capture.aux_hidden_states, ref_aux).min().item(),
-        "min_cosine_final": per_token_cosine(capture.final_hidden_state, ref_final).min().item(),
-        "max_abs_diff": max(
-            (capture.aux_hidden_states.float() - ref_aux.float()).abs().max().item(),
-            (capture.final_hidden_state.float() - ref_final.float()).abs().max().item(),
-        ),
-    }

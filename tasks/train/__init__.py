@@ -1,2 +1,3 @@
-"""Drafter training: the drafter and its served forward, draft vocabulary,
-TTT, data, the loop with checkpoints, metrics, export, multi-device launch."""
+"""Drafter training: its settings, the drafter and its served forward, draft
+vocabulary, TTT, data, preparation, the loop, evaluation, checkpoints,
+distributed set-up, metrics, export, multi-device launch."""

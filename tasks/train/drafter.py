@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tasks.target.architectures import architecture_of, read_config
+from tasks.target.embeddings import load_target_embeddings
 from tasks.train.vocab import DraftVocab
 
 
@@ -256,27 +256,3 @@ def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_au
         model.lm_head.weight.copy_(head[torch.from_numpy(vocab.target_ids)])
     model.set_vocab(vocab)
     return model
-
-
-def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embed_tokens [V, H], lm_head [V, H]) in fp32, read from the target's
-    safetensors without loading the rest (tensor names from the
-    architecture table); a tied target has no head tensor, and its head is
-    the embedding."""
-    target_path = Path(target_path)
-    config = read_config(target_path)
-    arch = architecture_of(config)
-    found: dict[str, torch.Tensor] = {}
-    wanted = {arch.embed_weight: "embed", arch.head_weight: "head"}
-    for file in sorted(target_path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                if key in wanted:
-                    found[wanted[key]] = f.get_tensor(key).float()
-    if "embed" not in found:
-        raise FileNotFoundError(f"no {arch.embed_weight} in {target_path}/*.safetensors (architecture {arch.name})")
-    if "head" not in found:
-        if not arch.sizes(config).get("tie_word_embeddings", False):
-            raise FileNotFoundError(f"{target_path} has no {arch.head_weight} and does not tie its embeddings")
-        found["head"] = found["embed"]
-    return found["embed"], found["head"]

@@ -13,16 +13,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Sequence
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tasks.target.architectures import Architecture, architecture_of, read_config
+from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers
-from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, load_target_embeddings, target_sizes
+from tasks.target.embeddings import load_target_embeddings
+from tasks.train.drafter import DrafterConfig, Eagle3Drafter, target_sizes
 from tasks.train.vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -166,14 +165,3 @@ def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
         for k, p in names.items():
             p.copy_(tensors[k].to(p.dtype))
     return model
-
-
-def export_random_drafter(target_model_path: Path, out_dir: Path, *, draft_vocab_size: int,
-                          aux_layer_ids: Sequence[int] | None = None, seed: int = 0) -> Path:
-    """An untrained drafter in the served layout (serving tests, baselines):
-    the draft vocabulary is the lowest `draft_vocab_size` target ids."""
-    target_config = target_sizes(target_model_path)
-    vocab = DraftVocab.from_counts(np.zeros(target_config["vocab_size"], dtype=np.int64), draft_vocab_size)
-    model = build_drafter(Path(target_model_path), vocab, seed=seed)
-    layers = AuxLayers.for_model(target_config["num_hidden_layers"], aux_layer_ids)
-    return export_drafter(model, layers, Path(out_dir), architecture=architecture_of(read_config(target_model_path)))

@@ -1,12 +1,13 @@
 """Training on more than one device: the same `train` under torchrun (DDP
-or FSDP2, tasks/train/loop.py), one process per device, on one node or
+or FSDP2, tasks/train/distributed.py), one process per device, on one node or
 several.
 
-    python -m tasks.train.launch --config cfg.json    # one process, or under torchrun
+    python -m tasks.train.launch --config train-config.json    # one process, or under torchrun
+
+train-config.json: {"store": the store's path, "train": TrainConfig's fields}.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -16,8 +17,10 @@ import sys
 from pathlib import Path
 
 from tasks.durable import replace_durably
+from tasks.failures import Permanent
 from tasks.paths import REPO_ROOT
-from tasks.train.loop import RESULT, TrainConfig, TrainResult, TrainingError, train
+from tasks.train.config import TrainConfig, TrainingError, TrainResult
+from tasks.train.loop import RESULT, train
 
 logger = logging.getLogger("eagle3.training")
 
@@ -39,25 +42,61 @@ def torchrun_args(cfg: TrainConfig) -> list[str]:
             f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id=eagle3-{run_id}"]
 
 
-def launch_distributed(cfg: TrainConfig, log: logging.Logger = logger) -> TrainResult:
+def write_launch_config(path: Path, cfg: TrainConfig, store: str | Path) -> None:
+    """What `main` trains: the config and the store beside it. Replaced
+    whole: on a shared out_dir another node may be reading it. Without
+    node_rank, so that every node writes the same file (training does not
+    read it: the rendezvous numbers the nodes)."""
+    text = json.dumps({"store": str(store), "train": cfg.model_dump(mode="json", exclude={"node_rank"})}, indent=2)
+    replace_durably(Path(path), lambda tmp: tmp.write_text(text))
+
+
+def read_launch_config(path: Path) -> tuple[TrainConfig, str]:
+    doc = json.loads(Path(path).read_text())
+    return TrainConfig.model_validate(doc["train"]), doc["store"]
+
+
+def launch_distributed(cfg: TrainConfig, store: str | Path, log: logging.Logger = logger) -> TrainResult:
     """More than one device, or node: the same `train` under torchrun, one
     process per device; its output is forwarded line by line. On several
-    nodes each node calls this with the same `cfg`, and all must see the
-    same out_dir (a shared filesystem) and store."""
+    nodes each node calls this with the same `cfg` and store, and all must
+    see the same out_dir (a shared filesystem) and store."""
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = out_dir / "train-config.json"
-    # Replaced whole: on a shared out_dir another node may be reading it.
-    replace_durably(cfg_path, lambda tmp: tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=2)))
+    write_launch_config(cfg_path, cfg, store)
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg),
            "-m", "tasks.train.launch", "--config", str(cfg_path)]
     log.info("launching %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO_ROOT))
+    permanent = None
     for line in proc.stdout:
         log.info("%s", line.rstrip())
+        permanent = permanent or permanent_error_in(line)
     if proc.wait() != 0:
+        if permanent:
+            # A rank stopped on data or settings a retry meets again.
+            raise DistributedPermanentError(f"torchrun exited with {proc.returncode} after a rank's {permanent}")
         raise TrainingError(f"torchrun exited with {proc.returncode}; the checkpoint in {out_dir} resumes the run")
     return result_from_dir(out_dir)
+
+
+class DistributedPermanentError(Permanent, TrainingError):
+    """A rank under torchrun failed with an error a retry cannot mend."""
+
+
+def _permanent_names(cls=Permanent) -> set[str]:
+    return {cls.__name__} | {name for sub in cls.__subclasses__() for name in _permanent_names(sub)}
+
+
+def permanent_error_in(line: str) -> str | None:
+    """The `Name: message` of a traceback's last line in a rank's output,
+    when Name is a Permanent error (tasks/failures.py)."""
+    head, sep, _ = line.strip().partition(": ")
+    name = head.rsplit(".", 1)[-1]
+    if sep and name in _permanent_names() - {"Permanent"}:
+        return line.strip()[:500]
+    return None
 
 
 def result_from_dir(out_dir: Path) -> TrainResult:
@@ -69,12 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="Train an EAGLE-3 drafter (one process, or under torchrun)")
-    parser.add_argument("--config", required=True, help="JSON file of TrainConfig fields")
+    parser.add_argument("--config", required=True, help="JSON file: the store and TrainConfig's fields "
+                                                        "(write_launch_config)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in json.loads(Path(args.config).read_text()).items() if k in fields})
-    result = train(cfg)
+    cfg, store = read_launch_config(Path(args.config))
+    result = train(cfg, store)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"drafter_dir": result.drafter_dir, "final": result.final}))
 

@@ -96,7 +96,7 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
     switch and the stub driver, and with `cpu_ops=True` also the
     sitecustomize that supplies the operators SGLang's intel_amx attention
-    backend calls (tasks/server/sglang_site, tasks/server/cpu_spec_ops.py; it
+    backend calls (tasks/server/cpu/sglang_site, tasks/server/cpu/spec_ops.py; it
     needs the repository root on PYTHONPATH too, which the launcher adds):
     speculative decoding and MLA targets need that backend, and servers of
     `ranks` > 1 its fix for CPU tensor-parallel groups. On a GPU machine:

@@ -11,7 +11,7 @@ sequences in Python.
 
 `install()` registers the missing operators and keeps `--attention-backend
 intel_amx` on a CPU without AMX. It is called in every server process by
-`tasks/server/sglang_site/sitecustomize.py`, only on a machine without a GPU.
+`tasks/server/cpu/sglang_site/sitecustomize.py`, only on a machine without a GPU.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The ledger in PostgreSQL: for a store many machines write at once (SQLite
-must not sit on NFS). Same tables and semantics as `SqliteLedger`; each store
-has its own schema, so several stores can share one database.
+must not sit on NFS). Same tables and semantics as sqlite.py's
+`SqliteLedger`; each store has its own schema, so several stores can share
+one database.
 
 What the store records (`<store>/ledger.json`): the backend, the URL without
 its password, and the schema. The password is never written into the store:
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tasks.store.ledger import QUARANTINE_COLUMNS, SAMPLE_COLUMNS, SHARD_COLUMNS, Ledger
+from tasks.store.ledger.index import CANARY_COLUMNS, QUARANTINE_COLUMNS, SAMPLE_COLUMNS, SHARD_COLUMNS, Ledger
 from tasks.store.manifest import StoreError
 from tasks.store.shards import ShardInfo
 
@@ -39,11 +40,17 @@ CREATE TABLE IF NOT EXISTS quarantine(
 CREATE TABLE IF NOT EXISTS crashes(
     sample_id TEXT PRIMARY KEY, count BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL);
 CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
+CREATE TABLE IF NOT EXISTS canaries(
+    shard TEXT NOT NULL REFERENCES shards(name), sample_id TEXT PRIMARY KEY REFERENCES samples(sample_id),
+    positions BIGINT NOT NULL, worst_deviation DOUBLE PRECISION NOT NULL, worst_ratio DOUBLE PRECISION NOT NULL,
+    profile TEXT NOT NULL, profile_outlier TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
 """
 
 INSERT_SHARD = "INSERT INTO shards VALUES (%s,%s,%s,%s,%s,%s)"
 INSERT_SAMPLE = ("INSERT INTO samples VALUES (%(sample_id)s,%(source)s,%(source_row)s,%(shard)s,%(position)s,"
                  "%(token_offset)s,%(num_tokens)s,%(num_loss_tokens)s,%(checksum)s)")
+INSERT_CANARY = ("INSERT INTO canaries VALUES (%(shard)s,%(sample_id)s,%(positions)s,%(worst_deviation)s,"
+                 "%(worst_ratio)s,%(profile)s,%(profile_outlier)s,%(at)s)")
 
 
 def public_url(url: str) -> str:
@@ -68,7 +75,8 @@ def describe(url: str) -> str:
     return f"{p.get('host', 'localhost')}:{p.get('port', 5432)}/{p.get('dbname', '?')} (user {p.get('user', '?')})"
 
 
-def _same_server(a: str, b: str) -> bool:
+def same_server(a: str, b: str) -> bool:
+    """Both URLs name the same host, port, database and user (passwords aside)."""
     from psycopg.conninfo import conninfo_to_dict
 
     keys = ("host", "port", "dbname", "user")
@@ -84,7 +92,7 @@ def resolve_url(recorded: str) -> str:
     env = os.environ.get(URL_ENV)
     if not env:
         return recorded
-    if not _same_server(env, recorded):
+    if not same_server(env, recorded):
         raise StoreError(f"${URL_ENV} names {describe(env)}, but this store's ledger is at {describe(recorded)}: "
                          f"unset ${URL_ENV} or point it at that server")
     return env
@@ -105,10 +113,10 @@ class PostgresLedger(Ledger):
         from psycopg import sql
 
         with self._connect(search_path=False) as db:
-            # Made already (the index is created last): skip the DDL, since
+            # Made already (the canaries table is created last): skip the DDL, since
             # CREATE INDEX IF NOT EXISTS takes a lock that waits for, and
             # holds up, commits in flight.
-            if db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.samples_by_shard",)).fetchone()[0]:
+            if db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.canaries",)).fetchone()[0]:
                 return
             # Two processes creating the same schema at once would race on
             # the catalogue; a transaction-scoped advisory lock serialises them.
@@ -143,7 +151,7 @@ class PostgresLedger(Ledger):
     def stored_ids(self) -> set[str]:
         return {r[0] for r in self._rows("SELECT sample_id FROM samples")}
 
-    def commit_shard(self, shard: ShardInfo, rows: list[dict]) -> None:
+    def commit_shard(self, shard: ShardInfo, rows: list[dict], canaries: list[dict] = ()) -> None:
         import psycopg
 
         try:
@@ -153,6 +161,7 @@ class PostgresLedger(Ledger):
                 cur.executemany(INSERT_SAMPLE, rows)
                 cur.executemany("DELETE FROM quarantine WHERE source=%s AND source_row=%s",
                                 [(r["source"], r["source_row"]) for r in rows])
+                cur.executemany(INSERT_CANARY, [{"at": time.time(), **c} for c in canaries])
         except psycopg.errors.UniqueViolation as e:
             # Plain INSERTs: what is committed stays as committed, and the
             # whole transaction (shard row included) is rolled back.
@@ -163,6 +172,10 @@ class PostgresLedger(Ledger):
 
     def replace_shard(self, old: str, new: ShardInfo | None, rows: list[dict]) -> None:
         with self._connect() as db, db.cursor() as cur:
+            kept = [r["sample_id"] for r in rows] if new is not None else []
+            cur.execute("SELECT * FROM canaries WHERE shard=%s AND sample_id = ANY(%s)", (old, kept))
+            moved = [dict(zip(CANARY_COLUMNS, c)) | {"shard": new.name} for c in cur.fetchall()]
+            cur.execute("DELETE FROM canaries WHERE shard=%s", (old,))
             cur.execute("DELETE FROM samples WHERE shard=%s", (old,))
             cur.execute("DELETE FROM shards WHERE name=%s", (old,))
             if cur.rowcount != 1:
@@ -171,6 +184,7 @@ class PostgresLedger(Ledger):
                 cur.execute(INSERT_SHARD, (new.name, new.sha256, new.bytes, new.num_samples, new.num_tokens,
                                            time.time()))
                 cur.executemany(INSERT_SAMPLE, rows)
+                cur.executemany(INSERT_CANARY, moved)
 
     def quarantine(self, rows: list[dict]) -> None:
         # As SQLite's INSERT OR REPLACE: a source row's latest failure wins.
@@ -212,6 +226,12 @@ class PostgresLedger(Ledger):
 
     def quarantined(self) -> pd.DataFrame:
         return self._frame("SELECT * FROM quarantine", QUARANTINE_COLUMNS)
+
+    def canaries(self, latest: int | None = None) -> pd.DataFrame:
+        if latest is None:
+            return self._frame("SELECT * FROM canaries ORDER BY at, sample_id", CANARY_COLUMNS)
+        return self._frame(f"SELECT * FROM (SELECT * FROM canaries ORDER BY at DESC, sample_id DESC "
+                           f"LIMIT {int(latest)}) AS c ORDER BY at, sample_id", CANARY_COLUMNS)
 
     def sample_index(self) -> list[tuple]:
         return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row, "

@@ -1,0 +1,46 @@
+"""How a dataset is captured: the capture section of a run's config
+(tasks/config.py)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from tasks.config import Section
+from tasks.data.dataset import DEMO_DATASET
+
+
+class CaptureConfig(Section):
+    """What is captured and how: the dataset, the length policy, the batches, retries and quarantine."""
+
+    dataset: str = Field(str(DEMO_DATASET), description=(
+        "JSONL/JSON/Parquet: messages, conversations, text or input_ids rows (best: answered by the target "
+        "itself)"))
+    max_length: int = Field(2048, ge=1, description="longest sample in tokens")
+    max_length_policy: Literal["truncate", "skip"] = Field("truncate", description="what to do with a longer sample")
+    aux_layer_ids: Optional[list[int]] = Field(None, description=(
+        "SGLang 'output of layer i' ids of the three aux layers (default: [1, n//2-1, n-4]); an attached "
+        "server or a node's must capture these"))
+    batch_size: int = Field(32, ge=1, description="samples per batch task and per shard")
+    concurrency: int = Field(8, ge=1, description="requests in flight per batch")
+    dump_dir: Optional[str] = Field(None, description=(
+        "where the server writes captures (default: one dir per store under /dev/shm); with an attached "
+        "server, the dump dir it was started with"))
+    sample_attempts: int = Field(3, ge=1, description="tries per sample (each under a fresh rid) before it is "
+                                                      "quarantined")
+    request_timeout_s: float = Field(600.0, gt=0, description=(
+        "a capture request not answered within this many seconds fails its attempt"))
+    batch_retries: int = Field(3, ge=0, description="retries of a failed batch task (server or network faults)")
+    batch_retry_delay_s: float = Field(5.0, ge=0, description="first retry delay in seconds; doubles each retry, "
+                                                              "with jitter")
+    max_quarantine_ratio: float = Field(0.05, ge=0, le=1, description=(
+        "stop the run when more than this share of the samples tried fail their capture"))
+    max_consecutive_failures: int = Field(20, ge=1, description="stop the run after this many failed captures in a "
+                                                                "row")
+    canary_fraction: float = Field(0.01, ge=0, le=1, description=(
+        "share of requests (seeded, at least one per batch; 0: none) whose stored final state is checked "
+        "against the server's own logprobs of the same request"))
+    canary_positions: int = Field(8, ge=1, description=(
+        "random positions checked per canary sample (chunk boundaries are always checked too)"))
+    canary_max_failed_ratio: float = Field(0.02, ge=0, le=1, description=(
+        "stop the run when more than this share of the canary samples disagree with the server"))

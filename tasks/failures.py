@@ -1,0 +1,11 @@
+"""Failures a retry cannot mend: the same run fails the same way again
+(data found corrupt, a lock another run holds, settings that differ from
+the store's or the checkpoint's, a store not verified). Their classes
+derive from `Permanent`, and the flows' task retries skip them
+(flows/retries.py), so such a run fails at once with its reason instead
+of after every retry and its delay."""
+from __future__ import annotations
+
+
+class Permanent(Exception):
+    """Mixed into an error class whose cause a retry cannot remove."""

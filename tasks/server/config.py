@@ -1,0 +1,82 @@
+"""The capture server's settings, as a user gives them: which model, how it
+is laid out over devices, and what SGLang gets beside that; or the URL of a
+capture server the user started, to attach to. The launcher takes this
+section inside its LaunchSpec (tasks/server/launch.py); the supervisor takes
+it for attach mode and relaunches (tasks/server/supervisor.py)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from tasks.capture.dump import RID_PREFIX, check_rid_prefix
+from tasks.config import Section
+from tasks.target.models import SMOLLM2
+
+
+class ServerConfig(Section):
+    """The capture server: the target it serves, how it is laid out over devices, the SGLang flags beside
+    that; or the URL of one you started, to attach to."""
+
+    model: str = Field(SMOLLM2, description=f"target model: a checkpoint folder, or {SMOLLM2!r} (the demo's, "
+                                            "converted on first use)")
+    url: Optional[str] = Field(None, description="attach to this running capture server instead of launching one")
+    api_key: Optional[str] = Field(None, repr=False, description=(
+        "attach mode only: the --api-key the attached server was started with (default: $EAGLE3_API_KEY if set, "
+        "else none). A key given here is kept with the run's parameters in Prefect: prefer the environment "
+        "variable. A launched server gets a random key of its own"))
+    rid_prefix: str = Field(RID_PREFIX, description=(
+        "attach mode only: the rid_prefix in the attached server's capture hook config (the hook's default is "
+        f"{RID_PREFIX!r}); the hook captures only rids that start with it. A launched server gets a random "
+        "prefix of its own"))
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size of a launched server")
+    dp_size: int = Field(1, ge=1, description=(
+        "data-parallel size of a launched server: replicas of the model, tp_size devices each; with dp_attention, "
+        "the attention groups inside the tp_size devices"))
+    dp_attention: bool = Field(False, description=(
+        "data-parallel attention: dp_size attention groups, each serving its own requests, over the tp_size "
+        "devices, the FFN still tensor-parallel (SGLang's --attn-dp-size, formerly --dp-size N "
+        "--enable-dp-attention). Needs dp_size > 1 dividing tp_size"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "compute dtype of a launched server: auto = the checkpoint's, or float32 on a CPU without fast bf16 (the "
+        "store keeps bf16 either way)"))
+    max_total_tokens: int = Field(65536, ge=1, description="KV pool size of a launched server, in tokens")
+    chunked_prefill_size: Optional[int] = Field(None, ge=-1, description=(
+        "SGLang chunked prefill size in tokens, -1 for none (default: SGLang's)"))
+    mem_fraction_static: Optional[float] = Field(None, gt=0, le=1, description=(
+        "share of device memory for the weights and the KV pool (default: SGLang's)"))
+    extra_args: list[str] = Field([], description=(
+        "extra arguments for sglang.launch_server (a flag the launcher sets from another setting is refused, "
+        "naming that setting)"))
+    max_restarts: int = Field(2, ge=0, description="relaunches of a crashed launched server")
+
+    @field_validator("rid_prefix", mode="before")
+    @classmethod
+    def _usable_rid_prefix(cls, prefix):
+        return check_rid_prefix(prefix)
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _not_zero(cls, size):
+        if size == 0:
+            raise ValueError("a chunk of 0 tokens: give a positive size, or -1 to turn chunked prefill off")
+        return size
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.url is None and (self.api_key is not None or self.rid_prefix != RID_PREFIX):
+            raise ValueError("server.api_key and server.rid_prefix are for attaching to a server you started "
+                             "(server.url); a launched server draws its own")
+        # SGLang 0.5.23 turns `--dp-size N --enable-dp-attention` into
+        # `--attn-dp-size N` (arg_groups/parallel_hook.py,
+        # handle_deprecated_dp_attention), then checks the groups fit.
+        if self.dp_attention and self.dp_size == 1:
+            raise ValueError("server.dp_attention needs server.dp_size > 1, the number of attention groups: SGLang "
+                             "reads '--dp-size 1 --enable-dp-attention' as '--attn-dp-size 1', no data-parallel "
+                             "attention at all")
+        if self.dp_attention and self.tp_size % self.dp_size:
+            raise ValueError(f"server.dp_attention splits the server.tp_size {self.tp_size} devices into "
+                             f"server.dp_size {self.dp_size} attention groups, which does not divide them: SGLang "
+                             "0.5.23 requires 'tp_size % attn_dp_size == 0' (handle_data_parallelism in "
+                             "sglang/srt/arg_groups/parallel_hook.py)")
+        return self

@@ -1,0 +1,46 @@
+"""Talking to an SGLang server over HTTP: the client options every request
+of ours carries (the server's API key, one TLS context) and its health
+check. Below both the launcher (tasks/server) and the clients that capture,
+generate and check (tasks/capture, tasks/data, tasks/serve), which need a
+server's address and key, never how it was started."""
+from __future__ import annotations
+
+import functools
+import ssl
+
+import httpx
+
+
+class ServerError(RuntimeError):
+    """The server failed to start, died, or does not capture correctly."""
+
+
+@functools.cache
+def ssl_context() -> ssl.SSLContext:
+    """Built once: httpx builds a new one (loading every CA certificate) per
+    client otherwise, which cost 10% of the pipeline's client time."""
+    return ssl.create_default_context()
+
+
+def auth_headers(api_key: str | None) -> dict:
+    """What every request to a server started with `--api-key` must carry."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def client_options(api_key: str | None, transport=None) -> dict:
+    """httpx client arguments for talking to a server: its API key on every
+    request, and our one TLS context, or `transport` in place of the network
+    (tests, benchmarks)."""
+    network = {"transport": transport} if transport is not None else {"verify": ssl_context()}
+    return {"headers": auth_headers(api_key), **network}
+
+
+def server_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 30.0) -> bool:
+    """Whether the server answers /health. SGLang serves /health without the
+    key, but every request we make carries it: one rule, nothing to keep
+    track of per endpoint."""
+    try:
+        with httpx.Client(timeout=timeout_s, **client_options(api_key)) as client:
+            return client.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False

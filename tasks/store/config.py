@@ -1,0 +1,23 @@
+"""Where and how captured states are kept: the store section of a run's
+config (tasks/config.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field
+
+from tasks.config import Section
+from tasks.store.shards import BF16, StorageDtype
+
+
+class StoreConfig(Section):
+    """The store: its directory, how it keeps hidden states, where its index lives."""
+
+    path: str = Field("runs/demo/store", description="store directory (created, or resumed if it exists)")
+    dtype: StorageDtype = Field(BF16, description=(
+        "how the store keeps hidden states: bfloat16, or float8_e4m3fn with a per-token scale (half the bytes; "
+        "readers still get bf16). Part of the store's identity"))
+    ledger_url: Optional[str] = Field(None, description=(
+        "where a new store keeps its index: none = SQLite in the store (one machine); a postgresql:// URL, or "
+        "'env' for $EAGLE3_LEDGER_URL, = PostgreSQL (many writers; the password is never written into the "
+        "store: give it in $EAGLE3_LEDGER_URL, PGPASSWORD or ~/.pgpass)"))

@@ -1,0 +1,135 @@
+"""What training takes, returns and raises: `TrainConfig`, the training
+section of a run's settings (each field declared once, with its type,
+default, limits and description; the store is not one of them: it is the
+store section's, and `train` takes it beside the config), `TrainResult`
+(also written as the run's result.json) and `TrainingError`."""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal, Optional
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from tasks.config import Section
+from tasks.failures import Permanent
+
+
+class TrainConfig(Section):
+    """The drafter's training: its vocabulary and TTT depth, the optimiser and schedule, the held-out split,
+    devices, sharding and nodes."""
+
+    out_dir: str = Field("runs/demo/train", description="checkpoints, metrics and the exported drafter/ go here; a "
+                                                        "rerun resumes")
+    target: Optional[str] = Field(None, description="target checkpoint (default: the one the store was captured "
+                                                    "from)")
+    draft_vocab_size: int = Field(8192, ge=16, description="draft vocabulary: the N most frequent target tokens")
+    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll depth K (loss weights decay^k)")
+    step_decay: float = Field(0.8, gt=0, le=1, description="loss weight decay per TTT step")
+    epochs: int = Field(2, ge=1, description="passes over the training split")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW, warm-up then cosine)")
+    warmup_fraction: float = Field(0.05, ge=0, le=1, description=(
+        "share of the run's batches over which the learning rate rises linearly to lr, before its cosine decay to "
+        "lr/10"))
+    max_grad_norm: float = Field(0.5, gt=0, description="the step's gradients are clipped to this total norm")
+    tokens_per_batch: int = Field(4096, ge=64, description="padded tokens per batch (one per device and "
+                                                           "accumulation step)")
+    heldout_fraction: float = Field(0.05, gt=0, lt=1, description="share of samples held out (by sample-id hash)")
+    eval_max_samples: int = Field(256, ge=1, description="held-out samples evaluated after each epoch (the first "
+                                                         "of the held-out split; all of it when fewer)")
+    serve_steps: int = Field(3, ge=1, description="speculative steps the drafter will be served with (for tau@S: "
+                                                  "SGLang's --speculative-num-steps)")
+    seed: int = Field(0, ge=0, description="initialisation and data-order seed")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
+        "auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs (no bf16 matmul units); fp32 "
+        "or bf16 force either"))
+    vocab_positions: int = Field(2_000_000, ge=1, description="training positions (a seeded random subset) counted "
+                                                              "to pick the draft vocabulary")
+    # Not part of a run's identity (RESUMABLE): they may change between a run and its resume.
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
+    log_every: int = Field(10, ge=1, description="steps between progress lines in the log")
+    devices: int = Field(1, ge=1, description="GPUs to train on (per node); >1 runs torchrun")
+    accumulate: int = Field(1, ge=1, description="batches per device and optimizer step (gradient accumulation): a "
+                                                 "step takes devices x nnodes x accumulate batches")
+    sharding: Literal["ddp", "fsdp", "hsdp"] = Field("ddp", description=(
+        "with more than one device: ddp (every GPU holds the whole drafter and its AdamW state), fsdp (weights, "
+        "gradients and AdamW state sharded over all GPUs), hsdp (sharded within a node, replicated across nodes). "
+        "The frozen target embedding is never sharded: it has no gradients or optimizer state"))
+    nnodes: int = Field(1, ge=1, description="nodes to train on: run this flow on each, with the same parameters but "
+                                             "node_rank, a shared out_dir and store")
+    node_rank: int = Field(0, ge=0, description="this node, 0..nnodes-1: node 0's run holds out_dir's lock, checks "
+                                                "the export and writes the artifacts; the others only train")
+    rdzv_endpoint: Optional[str] = Field(None, description=(
+        "nnodes > 1: host:port of one of the nodes (the same on all), where torchrun's c10d rendezvous meets (e.g. "
+        "node 0's address, a free port)"))
+    max_nonfinite_steps: int = Field(3, ge=1, description=(
+        "optimizer steps in a row whose loss or gradient norm is NaN or infinite that are skipped (gradients "
+        "dropped, weights untouched) before the run stops. A safety limit, not a training setting: a run that "
+        "stopped on it may be resumed with another"))
+    on_store_change: Literal["refuse", "replan"] = Field("refuse", description=(
+        "a resume whose store has changed since the checkpoint (samples added, removed or altered): refuse (train "
+        "in a new out_dir), or replan: start the current epoch again over the store as it is now"))
+
+    RESUMABLE: ClassVar[tuple[str, ...]] = (
+        "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
+        "max_nonfinite_steps", "on_store_change")
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _one_of_the_choices(cls, value, handler, info):
+        # Pydantic's message puts the setting's name, the value and the
+        # choices on three lines; a log line should say all three.
+        try:
+            return handler(value)
+        except ValidationError:
+            annotation = cls.model_fields[info.field_name].annotation
+            if typing.get_origin(annotation) is not Literal:
+                raise
+            raise ValueError(f"{info.field_name} {value!r}: use one of "
+                             f"{', '.join(map(str, typing.get_args(annotation)))}") from None
+
+    @model_validator(mode="after")
+    def _nodes(self) -> TrainConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint host:port: an address of one of the nodes "
+                             f"(the same on every node), where torchrun's rendezvous meets")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} of nnodes {self.nnodes}: node ranks are "
+                             f"0..{self.nnodes - 1}")
+        return self
+
+    def identity(self, store: str | Path) -> dict:
+        """What a checkpoint must have been written under to be resumed: the
+        store and every setting but the RESUMABLE ones."""
+        return {"store": str(store), **self.model_dump(exclude=set(self.RESUMABLE))}
+
+
+@dataclass
+class TrainResult:
+    drafter_dir: str
+    history: list[dict]  # one row per evaluation (epoch 0 = untrained)
+    steps: int
+    train_samples: int
+    heldout_samples: int
+    draft_vocab_size: int
+    target: str = ""
+    resumed_from: dict | None = None
+    seconds: float = 0.0
+    data_wait_s: float = 0.0
+    compute_s: float = 0.0
+    tokens: int = 0
+    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+
+    @property
+    def final(self) -> dict:
+        return self.history[-1]
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class CheckpointMismatch(Permanent, TrainingError):
+    """The out_dir's checkpoint belongs to another run (other settings, a
+    changed store, unreadable): resuming it again fails the same way."""

@@ -1,0 +1,116 @@
+"""What a training run needs, prepared once: the verified store and its
+split, the target's embeddings, the draft vocabulary (counted by rank 0
+alone, broadcast to the others) and the drafter, on the rank's device in the
+precision the config asks for."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.store.reader import StoreReader
+from tasks.store.verification import require_verified
+from tasks.target.layers import AuxLayers
+from tasks.train import distributed
+from tasks.train.config import TrainConfig, TrainingError
+from tasks.train.data import split
+from tasks.target.embeddings import load_target_embeddings
+from tasks.train.drafter import Eagle3Drafter, build_drafter
+from tasks.train.vocab import DraftVocab, count_target_tokens
+
+logger = logging.getLogger("eagle3.training")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of a precision setting on a device; None: plain fp32."""
+    if precision == "fp32" or (precision == "auto" and device.type == "cpu"):
+        return None
+    return torch.bfloat16
+
+
+@dataclass
+class Run:
+    """What the loop needs, prepared once."""
+    cfg: TrainConfig
+    reader: StoreReader
+    train_idx: np.ndarray
+    held_idx: np.ndarray
+    layers: AuxLayers
+    target: Path
+    model: Eagle3Drafter
+    head_rows: torch.Tensor
+    full_head: torch.Tensor
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    vocab: DraftVocab | None = None
+
+    def autocast(self):
+        dtype = autocast_dtype(self.cfg.precision, self.device)
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+    def on_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None, rank: int = 0,
+            world: int = 1) -> Run:
+    """Read the store and the target's embeddings, pick the draft vocabulary
+    (unless given: a resumed run's) and build the drafter. Under DDP only rank
+    0 counts the vocabulary and broadcasts it, so every rank has the same one
+    (counting is the slow part: it reads the target's final states)."""
+    store = Path(store)
+    require_verified(store)
+    # Verification passed once; each sample is checked again as it is read,
+    # so bytes changed since then are never trained on.
+    reader = StoreReader(store, verify_checksums=True)
+    if len(reader) < 2:
+        raise TrainingError(f"store {store} holds {len(reader)} samples: training needs at least 2")
+    manifest = reader.manifest
+    target = Path(cfg.target or manifest["target_path"])
+    if not (target / "config.json").exists():
+        raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
+                            f"captured from, {manifest.get('target')})")
+    layers = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
+    train_idx, held_idx = split(reader, cfg.heldout_fraction)
+    embed, head = load_target_embeddings(target)
+    device = distributed.device()
+    head = head.to(device)
+    if vocab is None:
+        vocab = draft_vocab(cfg, reader, train_idx, head, device, rank, world)
+    model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
+                          embeddings=(embed, head)).to(device)
+    head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
+    low = autocast_dtype(cfg.precision, device)
+    if low is not None:
+        # The two target-vocabulary matrices (4.7 GB each in fp32 for a 160k x
+        # 7168 target) are frozen and only feed bf16 matmuls under autocast;
+        # a bf16 checkpoint's values are bf16 anyway.
+        model.embed_tokens.to(low)
+        head = head.to(low)
+    return Run(cfg, reader, train_idx, held_idx, layers, target, model, head_rows, head, device, rank, world,
+               vocab)
+
+
+def draft_vocab(cfg: TrainConfig, reader, train_idx: np.ndarray, head: torch.Tensor, device: torch.device,
+                rank: int, world: int) -> DraftVocab:
+    """The draft vocabulary, counted by rank 0 over the first vocab_positions
+    of the training samples in a seeded order, and broadcast."""
+    size = min(cfg.draft_vocab_size, head.shape[0])
+    target_ids = torch.zeros(size, dtype=torch.long, device=device)
+    if rank == 0:
+        order = np.random.default_rng(cfg.seed).permutation(train_idx)
+        counts = count_target_tokens((reader[int(i)] for i in order), head, cfg.vocab_positions,
+                                     dtype=autocast_dtype(cfg.precision, device) or torch.float32)
+        vocab = DraftVocab.from_counts(counts, size)
+        covered = counts[vocab.target_ids].sum() / max(1, counts.sum())
+        logger.info("draft vocabulary: %d of %d target ids cover %.1f%% of the target's greedy tokens at %s "
+                    "loss-masked training positions (a random subset, seed %d)", vocab.size, vocab.vocab_size,
+                    100 * covered, f"{counts.sum():,}", cfg.seed)
+        target_ids.copy_(torch.from_numpy(vocab.target_ids))
+    if world > 1:
+        torch.distributed.broadcast(target_ids, src=0)
+    return DraftVocab(target_ids.cpu().numpy(), head.shape[0])
