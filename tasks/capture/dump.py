@@ -233,8 +233,12 @@ def discard_rids(dump_dir: Path, rids: set[str]) -> int:
     Cleanup only: never a source of progress."""
     if not rids:
         return 0
+    try:
+        entries = list(Path(dump_dir).iterdir())
+    except FileNotFoundError:
+        return 0  # no dump was ever written there
     removed = 0
-    for path in Path(dump_dir).iterdir():
+    for path in entries:
         name = path.name.removeprefix(TMP_PREFIX)
         if SUFFIX in name and name.split("@", 1)[0] in rids:
             path.unlink(missing_ok=True)
