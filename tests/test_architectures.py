@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -143,7 +142,7 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     # Every prompt a canary: its final state, through the head read from the
     # checkpoint's own tensor names, gives the server's logprobs.
     head = canary.load_head(str(model))
-    canaries = {i: partial(canary.check_capture, head=head, sample_id=str(i)) for i in range(len(prompts))}
+    canaries = {i: canary.checker(head, sample_id=str(i)) for i in range(len(prompts))}
     with launch_server(spec, ARTIFACTS / f"{name}-server.log", timeout_s=600) as server:
         results = capture_many(server.url, spec.dump_dir, prompts, check, concurrency=3,
                                aux_layer_ids=layers.sglang_ids, api_key=server.api_key, rid_prefix=server.rid_prefix,

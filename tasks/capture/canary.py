@@ -41,7 +41,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -118,9 +118,12 @@ def canary_positions(sample_id: str, num_tokens: int, chunk_starts: Sequence[int
     return sorted({int(p) for p in drawn + edges if 0 <= p <= last})
 
 
-def server_logprobs(meta: dict, input_ids: Sequence[int]) -> list[float | None]:
+def server_logprobs(meta: dict, input_ids: Sequence[int], *, vocab_size: int | None = None) -> list[float | None]:
     """meta_info's input_token_logprobs as one value per prompt token (the
-    first has none), checked against the ids sent."""
+    first has none), checked against the ids sent. SGLang 0.5.23 reports
+    every id >= vocab_size - 1 as 0 (logprob_result_processor.py, for image
+    tokens' hashes), the vocabulary's last real token too; its value is
+    still that token's. Given `vocab_size`, that report is taken for it."""
     entries = meta.get("input_token_logprobs")
     if not isinstance(entries, list) or len(entries) != len(input_ids):
         got = "none" if not isinstance(entries, list) else f"{len(entries)}"
@@ -129,7 +132,7 @@ def server_logprobs(meta: dict, input_ids: Sequence[int]) -> list[float | None]:
     out = []
     for p, (entry, sent) in enumerate(zip(entries, input_ids)):
         value, token = entry[0], entry[1]
-        if token != sent:
+        if token != sent and not (token == 0 and vocab_size is not None and sent == vocab_size - 1):
             raise CaptureError(f"rid {meta.get('id')}: logprob entry {p} is for token {token}, {sent} was sent")
         out.append(None if value is None else float(value))
     return out
@@ -150,6 +153,10 @@ class Head:
     @property
     def hidden_size(self) -> int:
         return int(self.weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
 
     @property
     def rounding(self) -> float:
@@ -272,6 +279,16 @@ def profile_outlier(values: Sequence[float], history: Sequence[Sequence[float]])
     names = [f"log-RMS of {s}" for s in states] + [f"cosine of {a} and {b}" for a, b in zip(states, states[1:])]
     return "; ".join(f"{names[i]} {values[i]:.3f}, run median {median[i]:.3f} (limit +-{limit[i]:.3f})"
                      for i in off)
+
+
+def checker(head: Head, **settings) -> Callable[[Capture, dict], CanaryResult]:
+    """The canary check of one capture from the server's answer to its
+    request (meta_info, asked with return_logprob): check_capture with
+    `settings` (sample_id, positions, storage_dtype, history)."""
+    def check(capture: Capture, meta: dict) -> CanaryResult:
+        logprobs = server_logprobs(meta, capture.input_ids.tolist(), vocab_size=head.vocab_size)
+        return check_capture(capture, logprobs, head, **settings)
+    return check
 
 
 def check_capture(capture: Capture, logprobs: Sequence[float | None], head: Head, *, sample_id: str,

@@ -19,7 +19,6 @@ from typing import Callable, Sequence, TypeVar
 
 import httpx
 
-from tasks.capture.canary import server_logprobs
 from tasks.capture.dump import (
     RID_PREFIX, Capture, CaptureError, CaptureMissing, CaptureRefused, discard_rid, new_rid, read_capture, remove_capture,
 )
@@ -27,9 +26,9 @@ from tasks.sglang_api import ServerError, client_options
 from tasks.store.shards import default_workers
 
 T = TypeVar("T")
-# Checks a capture against the server's logprobs of its prompt (one per
-# token, None first): tasks/capture/canary.py.
-Canary = Callable[[Capture, list], object]
+# Checks a capture against the server's answer to its request (meta_info,
+# with the logprobs of its prompt): tasks/capture/canary.py checker.
+Canary = Callable[[Capture, dict], object]
 
 # The hook hands dumps to a background writer (tasks/capture/writer.py), so
 # the HTTP response can arrive before the file is renamed into place. How
@@ -96,8 +95,7 @@ async def capture_one(
         read = partial(read_capture, dump_dir, rid, input_ids, aux_layer_ids=aux_layer_ids)
         capture = await _read_when_written(read, dump_wait_s, executor)
         if canary is not None:
-            logprobs = server_logprobs(meta, input_ids)
-            capture.canary = await asyncio.get_running_loop().run_in_executor(executor, canary, capture, logprobs)
+            capture.canary = await asyncio.get_running_loop().run_in_executor(executor, canary, capture, meta)
         return capture
     except BaseException:
         # Whatever ended the attempt (a bad capture, a timeout, the server

@@ -314,8 +314,8 @@ class _BatchCapture:
         self.history = [[float(v) for v in p.split(",")] for p in earlier.profile if p]
 
     def _canary_for(self, s: Sample):
-        return partial(canary.check_capture, head=self.head, sample_id=s.sample_id,
-                       positions=self.cfg.canary_positions, storage_dtype=self.store.dtype, history=self.history)
+        return canary.checker(self.head, sample_id=s.sample_id, positions=self.cfg.canary_positions,
+                              storage_dtype=self.store.dtype, history=self.history)
 
     def send(self, group: list[Sample], width: int) -> list:
         """Capture a group; if the server went down meanwhile, count a crash
