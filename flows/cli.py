@@ -17,15 +17,22 @@ config and exits; `--help` lists every key with its default and description.
 Prefect 3.9 takes the UI form's descriptions of the flow's parameters from a
 Google-style `Args:` docstring section only, so `described` writes that
 section from the same declarations (apply it under `@flow`); a section's
-fields carry their own descriptions into the form."""
+fields carry their own descriptions into the form.
+
+Ctrl-C or SIGTERM stops a run: its server is stopped, its lock freed, what
+it committed kept; the command exits 128 + the signal's number with one line
+saying what was kept and how to resume. A second signal while it stops is
+ignored (the server's stop is under way)."""
 from __future__ import annotations
 
 import inspect
 import json
 import shlex
+import signal
 import sys
 import textwrap
 import typing
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -227,7 +234,54 @@ def run_cli(flow, prog: str, argv: list[str] | None = None):
     if print_config:
         print(to_yaml(values), end="")
         return values
-    result = flow(**values)
+    from prefect import Flow
+
+    from flows.local_api import local_prefect_api
+
+    if not isinstance(flow, Flow):  # a plain command (flows/node.py), which handles its own stop
+        return flow(**values)
+    received: list[int] = []
+
+    def stop(signum, frame):
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt
+        print(f"{prog}: already stopping (its server is being stopped); SIGKILL would leave it running",
+              file=sys.stderr)
+
+    # SIGTERM (a scheduler's, `timeout`'s) stops a run as Ctrl-C does.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop)
+    try:
+        with local_prefect_api():
+            result = flow(**values)
+    except KeyboardInterrupt:
+        signum = received[0] if received else signal.SIGINT
+        what = kept(values)
+        print(f"{prog}: stopped by {signal.Signals(signum).name}; "
+              + (f"{what}; run the same command again to resume" if what else "run the same command again"),
+              file=sys.stderr)
+        raise SystemExit(128 + signum) from None
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
     return result
+
+
+def kept(values: dict) -> str:
+    """What a stopped run leaves for its rerun, from its parameters."""
+    parts = []
+    if (store := values.get("store")) is not None and getattr(store, "path", None):
+        parts.append(f"{_stored(store.path)} in {Path(store.path).resolve()} kept")
+    if (train := values.get("train")) is not None and getattr(train, "out_dir", None):
+        parts.append(f"training checkpoints in {Path(train.out_dir).resolve()} kept")
+    return "; ".join(parts)
+
+
+def _stored(path: str) -> str:
+    from tasks.store.handle import Store
+
+    try:
+        summary = Store.open(path).ledger.summary()
+    except Exception:  # no store yet, or its index unreachable: say what is certain
+        return "the samples committed"
+    return f"{summary['samples']:,} samples ({summary['tokens']:,} tokens)"

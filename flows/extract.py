@@ -136,8 +136,11 @@ def reset_dump_dir_task(dump_dir: Path, rid_prefix: str) -> int:
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5,
       retry_condition_fn=unless_permanent)
 def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: Path, planned: Planned,
-                       capture: CaptureConfig, guard: extraction.FailureGuard | None = None, node: str = "") -> dict:
+                       capture: CaptureConfig, guard: extraction.FailureGuard | None = None, node: str = "",
+                       parent_run: str | None = None) -> dict:
     log = get_run_logger()
+    if parent_run:  # a child of a many-node run: only while its parent holds the store
+        check_held_by(planned.store.path, parent_run)
     result = extraction.extract_batch(endpoint(server, dump_dir, planned.target), planned.store,
                                       planned.plan.source, batch, capture, guard=guard, writer=node)
     server.forward_log(log)
@@ -215,7 +218,7 @@ def extract_hidden_states(
                 guard = extraction.FailureGuard(
                     max_ratio=capture.max_quarantine_ratio, max_consecutive=capture.max_consecutive_failures,
                     canaries=CanaryTally(max_ratio=capture.canary_max_failed_ratio))
-                failures = _extract_all(planned, live, dump_dir, capture, guard, node)
+                failures = _extract_all(planned, live, dump_dir, capture, guard, node, parent_run)
                 guard.sweep(dump_dir)  # a dump that landed after its request failed: none stays
                 guard.check()  # this reason first: the batches it stopped are its consequence
                 if failures:
@@ -227,7 +230,12 @@ def extract_hidden_states(
                 log.info("nothing to capture: every sample of %s is already stored", capture.dataset)
         finally:
             if live is not None:
-                stop_task(live)
+                try:
+                    stop_task(live)
+                finally:
+                    # A cancelled run starts no task, not even this one: the
+                    # stop itself must not depend on it.
+                    live.stop()
         result = {"store": str(path), **planned.store.ledger.summary()}
         if verify:
             result["verification"] = verify_task(str(path))
@@ -235,7 +243,7 @@ def extract_hidden_states(
 
 
 def _extract_all(planned: Planned, server: ServerSupervisor, dump_dir: Path, capture: CaptureConfig,
-                 guard: extraction.FailureGuard, node: str) -> list[str]:
+                 guard: extraction.FailureGuard, node: str, parent_run: str | None) -> list[str]:
     log = get_run_logger()
     plan, store = planned.plan, planned.store
     batch_task = extract_batch_task.with_options(
@@ -248,18 +256,23 @@ def _extract_all(planned: Planned, server: ServerSupervisor, dump_dir: Path, cap
                                         description=f"extraction into {store.path}")
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), capture.batch_size)
     futures = batch_task.map(batches, unmapped(server), unmapped(dump_dir), unmapped(planned), unmapped(capture),
-                             unmapped(guard), unmapped(node))
+                             unmapped(guard), unmapped(node), unmapped(parent_run))
     failures = []
-    for future in as_completed(futures):
-        try:
-            future.result()
-        except Exception as e:
-            failures.append(f"{future.task_run_id}: {e}")
-        progress = meter.read()
-        update_progress_artifact(artifact, progress=min(progress["percent"], 100.0),
-                                 description=f"extraction into {store.path}: {meter.describe(progress)}; canary: "
-                                             f"{guard.canaries.describe()}")
-        log.info("progress: %s; canary %s", meter.describe(progress), guard.canaries.describe())
+    try:
+        for future in as_completed(futures):
+            try:
+                future.result()
+            except Exception as e:
+                failures.append(f"{future.task_run_id}: {e}")
+            progress = meter.read()
+            update_progress_artifact(artifact, progress=min(progress["percent"], 100.0),
+                                     description=f"extraction into {store.path}: {meter.describe(progress)}; "
+                                                 f"canary: {guard.canaries.describe()}")
+            log.info("progress: %s; canary %s", meter.describe(progress), guard.canaries.describe())
+    except BaseException:  # told to stop (Ctrl-C, SIGTERM, a cancel): no batch not yet started starts
+        for future in futures:
+            future.wrapped_future.cancel()
+        raise
     return failures
 
 

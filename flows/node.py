@@ -7,6 +7,7 @@ own work queue, for the child runs of `extract_across_nodes`.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -30,6 +31,8 @@ def node(
     log_dir: Annotated[Optional[str], Field(description="server and worker logs (default: runs/node-<queue>)")] = None,
 ) -> None:
     """A capture server and a worker on this node's queue, until stopped (Ctrl-C or SIGTERM)."""
+    # What the node does to its server (a relaunch, a stop) goes to its output.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_node(queue, node_launch(queue, server, aux_layer_ids, dump_dir), pool,
              Path(log_dir or f"runs/node-{queue}").resolve())
 

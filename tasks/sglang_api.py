@@ -10,9 +10,17 @@ import ssl
 
 import httpx
 
+from tasks.failures import Permanent
+
 
 class ServerError(RuntimeError):
     """The server failed to start, died, or does not capture correctly."""
+
+
+class ServerStopped(Permanent, ServerError):
+    """The run stopped its own server (it was told to stop: Ctrl-C, SIGTERM,
+    a cancel): nothing more is sent, nothing is relaunched or retried, and
+    the requests it cut short count as no sample's fault."""
 
 
 @functools.cache

@@ -66,6 +66,32 @@ def attach(server, *, store, **capture) -> dict:
             "store": StoreConfig(path=str(store))}
 
 
+def stored_samples(store: Path) -> int:
+    """Samples committed to the store so far (0 before it exists)."""
+    from tasks.store.handle import Store
+
+    try:
+        return Store.open(store).ledger.summary()["samples"]
+    except Exception:  # noqa: BLE001 - no manifest or index yet
+        return 0
+
+
+def rerun_completes(server, store: Path, dataset: Path, rows: int) -> None:
+    """The rerun of a stopped extraction, on the session's server: what the
+    stopped run committed stays as it was (each sample in its shard), the
+    rest is captured, every sample once, and the store verifies."""
+    from flows.extract import extract_hidden_states
+    from tasks.store.handle import Store
+
+    before = Store.open(store).ledger.samples()
+    result = extract_hidden_states(**attach(server, store=store, dataset=str(dataset), batch_size=8))
+    assert result["samples"] == rows and result["verification"]["ok"], result
+    after = Store.open(store).ledger.samples()
+    assert len(after) == rows and after["sample_id"].is_unique
+    kept = dict(zip(before.sample_id, before.shard))
+    assert {s: shard for s, shard in zip(after.sample_id, after.shard) if s in kept} == kept
+
+
 @pytest.fixture(scope="session")
 def tiny_store(capture_server, prefect_api, tmp_path_factory) -> Path:
     """A verified store of 160 demo conversations on the tiny model, for

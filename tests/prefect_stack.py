@@ -48,10 +48,12 @@ def stop_node(node: dict) -> None:
     waits up to 30 s for its runs), then its server's own group, which a
     SIGKILL of the node's group does not reach (the server has its own
     session): a node killed hard must not leave its server running."""
+    record = Path(node.get("logs", "")) / "sglang-server.pid"  # a relaunched server's, if the node left it
+    relaunched = json.loads(record.read_text())["pid"] if node.get("logs") and record.exists() else None
     stop(node["proc"], grace_s=60.0)
-    if node.get("server_pid"):
+    for pid in {node.get("server_pid"), relaunched} - {None}:
         try:
-            os.killpg(node["server_pid"], signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -129,6 +131,13 @@ class Api:
         return self.call("POST", f"/flow_runs/{run_id}/set_state", {
             "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": True})
 
+    def cancel_like_the_ui(self, run_id: str) -> dict:
+        """What the Cancel button of Prefect 3.9's UI sends (ui-v2 bundle,
+        cancel dialog: setFlowRunState({type: CANCELLING, name: Cancelling},
+        force: true)). The worker then stops the run's process."""
+        return self.call("POST", f"/flow_runs/{run_id}/set_state", {
+            "state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
+
     def wait_terminal(self, run_id: str, timeout_s: float, after: str | None = None, logs: list[Path] = ()) -> dict:
         """Poll until the run is terminal (and, with `after`, has left the
         state with that id: a retried run is terminal until the worker takes it)."""
@@ -201,9 +210,13 @@ def start_node(queue: str, model: str, env: dict, root: Path, *args: str) -> tup
 def wait_node(proc: subprocess.Popen, out: Path, timeout_s: float = 600) -> dict:
     """The node's record (queue, server_url, server_pid, worker_pid, logs)
     once it has printed it."""
+    def record() -> dict | None:  # its one JSON line, among its log lines
+        lines = [line for line in out.read_text().splitlines() if line.startswith('{"queue"')]
+        return json.loads(lines[0]) if lines else None
+
     deadline = time.monotonic() + timeout_s
-    while not out.read_text().strip():
+    while record() is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"node did not start:\n{log_tail(out)}")
         time.sleep(1)
-    return {"proc": proc, **json.loads(out.read_text().splitlines()[-1])}
+    return {"proc": proc, **record()}

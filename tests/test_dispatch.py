@@ -185,6 +185,27 @@ def test_a_child_writes_only_under_its_parents_lock(tmp_path):
         check_held_by(tmp_path, "run-1")  # released: a late child stops
 
 
+def test_a_child_stops_once_its_parents_process_is_killed(tmp_path):
+    # A parent holding the store, SIGKILLed: its record stays (the kernel
+    # drops only the flock), and a child checking before its next batch
+    # learns the parent is gone instead of writing on for nobody.
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", "import sys, time; from tasks.store.lock import hold_lock\n"
+                               f"with hold_lock({str(tmp_path)!r}, 'parent', run='run-1'):\n"
+                               "    print('held', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "held"
+        assert check_held_by(tmp_path, "run-1")["pid"] == parent.pid
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    with pytest.raises(LockHeld, match=rf"its process \(pid {parent.pid}\) is gone: the parent run died"):
+        check_held_by(tmp_path, "run-1")
+
+
 def test_node_queues_that_cannot_name_shards_are_refused_before_anything_runs(tmp_path):
     from flows.extract_nodes import extract_across_nodes
 

@@ -101,9 +101,22 @@ def stored(store: Path) -> list[str]:
 
 
 def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_path, monkeypatch):
+    # ...while node-a's server is SIGKILLed under one of its runs: the node
+    # relaunches it (same port, key and rid prefix) and its run waits for it.
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
+    api, node_a = stack["api"], stack["nodes"]["node-a"]
     proc = run_parent(stack, tmp_path, 16, "--capture.batch-size", "2", "--batches-per-child", "2")
+    store = str(tmp_path / "store")
+    deadline = time.monotonic() + 600
+    while not [r for r in children(api) if r["parameters"]["store"]["path"] == store
+               and r["work_queue_name"] == "node-a" and r["state_type"] == "RUNNING"]:
+        assert proc.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "parent.out", 80)
+        time.sleep(0.5)
+    os.killpg(node_a["server_pid"], signal.SIGKILL)
     result = parent_result(proc, tmp_path / "parent.out", 900)
+    node_log = Path(node_a["logs"]).parent / "node-a.out"
+    assert "SGLang server relaunched at " + node_a["server_url"] in node_log.read_text(), log_tail(node_log)
+    assert not [r["queue"] for r in result["nodes"] if r["drained"]]
 
     assert result["verification"]["ok"], result["verification"]
     ids = stored(tmp_path / "store")

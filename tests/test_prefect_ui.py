@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flows.config import as_record
-from tests.conftest import ARTIFACTS, attach, demo_rows, write_jsonl
+from tests.conftest import ARTIFACTS, attach, demo_rows, rerun_completes, stored_samples, write_jsonl
 from tests.prefect_stack import PREFECT, REPO, Api, cli, log_tail, prefect_server, start, stop
 
 pytestmark = pytest.mark.server
@@ -287,3 +287,38 @@ def test_a_failed_run_retried_like_the_ui_redoes_only_what_is_missing(prefect_st
     # ...and the one new shard holds exactly the samples that were missing.
     assert set(files_after) - set(files_before) == {f"{shard_name(blocked)}.safetensors"}
     assert sorted(sid for (sid,) in ledger(store, f"SELECT sample_id FROM samples WHERE shard = '{shard_name(blocked)}'")) == sorted(blocked)
+
+
+# ------------------------------------------------------------------ cancel
+
+def test_a_run_cancelled_like_the_ui_stops_its_server_and_keeps_what_it_stored(prefect_stack, deployment, prefect_api,
+                                                                             capture_server, tiny_model, tmp_path):
+    from tasks.server.processes import group_members
+    from tasks.store.lock import hold_lock
+
+    # 160 batches of one: the cancel (the worker's poll, then its SIGTERM) lands long before the last.
+    api, rows = prefect_stack["api"], 160
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
+    store = tmp_path / "store"
+    defaults = deployment["parameters"]
+    # This run launches its own server (no url), to show the cancel stops it.
+    params = {**defaults, "server": {"model": str(tiny_model), "max_total_tokens": 4096},
+              "store": {**defaults["store"], "path": str(store)},
+              "capture": {**defaults["capture"], "dataset": str(dataset), "batch_size": 1, "dump_dir": None}}
+    run = api.call("POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": params})
+
+    deadline = time.monotonic() + 600
+    while stored_samples(store) < 1:
+        assert api.flow_run(run["id"])["state_type"] in ("SCHEDULED", "PENDING", "RUNNING"), api.flow_run(run["id"])
+        assert time.monotonic() < deadline, "no batch stored in 600 s"
+        time.sleep(0.5)
+    server_pid = json.loads((store / "logs" / "sglang-server.pid").read_text())["pid"]
+    api.cancel_like_the_ui(run["id"])
+    run = api.wait_terminal(run["id"], 120, logs=prefect_stack["log_files"])
+    assert run["state_type"] == "CANCELLED", (run["state"], api.flow_run_states(run["id"]))
+    assert not group_members(server_pid), "the cancelled run left its SGLang server running"
+    assert 1 <= stored_samples(store) < rows, "cancelled too late to test anything"
+    with hold_lock(store, "the test"):
+        pass  # free
+
+    rerun_completes(capture_server, store, dataset, rows)

@@ -27,7 +27,7 @@ from tasks.capture.dump import (
 from tasks.failures import Permanent
 from tasks.paths import ensure_private_dir
 from tasks.data.dataset import Rejected, Sample, prepare_samples
-from tasks.sglang_api import server_healthy
+from tasks.sglang_api import ServerStopped, server_healthy
 from tasks.store.handle import Store
 from tasks.store.ledger.index import Ledger
 from tasks.store.manifest import StoreError
@@ -335,9 +335,16 @@ class _BatchCapture:
         down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
         if down and not server_healthy(e.url, api_key=e.api_key):
             in_flight = [s.sample_id for s, o in zip(group, outs) if isinstance(o, Exception) and _was_in_flight(o)]
-            counts = self.store.ledger.record_crash(in_flight) if in_flight else {}
-            if e.on_down is not None:
-                e.on_down()
+            crash = lambda: self.store.ledger.record_crash(in_flight) if in_flight else {}  # noqa: E731
+            try:
+                if e.on_down is not None:
+                    e.on_down()
+            except ServerStopped:
+                raise  # its run stopped it: the requests it cut short are no sample's crash
+            except Exception:
+                crash()
+                raise
+            counts = crash()
             suspects = ", ".join(f"{i} (crash {n})" for i, n in counts.items()) or "none"
             raise ServerUnavailable(
                 f"SGLang server at {e.url} stopped answering mid-batch ({down[0]!r}); the batch will be retried. "

@@ -49,6 +49,9 @@ class ServerConfig(Section):
         "extra arguments for sglang.launch_server (a flag the launcher sets from another setting is refused, "
         "naming that setting)"))
     max_restarts: int = Field(2, ge=0, description="relaunches of a crashed launched server")
+    attach_wait_s: float = Field(0.0, ge=0, description=(
+        "an attached server that stops answering: how long a batch waits for it to serve again (its owner "
+        "relaunching it, as a node does for its runs) before it fails"))
 
     @field_validator("rid_prefix", mode="before")
     @classmethod

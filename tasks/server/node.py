@@ -19,20 +19,25 @@ from typing import Sequence
 
 from tasks.paths import REPO_ROOT, default_dump_root
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
-from tasks.server.supervisor import API_KEY_ENV, NODE_ENV
+from tasks.server.launch import LaunchSpec
+from tasks.server.supervisor import API_KEY_ENV, NODE_ENV, ServerSupervisor
 from tasks.target.checkpoint import Target
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 HEARTBEAT_S = "30"  # Prefect's minimum; the zombie automation waits for 3 missed ones
+# How often the node looks at its server and worker; and what a run's batch
+# waits beyond the server's start timeout for a relaunch (the stop first).
+WATCH_S = 2.0
+RELAUNCH_MARGIN_S = 60.0
 
 
-def node_environment(server, base: dict | None = None) -> dict:
-    """The worker's environment: how its flow runs reach this node's server."""
+def node_environment(server: ServerSupervisor, base: dict | None = None) -> dict:
+    """The worker's environment: how its flow runs reach this node's server,
+    and how long they wait for it while the node relaunches it."""
     env = dict(os.environ if base is None else base)
     env.update({NODE_ENV["url"]: server.url, NODE_ENV["dump_dir"]: str(server.spec.dump_dir),
                 NODE_ENV["rid_prefix"]: server.rid_prefix, API_KEY_ENV: server.api_key,
-                "EAGLE3_REPO": str(REPO_ROOT)})
+                NODE_ENV["wait_s"]: str(server.timeout_s + RELAUNCH_MARGIN_S), "EAGLE3_REPO": str(REPO_ROOT)})
     env.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", HEARTBEAT_S)
     return env
 
@@ -61,27 +66,42 @@ def node_launch(queue: str, server: ServerConfig, aux_layer_ids: Sequence[int] |
 def run_node(queue: str, spec: LaunchSpec, pool: str, log_dir: Path) -> None:
     """Serve the node until its worker ends or the process is told to stop;
     prints one JSON line (queue, server_url, server_pid, worker_pid, logs)
-    once both are up."""
+    once both are up.
+
+    The node supervises its server: one that dies is relaunched on the same
+    port with the same rid prefix and API key (at most server.max_restarts
+    times), and the run then on the node waits for it (attach_wait_s)
+    instead of failing its share. Past the restarts the node stops, so its
+    queue takes no more shares and the parent moves them elsewhere."""
     log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop like Ctrl-C: worker first, then server
-    with launch_server(spec, log_dir / "sglang-server.log") as server:
+    server = ServerSupervisor(spec, log_dir / "sglang-server.log")
+    server.start()
+    worker = None
+    try:
         env = node_environment(server)
         ensure_queue(pool, queue, env)
         with open(log_dir / "prefect-worker.log", "ab") as log:
             worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--work-queue", queue,
                                        "--name", f"node-{queue}"], env=env, cwd=REPO_ROOT, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
-        print(json.dumps({"queue": queue, "server_url": server.url, "server_pid": server.process.pid,
+        print(json.dumps({"queue": queue, "server_url": server.url, "server_pid": server.handle.process.pid,
                           "worker_pid": worker.pid, "logs": str(log_dir)}), flush=True)
-        try:
-            worker.wait()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if worker.poll() is None:
-                os.killpg(worker.pid, signal.SIGINT)  # it reports its runs' ends before it goes
-                try:
-                    worker.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(worker.pid, signal.SIGKILL)
-                    worker.wait()
+        while worker.poll() is None:
+            try:
+                worker.wait(timeout=WATCH_S)
+            except subprocess.TimeoutExpired:
+                pass
+            if not server.handle.alive():
+                server.recover()  # ServerError past its restarts: the node stops
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if worker is not None and worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGINT)  # it reports its runs' ends before it goes
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+        server.stop()

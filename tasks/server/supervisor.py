@@ -6,13 +6,14 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 from tasks.capture.config import CaptureConfig
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, ServerHandle, launch_server, stop_server
 from tasks.server.server_log import LogFollower
-from tasks.sglang_api import ServerError, server_healthy
+from tasks.sglang_api import ServerError, ServerStopped, server_healthy
 
 logger = logging.getLogger("eagle3.server")
 
@@ -26,7 +27,8 @@ API_KEY_ENV = "EAGLE3_API_KEY"
 # extraction (flows/extract_nodes.py) are sent to a node's work queue with
 # server.url "env", so each finds its own node's server and reads the dumps
 # on the node that wrote them.
-NODE_ENV = {"url": "EAGLE3_SERVER_URL", "dump_dir": "EAGLE3_DUMP_DIR", "rid_prefix": "EAGLE3_RID_PREFIX"}
+NODE_ENV = {"url": "EAGLE3_SERVER_URL", "dump_dir": "EAGLE3_DUMP_DIR", "rid_prefix": "EAGLE3_RID_PREFIX",
+            "wait_s": "EAGLE3_SERVER_WAIT_S"}
 FROM_NODE = "env"
 
 
@@ -42,7 +44,7 @@ def node_sections(server: ServerConfig, capture: CaptureConfig) -> tuple[ServerC
                          f"the node with `python -m flows.node`, which sets it for its worker")
     env = {k: os.environ[v] for k, v in NODE_ENV.items()}
     return (server.model_copy(update={"url": env["url"], "rid_prefix": env["rid_prefix"],
-                                      "api_key": os.environ.get(API_KEY_ENV)}),
+                                      "api_key": os.environ.get(API_KEY_ENV), "attach_wait_s": float(env["wait_s"])}),
             capture.model_copy(update={"dump_dir": env["dump_dir"]}))
 
 
@@ -76,13 +78,16 @@ class ServerSupervisor:
                                  "a server instead")
             self.spec, self.attach_url, self.max_restarts = None, target.url, 0
             self._attach_key, self._attach_prefix = attach_api_key(target.api_key), target.rid_prefix
+            self.attach_wait_s = target.attach_wait_s
         else:
             self.spec, self.attach_url, self.max_restarts = target, None, target.server.max_restarts
+            self.attach_wait_s = 0.0
         self.log_path, self.timeout_s = log_path, timeout_s
         self.restarts = 0
         self.handle: ServerHandle | None = None
         self.follower = LogFollower(log_path) if log_path else None
         self._lock = threading.Lock()
+        self._stopped = False
 
     @property
     def url(self) -> str:
@@ -103,7 +108,9 @@ class ServerSupervisor:
             # launched spec holds them), so what the batches hold stays valid.
             self.spec = dataclasses.replace(self.handle.spec, port=int(self.handle.url.rsplit(":", 1)[1]))
         elif not self.healthy():
-            raise ServerError(f"no healthy SGLang server at {self.attach_url}")
+            if not self.attach_wait_s:
+                raise ServerError(f"no healthy SGLang server at {self.attach_url}")
+            self._wait_attached()  # its owner may be relaunching it
         return self.url
 
     def healthy(self) -> bool:
@@ -112,13 +119,16 @@ class ServerSupervisor:
         return server_healthy(self.url, api_key=self.api_key)
 
     def recover(self) -> None:
-        """Make the server serve again, or raise ServerError saying why not."""
+        """Make the server serve again, or raise ServerError saying why not
+        (ServerStopped once the run has stopped it)."""
+        self._check_running()
         with self._lock:
+            self._check_running()
             if self.healthy():
                 return
             if self.attach_url is not None:
-                raise ServerError(f"the attached SGLang server at {self.attach_url} is not answering; "
-                                  "restart it, then retry the run (stored batches are kept)")
+                self._wait_attached()
+                return
             if self.restarts >= self.max_restarts:
                 raise ServerError(f"SGLang server died again after {self.restarts} relaunches; last log lines:\n"
                                   + self.handle.log_tail())
@@ -128,12 +138,39 @@ class ServerSupervisor:
                            self.max_restarts, self.handle.log_tail(15))
             stop_server(self.handle)
             self.handle = launch_server(self.spec, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
+            if self._stopped:  # stop() came while it started: it stopped the old one
+                stop_server(self.handle)
+                self._check_running()
             logger.warning("SGLang server relaunched at %s", self.url)
+
+    def _wait_attached(self) -> None:
+        """Up to attach_wait_s for the attached server to answer again (a
+        node's supervisor relaunching it), or ServerError."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.attach_wait_s:
+            time.sleep(min(2.0, self.attach_wait_s))
+            self._check_running()
+            if self.healthy():
+                logger.warning("the attached SGLang server at %s answers again after %.0f s", self.attach_url,
+                               time.monotonic() - t0)
+                return
+        raise ServerError(f"the attached SGLang server at {self.attach_url} is not answering"
+                          + (f" (waited {self.attach_wait_s:.0f} s)" if self.attach_wait_s else "")
+                          + "; restart it, then retry the run (stored batches are kept)")
+
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise ServerStopped(f"the SGLang server at {self.url} was stopped by its run; not relaunched")
 
     def forward_log(self, log: logging.Logger) -> None:
         if self.follower is not None:
             self.follower.forward(log)
 
     def stop(self) -> None:
+        """Stop a launched server for good: the batches still running find
+        it gone and end (ServerStopped) instead of relaunching it."""
+        if self._stopped:
+            return  # once: its pid, reaped, may be another process's by now
+        self._stopped = True
         if self.handle is not None:
             stop_server(self.handle)

@@ -152,9 +152,27 @@ def _acquire(fd: int, directory: Path, purpose: str, break_foreign: bool, run: s
 def check_held_by(directory: Path, run: str) -> dict:
     """Raise LockHeld unless `directory`'s lock is held for flow run `run`:
     a child run writes a store only while its parent holds it (a child that
-    outlived a crashed or finished parent must not write beside a new run)."""
+    outlived a crashed or finished parent must not write beside a new run).
+    Children check it before each batch, so they stop within one once a new
+    parent has the lock, or, on the parent's host, once its process is gone."""
     record = read_holder(Path(directory))
     if not record or record.get("run") != run:
         raise LockHeld(f"{directory} is not held by run {run}, which this child run works for, but by "
                        f"{describe(record)}: the parent run has ended; start the parent flow again")
+    # The pid, not a flock probe: a probe would hold the lock for an instant
+    # and could refuse a new parent taking it over.
+    if record.get("host") == _this_host() and not _alive(record.get("pid")):
+        raise LockHeld(f"{directory} is held for run {run}, which this child run works for, but its process "
+                       f"(pid {record.get('pid')}) is gone: the parent run died; start the parent flow again "
+                       "(what is stored is kept)")
     return record
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError):
+        return True  # another user's process, or no pid to judge by
+    return True

@@ -70,10 +70,20 @@ def launch_distributed(cfg: TrainConfig, store: str | Path, log: logging.Logger 
     log.info("launching %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO_ROOT))
     permanent = None
-    for line in proc.stdout:
-        log.info("%s", line.rstrip())
-        permanent = permanent or permanent_error_in(line)
-    if proc.wait() != 0:
+    try:
+        for line in proc.stdout:
+            log.info("%s", line.rstrip())
+            permanent = permanent or permanent_error_in(line)
+        proc.wait()
+    except BaseException:  # the run was stopped (Ctrl-C, SIGTERM, a cancel): its ranks stop with it
+        proc.terminate()  # torchrun passes it to its ranks; their last checkpoint resumes the run
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    if proc.returncode != 0:
         if permanent:
             # A rank stopped on data or settings a retry meets again.
             raise DistributedPermanentError(f"torchrun exited with {proc.returncode} after a rank's {permanent}")

@@ -1,0 +1,104 @@
+"""A command-line run told to stop, as a terminal's Ctrl-C (SIGINT to its
+whole process group) or a scheduler's SIGTERM tells it: it exits within
+15 s, non-zero, with one line saying what it kept and how to resume; every
+process it started is gone (its SGLang server, its temporary Prefect
+server, torchrun's ranks); its lock is free; and an extraction's rerun
+completes without losing or doubling anything (a training's resume from its
+checkpoint is tests/test_training.py's; here it runs long enough that the
+signal always lands mid-run)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tasks.store.lock import hold_lock
+from tests.conftest import demo_rows, rerun_completes, stored_samples, write_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+STOP_WITHIN_S = 15
+
+
+def start(argv: list[str], tmp_path: Path) -> subprocess.Popen:
+    """The command in a session of its own, as a shell runs a foreground job:
+    no PREFECT_API_URL, so it starts its own temporary Prefect server."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # its own SQLite database
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, start_new_session=True,
+                            stdout=open(tmp_path / "stdout", "w"), stderr=open(tmp_path / "stderr", "w"))
+
+
+def wait_for(condition, proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 600):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def stop_and_check(proc: subprocess.Popen, signum: int, tmp_path: Path, *, group: bool) -> str:
+    """Send the signal; return the command's last stderr line once it has
+    exited as it must, with every process it started gone."""
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert started, "the run started no process"
+    t0 = time.monotonic()
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    rc = proc.wait(timeout=120)
+    took = time.monotonic() - t0
+    stderr = (tmp_path / "stderr").read_text()
+    assert took <= STOP_WITHIN_S, (took, stderr[-3000:])
+    assert rc == 128 + signum, (rc, stderr[-3000:])
+    gone, alive = psutil.wait_procs(started, timeout=5)
+    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    return stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.server
+def test_ctrl_c_stops_a_command_line_extraction_and_the_rerun_completes(capture_server, prefect_api, tiny_model,
+                                                                          tmp_path):
+    rows = 160  # 80 batches of 2: the signal lands long before the last
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
+    store = tmp_path / "store"
+    proc = start(["-m", "flows.extract", "--server.model", str(tiny_model), "--server.max-total-tokens", "4096",
+                  "--capture.dataset", str(dataset), "--capture.batch-size", "2", "--store.path", str(store)],
+                 tmp_path)
+
+    wait_for(lambda: stored_samples(store) >= 2, proc, tmp_path)
+    line = stop_and_check(proc, signal.SIGINT, tmp_path, group=True)
+    kept = stored_samples(store)
+    assert 2 <= kept < rows, "stopped too late to test anything"
+    assert re.fullmatch(rf"python -m flows.extract: stopped by SIGINT; {kept:,} samples \(\S+ tokens\) in "
+                        rf"{re.escape(str(store.resolve()))} kept; run the same command again to resume", line), line
+    with hold_lock(store, "the test"):
+        pass  # free
+
+    rerun_completes(capture_server, store, dataset, rows)
+
+
+def test_sigterm_stops_a_command_line_training_on_two_ranks(tiny_model, tmp_path):
+    from tests.conftest import random_store
+
+    (tmp_path / "data").mkdir()
+    store = random_store(tmp_path / "data", tiny_model, rows=40, max_length=64)
+    out = tmp_path / "train"
+    argv = ["-m", "flows.train", "--store", str(store), "--train.out-dir", str(out), "--train.devices", "2",
+            "--train.draft-vocab-size", "64", "--train.ttt-steps", "1", "--train.epochs", "50",
+            "--train.tokens-per-batch", "128", "--train.checkpoint-every", "1", "--train.heldout-fraction", "0.1",
+            "--train.eval-max-samples", "2"]
+    proc = start(argv, tmp_path)
+    wait_for(lambda: (out / "checkpoint.pt").exists(), proc, tmp_path)
+    line = stop_and_check(proc, signal.SIGTERM, tmp_path, group=False)  # to the run alone, as a scheduler does
+    assert line == (f"python -m flows.train: stopped by SIGTERM; training checkpoints in {out} kept; run the "
+                    "same command again to resume"), line
+    with hold_lock(out, "the test"):
+        pass
