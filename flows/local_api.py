@@ -49,7 +49,8 @@ def local_prefect_api() -> Iterator[str | None]:
         return
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    process = subprocess.Popen([sys.executable, "-m", "flows.local_api", str(port), str(os.getpid())], start_new_session=True,
+    process = subprocess.Popen([sys.executable, "-m", "flows.local_api", str(port), str(os.getpid())],
+                               start_new_session=True,
                                env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                                     "PREFECT__SERVER_FINAL": "1"})
     try:
