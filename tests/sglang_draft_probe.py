@@ -11,7 +11,8 @@ order:
 
 Each file holds input_ids, positions, hidden_in (the aux states or the hidden
 state fed back), out (after the final norm: what the draft lm_head scores),
-out_prenorm (before it: what the next step is fed) and req_pool_indices (which
+fed_back (what the next step is fed: the output before the final norm, or
+with norm_output the same as out) and req_pool_indices (which
 request's KV cache the forward reads and writes). With one request in flight,
 a decode step follows the extend or decode just before it.
 tests/test_drafter_in_sglang.py recomputes them with our drafter."""
@@ -32,7 +33,8 @@ def _save(tensors: dict, out: Path, **metadata) -> None:
 
 
 def _cpu(t):
-    return t.detach().float().cpu().contiguous()
+    # A copy: with norm_output, what is fed back is the normed output itself.
+    return t.detach().float().cpu().clone()
 
 
 def make_probe(config: dict):
@@ -50,11 +52,11 @@ def make_probe(config: dict):
             return  # an idle batch
         if calls[0] == 0:
             _save({n: _cpu(p) for n, p in module.named_parameters()}, out_dir / "params.safetensors")
-        # The drafter's LlamaModel returns (normed, [pre-norm]).
-        normed, (prenorm,) = output
+        # The drafter's LlamaModel returns (normed, [what the next step is fed]).
+        normed, (fed_back,) = output
         kind = "extend" if hidden_in.shape[-1] == module.fc.in_features else "decode"
         _save({"input_ids": input_ids.detach().cpu().long(), "positions": positions.detach().cpu().long(),
-               "hidden_in": _cpu(hidden_in), "out": _cpu(normed), "out_prenorm": _cpu(prenorm),
+               "hidden_in": _cpu(hidden_in), "out": _cpu(normed), "fed_back": _cpu(fed_back),
                "req_pool_indices": forward_batch.req_pool_indices.detach().cpu().long()},
               out_dir / f"forward-{calls[0]:03d}.safetensors", kind=kind, mode=forward_batch.forward_mode)
         calls[0] += 1

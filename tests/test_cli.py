@@ -79,6 +79,9 @@ def test_data_parallel_attention_and_many_sglang_flags_from_the_command_line():
         config_from_argv(eagle3_pipeline, ["--server.dp-attention"])
     with pytest.raises(ConfigError, match=r"train\.sharding: .*use one of ddp, fsdp, hsdp"):
         config_from_argv(eagle3_pipeline, ["--train.sharding", "zero"])
+    with pytest.raises(ConfigError, match=r"train\.variant: .*use one of eagle3, eagle3\.1"):
+        config_from_argv(eagle3_pipeline, ["--train.variant", "eagle4"])
+    assert config_from_argv(eagle3_pipeline, ["--train.variant", "eagle3.1"])[0]["train"].variant == "eagle3.1"
 
 
 def test_verify_takes_plain_parameters():

@@ -107,6 +107,51 @@ def test_export_has_sglangs_layout_and_reads_back(tiny_model, tmp_path):
         assert torch.allclose(back[name].float(), t.float(), rtol=1e-2, atol=1e-3), name
 
 
+def test_an_eagle31_export_carries_sglangs_flags_and_its_own_fc_norms(tiny_model, tmp_path):
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256)
+    model = build_drafter(tiny_model, vocab, seed=1, variant="eagle3.1")
+    with torch.no_grad():
+        for i, norm in enumerate(model.fc_norm):
+            norm.weight.copy_(torch.linspace(0.5, 2.0, norm.weight.numel()) + i)  # each its own, none all ones
+    out = export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter", architecture=LLAMA)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"]) == (True, True)
+    tensors = load_file(str(out / "model.safetensors"))
+    # SGLang's parameter names are model.fc_norm.<i>; its loader prefixes "model." itself.
+    assert sorted(k for k in tensors if k.startswith("fc_norm")) == [f"fc_norm.{i}.weight" for i in range(3)]
+    back = load_exported(out, tiny_model)
+    assert back.cfg.variant == "eagle3.1"
+    for i in range(3):
+        assert torch.equal(back.fc_norm[i].weight, tensors[f"fc_norm.{i}.weight"].float())
+    plain = export_drafter(build_drafter(tiny_model, vocab), AuxLayers.for_model(8), tmp_path / "plain",
+                           architecture=LLAMA)
+    config = json.loads((plain / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"]) == (False, False)
+    assert not any(k.startswith("fc_norm") for k in load_file(str(plain / "model.safetensors")))
+    assert load_exported(plain, tiny_model).fc_norm is None
+    with pytest.raises(ValueError, match="not a variant this project trains"):
+        (plain / "config.json").write_text(json.dumps({**config, "norm_output": True}))
+        load_exported(plain, tiny_model)
+
+
+def test_eagle31_normalises_each_aux_state_and_feeds_the_normed_output_back(tiny_model):
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256)
+    model = build_drafter(tiny_model, vocab, seed=1, variant="eagle3.1")
+    h = model.cfg.hidden_size
+    aux = torch.randn(1, 5, 3, h)
+    # An RMSNorm per state undoes a scale per state (up to eps / (2 mean square) <= 1e-5 relative here).
+    scaled = aux * torch.tensor([4.0, 1.0, 16.0])[None, None, :, None]
+    with torch.no_grad():
+        torch.testing.assert_close(model.project(scaled.flatten(2)), model.project(aux.flatten(2)), rtol=1e-4, atol=1e-5)
+        plain = build_drafter(tiny_model, vocab, seed=1)
+        assert not torch.allclose(plain.project(scaled.flatten(2)), plain.project(aux.flatten(2)), rtol=1e-2)
+        out = torch.randn(1, 5, h)
+        logits, fed = model.readout(out)
+        torch.testing.assert_close(fed, model.norm(out))
+        torch.testing.assert_close(logits, model.logits(out))
+        assert plain.readout(out)[1] is out  # eagle3: the pre-norm output
+
+
 def test_a_tied_target_gives_its_embedding_as_head_and_an_untied_drafter(tiny_model, tmp_path):
     tied = tmp_path / "tied"
     shutil.copytree(tiny_model, tied)

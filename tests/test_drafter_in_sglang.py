@@ -1,12 +1,13 @@
 """Our drafter inside SGLang's own `LlamaForCausalLMEagle3`, in a real
-speculative server (one launch per target for the module): the parameters it
-loaded are ours, the aux states it is fed are the target's states of the
-layers the drafter was trained on (not SGLang's default ones), they are
-aligned as training assumes (aux state of token t with the embedding of token
-t+1), and its forwards equal our drafter's: the draft extend, and the draft
-decode steps that follow it, which feed back the drafter's own pre-norm
-hidden state and attend to the extend's keys plus the chain's own (the TTT
-unroll of tasks/train/ttt.py)."""
+speculative server (one launch per target and variant for the module): the
+parameters it loaded are ours, the aux states it is fed are the target's
+states of the layers the drafter was trained on (not SGLang's default ones),
+they are aligned as training assumes (aux state of token t with the embedding
+of token t+1), and its forwards equal our drafter's: the draft extend, and
+the draft decode steps that follow it, which feed back the drafter's own
+hidden state (pre-norm for eagle3, normed for eagle3.1) and attend to the
+extend's keys plus the chain's own (the TTT unroll of tasks/train/ttt.py).
+The greedy output through the drafter is the target's own."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, launch_server
@@ -55,7 +57,8 @@ TARGET_ATOL, TARGET_RTOL = 2e-4, 1e-3
 class Served:
     target_path: Path
     drafter_dir: Path
-    first_token: int
+    variant: str
+    output_ids: list[int]
     forwards: list[dict]  # the probe's files in call order, each with its "kind"
     params: dict[str, torch.Tensor]  # the drafter's parameters as SGLang loaded them
 
@@ -65,31 +68,47 @@ def _read(path: Path) -> dict:
         return {"kind": f.metadata()["kind"], **{k: f.get_tensor(k) for k in f.keys()}}
 
 
+def _distinct_fc_norms(drafter_dir: Path) -> None:
+    """eagle3.1's fc_norm weights, each made its own and far from 1: a brief
+    training leaves them within bf16's rounding of their initial ones, where
+    a server that built the norms but kept its own weights would pass."""
+    path = drafter_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(0)
+    for i in range(len(AUX_LAYER_IDS)):
+        w = tensors[f"fc_norm.{i}.weight"]
+        tensors[f"fc_norm.{i}.weight"] = (1 + 0.5 * torch.randn(w.shape, generator=g)).to(w.dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 # Kimi-K2.5: a wrapper target whose embedding sits under language_model.,
 # an MLA target on a CPU, and a YaRN rope the drafter takes over.
-@pytest.fixture(scope="module", params=[TINY, TINY_KIMI_K25])
+@pytest.fixture(scope="module", params=[(TINY, "eagle3"), (TINY, "eagle3.1"), (TINY_KIMI_K25, "eagle3"),
+                                        (TINY_KIMI_K25, "eagle3.1")], ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory) -> Served:
     """A drafter trained (briefly: what is checked is the path, not its
     quality) on a store captured from AUX_LAYER_IDS, served with the probe,
     and one greedy request through it."""
-    target = request.param
+    target, variant = request.param
     target_path = ensure_model(target)
-    d = tmp_path_factory.mktemp(f"served-{target}")
+    d = tmp_path_factory.mktemp(f"served-{target}-{variant}")
     store = random_store(d, target_path, 8, max_length=64, aux_layer_ids=AUX_LAYER_IDS)
-    result = train(TrainConfig(out_dir=str(d / "train"), draft_vocab_size=256, ttt_steps=2, epochs=1,
-                               tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), store)
+    result = train(TrainConfig(out_dir=str(d / "train"), variant=variant, draft_vocab_size=256, ttt_steps=2,
+                               epochs=1, tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), store)
+    if variant == "eagle3.1":
+        _distinct_fc_norms(Path(result.drafter_dir))
     probe = d / "probe"
     hooks = [{"name": "draft_probe", "target_modules": ["model"],
               "hook_factory": "tests.sglang_draft_probe:make_probe", "config": {"out_dir": str(probe)}}]
     cfg = LaunchSpec(ServerConfig(model=str(target_path), dtype="float32", max_total_tokens=8192,
                                   extra_args=["--forward-hooks", json.dumps(hooks)]),
                      dump_dir=d / "unused", capture=False, draft_model_path=result.drafter_dir)
-    with launch_server(cfg, ARTIFACTS / f"draft-probe-server-{target}.log", timeout_s=600) as server:
+    with launch_server(cfg, ARTIFACTS / f"draft-probe-server-{target}-{variant}.log", timeout_s=600) as server:
         reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     with safe_open(str(probe / "params.safetensors"), framework="pt") as f:
         params = {k: f.get_tensor(k) for k in f.keys()}
-    return Served(target_path, Path(result.drafter_dir), reply["output_ids"][0],
+    return Served(target_path, Path(result.drafter_dir), variant, reply["output_ids"],
                   [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params)
 
 
@@ -97,7 +116,7 @@ def _prefill_extend(served: Served) -> int:
     """Index of the draft extend after our prefill: token t+1's embedding goes
     with token t's aux state, the last position with the token the target just
     chose. (Other extends are SGLang's warm-up request, or follow a verify.)"""
-    want = PROMPT[1:] + [served.first_token]
+    want = PROMPT[1:] + [served.output_ids[0]]
     found = [i for i, f in enumerate(served.forwards) if f["kind"] == "extend" and f["input_ids"].tolist() == want]
     assert len(found) == 1, [(f["kind"], f["input_ids"][:6].tolist()) for f in served.forwards]
     return found[0]
@@ -121,8 +140,26 @@ def test_sglang_loads_our_drafter(served):
         "layers.0.post_attention_layernorm.weight": ours["midlayer.post_attention_layernorm.weight"],
         "embed_tokens.weight": load_target_embeddings(served.target_path)[0],  # shared from the target
     }
+    if served.variant == "eagle3.1":
+        pairs.update({f"fc_norm.{i}.weight": ours[f"fc_norm.{i}.weight"] for i in range(len(AUX_LAYER_IDS))})
+    else:
+        assert not any(name.startswith("fc_norm") for name in served.params)
     for name, want in pairs.items():
         assert torch.equal(served.params[name], want.float()), name
+
+
+def test_the_greedy_output_through_the_drafter_is_the_targets_own(served):
+    """HF's greedy tokens, each checked to lead its runner-up by far more than
+    SGLang's target differs from HF's (TARGET_ATOL on states): a near tie
+    would make the comparison a coin toss, and is reported as such."""
+    reference = load_reference_model(str(served.target_path), torch.float32)
+    ids = list(PROMPT)
+    with torch.inference_mode():
+        for _ in served.output_ids:
+            top = torch.topk(reference(input_ids=torch.tensor([ids])).logits[0, -1], 2)
+            assert top.values[0] - top.values[1] > 1e-2, f"near tie after {len(ids)} tokens: change PROMPT"
+            ids.append(int(top.indices[0]))
+    assert served.output_ids == ids[len(PROMPT):]
 
 
 def test_sglang_feeds_the_drafter_the_layers_it_was_trained_on(served):
@@ -144,46 +181,50 @@ def test_the_draft_extend_computes_what_we_train(served):
     with torch.no_grad():
         ids, pos = ext["input_ids"][None], ext["positions"][None]
         assert pos[0].tolist() == list(range(len(PROMPT)))
-        out = model.step(ids, model.fc(ext["hidden_in"][None]), pos, [], [], torch.ones_like(ids, dtype=torch.bool))
-        torch.testing.assert_close(out[0], ext["out_prenorm"], atol=ATOL, rtol=RTOL)
+        out = model.step(ids, model.project(ext["hidden_in"][None]), pos, [], [],
+                         torch.ones_like(ids, dtype=torch.bool))
         torch.testing.assert_close(model.norm(out)[0], ext["out"], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(model.readout(out)[1][0], ext["fed_back"], atol=ATOL, rtol=RTOL)
 
 
 def test_the_draft_decode_steps_compute_what_we_train(served):
     """Speculative steps 3 make two decode forwards after the extend (the
     third token is read off the second's logits). Step k (k >= 1) at the
     extend's last index t = L-1: the token the step before proposed, its
-    pre-norm output, position t+k, attending to the extend's keys 0..t and to
-    the chain's own keys at t+1..t+k -- TTT's step k at index t."""
+    output (pre-norm, or normed for eagle3.1), position t+k, attending to the
+    extend's keys 0..t and to the chain's own keys at t+1..t+k -- TTT's step
+    k at index t."""
     first = _prefill_extend(served)
     ext, decodes = served.forwards[first], served.forwards[first + 1:first + 3]
     assert [f["kind"] for f in decodes] == ["decode", "decode"]
     model = _drafter(served)
     t = len(PROMPT) - 1
     with torch.no_grad():
-        before = ext["out"][-1:], ext["out_prenorm"][-1:]
+        before = ext["out"][-1:], ext["fed_back"][-1:]
+        # What is fed back: the normed output for eagle3.1 (norm_output),
+        # the pre-norm one for eagle3, not what the final norm made of it.
+        assert torch.equal(ext["fed_back"], ext["out"]) == (served.variant == "eagle3.1")
         for k, dec in enumerate(decodes, start=1):
             # One request in flight: the same KV cache row as the extend.
             assert torch.equal(dec["req_pool_indices"], ext["req_pool_indices"])
             assert dec["positions"].tolist() == [t + k]
-            normed, prenorm = before
-            # Fed back: the drafter's greedy proposal (a target id) and the
-            # pre-norm output, not what the final norm made of it.
+            normed, fed_back = before
+            # Fed back: the drafter's greedy proposal (a target id) and its output.
             assert dec["input_ids"].tolist() == model.draft_to_target[model.lm_head(normed).argmax(-1)].tolist()
-            assert torch.equal(dec["hidden_in"], prenorm)
-            before = dec["out"], dec["out_prenorm"]
+            assert torch.equal(dec["hidden_in"], fed_back)
+            before = dec["out"], dec["fed_back"]
 
         ids, pos = ext["input_ids"][None], ext["positions"][None]
         valid = torch.ones_like(ids, dtype=torch.bool)
         keys, values = [], []
-        hidden = model.step(ids, model.fc(ext["hidden_in"][None]), pos, keys, values, valid)
+        out = model.step(ids, model.project(ext["hidden_in"][None]), pos, keys, values, valid)
         for k, dec in enumerate(decodes, start=1):
             # The whole TTT step runs; only index t holds SGLang's chain. The
             # other indices carry what the step before left there, and as each
             # index sees only the extend's keys and its own chain, they cannot
             # change index t.
-            ids, hidden = ids.clone(), hidden.clone()
+            ids, hidden = ids.clone(), model.readout(out)[1].clone()
             ids[0, t], hidden[0, t] = dec["input_ids"][0], dec["hidden_in"][0]
-            hidden = model.step(ids, hidden, pos + k, keys, values, valid)
-            torch.testing.assert_close(hidden[0, t:], dec["out_prenorm"], atol=ATOL, rtol=RTOL)
-            torch.testing.assert_close(model.norm(hidden)[0, t:], dec["out"], atol=ATOL, rtol=RTOL)
+            out = model.step(ids, hidden, pos + k, keys, values, valid)
+            torch.testing.assert_close(model.norm(out)[0, t:], dec["out"], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(model.readout(out)[1][0, t:], dec["fed_back"], atol=ATOL, rtol=RTOL)

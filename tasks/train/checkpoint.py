@@ -170,6 +170,12 @@ class CheckpointWriter:
 def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
     """The drafter as the last checkpoint holds it (fp32), to check an export against."""
     ckpt = load_checkpoint(Path(out_dir) / CHECKPOINT)
-    model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]))
-    model.load_state_dict(ckpt["model"], strict=False)
+    fc = ckpt["model"]["fc.weight"]
+    model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]),
+                          num_aux=fc.shape[1] // fc.shape[0], variant=ckpt["identity"].get("variant", "eagle3"))
+    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]  # not checkpointed: frozen
+    if missing or unexpected:
+        raise TrainingError(f"checkpoint in {out_dir} does not fit its drafter: missing {missing}, "
+                            f"unexpected {unexpected}")
     return model

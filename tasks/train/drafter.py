@@ -11,6 +11,12 @@ and its forward: the computation SGLang serves, step by step.
     d2t, t2d    draft id j is target id j + d2t[j]; t2d[t] marks target ids
                 in the draft vocabulary
 
+Variants (`VARIANTS`, the two flags SGLang's class reads from config.json):
+eagle3 as above; eagle3.1 adds `fc_norm` (one RMSNorm per aux state before
+fc) and `norm_output` (a draft decode step is fed the previous step's normed
+output, the one lm_head scores, instead of its pre-norm one). The capture is
+the same for both.
+
 The token embeddings are the target's (frozen here; SGLang shares the
 target's at serving time). `Eagle3Drafter.step` mirrors SGLang's
 `llama_eagle3.LlamaDecoderLayer.forward`, so what is trained is what is
@@ -93,6 +99,20 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return out.to(q.dtype).view(b, heads, n, d)
 
 
+# What each drafter variant sets in SGLang 0.5.23's LlamaForCausalLMEagle3
+# (llama_eagle3.py reads both from the drafter's config.json).
+VARIANTS = {
+    "eagle3": {"fc_norm": False, "norm_output": False},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+}
+
+
+def variant_flags(variant: str) -> dict:
+    if variant not in VARIANTS:
+        raise ValueError(f"drafter variant {variant!r}: SGLang serves {', '.join(VARIANTS)}")
+    return dict(VARIANTS[variant])
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     hidden_size: int
@@ -104,9 +124,12 @@ class DrafterConfig:
     vocab_size: int
     draft_vocab_size: int
     num_aux: int = 3
+    fc_norm: bool = False
+    norm_output: bool = False
 
     @classmethod
-    def from_target(cls, target_config: dict, draft_vocab_size: int, num_aux: int = 3) -> "DrafterConfig":
+    def from_target(cls, target_config: dict, draft_vocab_size: int, num_aux: int = 3,
+                    variant: str = "eagle3") -> "DrafterConfig":
         if target_config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"the drafter is a Llama layer with SiLU; the target uses {target_config['hidden_act']}")
         heads = target_config["num_attention_heads"]
@@ -116,7 +139,13 @@ class DrafterConfig:
             head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
             intermediate_size=target_config["intermediate_size"], rms_norm_eps=target_config["rms_norm_eps"],
             vocab_size=target_config["vocab_size"], draft_vocab_size=draft_vocab_size, num_aux=num_aux,
+            **variant_flags(variant),
         )
+
+    @property
+    def variant(self) -> str:
+        return next(name for name, flags in VARIANTS.items()
+                    if flags == {"fc_norm": self.fc_norm, "norm_output": self.norm_output})
 
 
 class RMSNorm(nn.Module):
@@ -194,6 +223,7 @@ class Eagle3Drafter(nn.Module):
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)
+        self.fc_norm = nn.ModuleList([RMSNorm(h, cfg.rms_norm_eps) for _ in range(cfg.num_aux)]) if cfg.fc_norm else None
         self.fc = nn.Linear(cfg.num_aux * h, h, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -210,16 +240,25 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target(self) -> torch.Tensor:
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
 
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [B, L, num_aux * H], concatenated in layer
+        order, to the hidden state the first draft step takes in."""
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, dim=-1))],
+                            dim=-1)
+        return self.fc(aux)
+
     def step(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
         """One draft step, as SGLang serves it: the embedding of the token
         each position has just seen (`next_ids` [B, L]) with the hidden state
-        it carries (`hidden` [B, L, H]: fc of the target's aux states at step
-        0, this layer's own output after), through the decoder layer. Step k
+        it carries (`hidden` [B, L, H]: `project` of the target's aux states
+        at step 0, `readout`'s feedback of the step before after), through
+        the decoder layer. Step k
         attends to the step-0 keys of the causal prefix and to its own chain
         (steps 1..k at the same position); this step's keys and values are
-        appended to `keys`/`values`. Returns the layer's pre-norm output, what
-        the next step takes in (`logits` scores it)."""
+        appended to `keys`/`values`. Returns the layer's pre-norm output
+        (`readout` scores it and says what the next step takes in)."""
         q, k, v = self.midlayer.qkv(self.embed_tokens(next_ids), hidden)
         q, k = self.rotary(q, k, positions)
         keys.append(k)
@@ -230,20 +269,27 @@ class Eagle3Drafter(nn.Module):
         """Scores over the draft vocabulary of a step's output."""
         return self.lm_head(self.norm(hidden))
 
+    def readout(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's pre-norm output -> (its scores over the draft vocabulary,
+        the hidden state the next step is fed: the pre-norm output, or with
+        norm_output the normed one lm_head reads)."""
+        normed = self.norm(out)
+        return self.lm_head(normed), normed if self.cfg.norm_output else out
+
     def trainable_state(self) -> dict:
         """Everything but the frozen target embeddings."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "rotary."))}
 
 
 def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_aux: int = 3,
-                  embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3Drafter:
+                  variant: str = "eagle3", embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3Drafter:
     """A fresh drafter: random layers, the target's embeddings (frozen), and
     lm_head rows copied from the target's for the draft vocabulary (a far
     better start than random: step 0 then starts near the target's own head).
     `embeddings`: the target's (embed, head) if the caller has read them
     already (for a large target they are gigabytes)."""
     target_config = target_sizes(target_path)
-    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux)
+    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant)
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg, target_config)
     std = target_config.get("initializer_range", 0.02)

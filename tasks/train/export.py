@@ -5,7 +5,9 @@ and reading an export back.
                               target's sizes and rope, num_hidden_layers 1,
                               draft_vocab_size, eagle_config (aux layer ids,
                               as the target's SGLang class reads them)
-    <dir>/model.safetensors   fc, midlayer.*, norm, lm_head, d2t, t2d
+                              and the variant's flags (fc_norm, norm_output)
+    <dir>/model.safetensors   fc, fc_norm.* (eagle3.1), midlayer.*, norm,
+                              lm_head, d2t, t2d
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from safetensors.torch import save_file
 from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.drafter import DrafterConfig, Eagle3Drafter, target_sizes
+from tasks.train.drafter import VARIANTS, DrafterConfig, Eagle3Drafter, target_sizes
 from tasks.train.vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -51,6 +53,8 @@ def export_weights(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
         out[f"midlayer.mlp.{name}.weight"] = getattr(m, name).weight
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         out[f"midlayer.{name}.weight"] = getattr(m, name).weight
+    for i, norm in enumerate(model.fc_norm or ()):
+        out[f"fc_norm.{i}.weight"] = norm.weight
     return out
 
 
@@ -73,6 +77,9 @@ def export_config(model: Eagle3Drafter, layers: AuxLayers, architecture: Archite
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        # Written whatever the variant: an absent flag is SGLang's default today, not a promise.
+        "fc_norm": model.cfg.fc_norm,
+        "norm_output": model.cfg.norm_output,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": architecture.sglang_layer_ids(layers.sglang_ids),
             "use_aux_hidden_state": True,
@@ -148,6 +155,17 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
+def variant_of(config: dict) -> str:
+    """The variant an exported config.json describes, as SGLang reads it
+    (`use_aux_norm` is its older name for fc_norm)."""
+    flags = {"fc_norm": bool(config.get("fc_norm") or config.get("use_aux_norm")),
+             "norm_output": bool(config.get("norm_output"))}
+    for name, want in VARIANTS.items():
+        if flags == want:
+            return name
+    raise ValueError(f"drafter config with {flags}: not a variant this project trains ({', '.join(VARIANTS)})")
+
+
 def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
     """Read an exported drafter back (embeddings from the target)."""
     out_dir = Path(out_dir)
@@ -156,7 +174,9 @@ def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
     with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     vocab = DraftVocab.from_d2t(tensors["d2t"], config["vocab_size"])
-    cfg = DrafterConfig.from_target(target_config, vocab.size, len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+    variant = variant_of(config)
+    num_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant)
     model = Eagle3Drafter(cfg, target_config)
     embed, _ = load_target_embeddings(target_path)
     with torch.no_grad():

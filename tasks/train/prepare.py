@@ -82,7 +82,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if vocab is None:
         vocab = draft_vocab(cfg, reader, train_idx, head, device, rank, world)
     model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
-                          embeddings=(embed, head)).to(device)
+                          variant=cfg.variant, embeddings=(embed, head)).to(device)
     head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
     low = autocast_dtype(cfg.precision, device)
     if low is not None:

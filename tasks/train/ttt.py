@@ -85,15 +85,15 @@ def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, s
         d2t = model.draft_to_target
         target_top = target_greedy(final, full_head) if full_head is not None else d2t[target_logits.argmax(-1)]
         proposable = model.t2d[target_top]
-    hidden = model.fc(aux)
+    hidden = model.project(aux)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     loss = torch.zeros((), device=ids.device)
     hits, scored, in_loss, step_losses = [], [], [], []
     for k in range(steps):
         j = k + 1
-        hidden = model.step(_shift(ids, j), hidden, (pos + k)[None].expand(b, n), keys, values, valid)
-        logits = model.logits(hidden)
+        out = model.step(_shift(ids, j), hidden, (pos + k)[None].expand(b, n), keys, values, valid)
+        logits, hidden = model.readout(out)
         weight = _shift(mask, j + 1, False) & ((pos + j + 1)[None, :] < lengths[:, None])
         loss_weight = weight & _shift(proposable, j, False)
         ce = -(_shift(target_p, j) * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
