@@ -29,3 +29,8 @@ def test_too_shallow_or_out_of_range():
         default_aux_layer_ids(6)
     with pytest.raises(ValueError, match="out of range"):
         AuxLayers.for_model(8, (1, 3, 8))
+    # The last layer's output: a real SGLang 0.5.23 server given it dies at
+    # its first forward ("captured 2 aux hidden states, but ... names 3").
+    with pytest.raises(ValueError, match=r"captures outputs of layers 0\.\.6"):
+        AuxLayers.for_model(8, (1, 3, 7))
+    assert AuxLayers.for_model(8, (1, 3, 6)).sglang_ids == (1, 3, 6)

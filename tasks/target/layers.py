@@ -46,10 +46,15 @@ class AuxLayers:
     @classmethod
     def for_model(cls, num_hidden_layers: int, ids=None) -> "AuxLayers":
         layers = cls(tuple(ids) if ids is not None else default_aux_layer_ids(num_hidden_layers))
-        if layers.sglang_ids[-1] >= num_hidden_layers:
+        # SGLang captures the output of layer i as the input of layer i + 1,
+        # so the last layer's output is never captured: a server given it
+        # dies at its first forward ("The model captured 2 aux hidden states,
+        # but ... names 3 layers", seen on 0.5.23).
+        last = num_hidden_layers - 2
+        if layers.sglang_ids[-1] > last:
             raise ValueError(
-                f"aux layer ids {layers.sglang_ids} out of range for a "
-                f"{num_hidden_layers}-layer model"
+                f"aux layer ids {layers.sglang_ids} out of range for a {num_hidden_layers}-layer model: SGLang "
+                f"captures outputs of layers 0..{last} (the last layer's output is the final state, before its norm)"
             )
         return layers
 
