@@ -75,6 +75,12 @@ def run_node(queue: str, spec: LaunchSpec, pool: str, log_dir: Path) -> None:
     queue takes no more shares and the parent moves them elsewhere."""
     log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop like Ctrl-C: worker first, then server
+    # Started in the background of a script (`&`: SIGINT ignored, and Python
+    # then leaves it so), a node would ignore SIGINT, and so would its worker,
+    # which inherits the disposition: each stop then waited out its timeout
+    # and ended in SIGKILL. A handler of our own is reset to the default in
+    # the processes we start.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     server = ServerSupervisor(spec, log_dir / "sglang-server.log")
     server.start()
     worker = None
