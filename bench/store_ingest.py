@@ -96,7 +96,7 @@ def produce(dump_dir: Path, batch: list[Sample], pool_aux: torch.Tensor, pool_fi
 
 def manifest(hidden: int, storage: str) -> dict:
     return {"format": FORMAT, "target": {"name": "kimi-layout"}, "tokenizer": {"sha256": "-"},
-            "aux_layers": {"ids": list(LAYERS)}, "hidden_size": hidden, "dtype": storage, "max_length": 1 << 20,
+            "aux_layers": {"sglang_layer_output_ids": list(LAYERS)}, "hidden_size": hidden, "dtype": storage, "max_length": 1 << 20,
             "max_length_policy": "truncate"}
 
 

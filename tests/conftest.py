@@ -141,8 +141,9 @@ def random_store(d: Path, model: Path, rows: int, max_length: int = 256, aux_lay
     hidden = config["hidden_size"]
     store = d / "store"
     dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
+    layers = AuxLayers.for_model(config["num_hidden_layers"], aux_layer_ids)
     manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
-                "aux_layers": AuxLayers.for_model(config["num_hidden_layers"], aux_layer_ids).as_record(),
+                "aux_layers": layers.as_record(),
                 "hidden_size": hidden,
                 "dtype": "bfloat16", "max_length": max_length, "max_length_policy": "truncate",
                 "target_path": str(model), "sources": [str(dataset)]}
@@ -151,7 +152,7 @@ def random_store(d: Path, model: Path, rows: int, max_length: int = 256, aux_lay
     samples, _ = prepare_samples(dataset, AutoTokenizer.from_pretrained(model), max_length=max_length)
     g = torch.Generator().manual_seed(len(have))
     items = [{"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
-              "loss_mask": s.loss_mask, "aux_hidden_states": torch.randn(s.num_tokens, 3, hidden, generator=g),
+              "loss_mask": s.loss_mask, "aux_hidden_states": torch.randn(s.num_tokens, len(layers.sglang_ids), hidden, generator=g),
               "final_hidden_state": torch.randn(s.num_tokens, hidden, generator=g)}
              for s in samples if s.sample_id not in have]
     ledger.commit_shard(*write_shard(store, items, source=str(dataset)))

@@ -121,7 +121,9 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     config = json.loads((model / "config.json").read_text())
     arch = architecture_of(config)
     assert arch is ARCHITECTURES[config["architectures"][0]]
-    layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], [2, 4, 5])  # not the default set
+    # A store of five layers (not the default three), the drafter trained on three of them.
+    layers = AuxLayers.for_model(arch.sizes(config)["num_hidden_layers"], [1, 2, 4, 5, 6])
+    drafter_layers = [2, 4, 5]
     rng = random.Random(0)
     # 300 > the chunk: two forwards, the second over a cached prefix (MLA's
     # absorbed path); 70 and 300 > gpt-oss's 32-token window.
@@ -160,11 +162,12 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
         dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(120))
         summary = eagle3_pipeline(
             server=attached,
-            capture=CaptureConfig(dataset=str(dataset), max_length=512, batch_size=32, aux_layer_ids=[2, 4, 5],
-                                  dump_dir=str(spec.dump_dir)),
+            capture=CaptureConfig(dataset=str(dataset), max_length=512, batch_size=32,
+                                  aux_layer_ids=list(layers.sglang_ids), dump_dir=str(spec.dump_dir)),
             store=StoreConfig(path=str(tmp_path / "run" / "store")),
-            train=TrainConfig(out_dir=str(tmp_path / "run" / "train"), draft_vocab_size=512, ttt_steps=3, epochs=6,
-                              lr=5e-3, tokens_per_batch=2048, serve_steps=3),
+            train=TrainConfig(out_dir=str(tmp_path / "run" / "train"), aux_layer_ids=drafter_layers,
+                              draft_vocab_size=512, ttt_steps=3, epochs=6, lr=5e-3, tokens_per_batch=2048,
+                              serve_steps=3),
             serve=ServeConfig(num_prompts=4, max_new_tokens=24))
     assert summary["outputs_equal"] is True, summary
     # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
@@ -176,4 +179,16 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     assert drafter["vocab_size"] == arch.sizes(config)["vocab_size"]
     assert drafter["eagle3_training"]["target"] == str(model)
     # The drafter is told the layers it was trained on, as this class reads them.
-    assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == arch.sglang_layer_ids(layers.sglang_ids)
+    assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == arch.sglang_layer_ids(drafter_layers)
+    assert drafter["eagle_config"]["layer_output_ids"] == drafter_layers
+    # The store holds all five, at the bytes per token its contract says.
+    from tasks.store.reader import StoreReader
+    from tasks.store.shards import bytes_per_token
+
+    reader = StoreReader(tmp_path / "run" / "store")
+    assert reader.manifest["aux_layers"]["sglang_layer_output_ids"] == list(layers.sglang_ids)
+    assert tuple(reader[0]["aux_hidden_states"].shape[1:]) == (5, arch.sizes(config)["hidden_size"])
+    shard_bytes = sum(p.stat().st_size for p in (tmp_path / "run" / "store").rglob("shard-*.safetensors"))
+    tokens = sum(len(reader[i]["input_ids"]) for i in range(len(reader)))
+    assert bytes_per_token(arch.sizes(config)["hidden_size"], 5) <= shard_bytes / tokens < \
+        bytes_per_token(arch.sizes(config)["hidden_size"], 5) * 1.05  # headers: a few KB per shard

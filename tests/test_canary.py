@@ -234,7 +234,7 @@ def test_a_run_told_the_wrong_checkpoint_stores_nothing_and_stops(capture_server
     build_tiny_llama(other, seed=1)
     store = tmp_path / "store"
     open_store(store, {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
-                       "aux_layers": {"ids": list(tiny_layers.sglang_ids)}, "hidden_size": 128,
+                       "aux_layers": {"sglang_layer_output_ids": list(tiny_layers.sglang_ids)}, "hidden_size": 128,
                        "dtype": BF16, "max_length": 512, "max_length_policy": "truncate"})
     g = np.random.default_rng(0)
 

@@ -83,7 +83,7 @@ def test_a_dump_that_never_comes_fails_after_the_bounded_wait(tmp_path):
 def test_extract_batch_stores_the_batch_in_order_through_many_workers(tmp_path, storage):
     store = tmp_path / "store"
     open_store(store, {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"},
-                       "aux_layers": {"ids": list(LAYERS)}, "hidden_size": H, "dtype": storage,
+                       "aux_layers": {"sglang_layer_output_ids": list(LAYERS)}, "hidden_size": H, "dtype": storage,
                        "max_length": 64, "max_length_policy": "truncate"})
     samples = []
     for k in range(24):
@@ -123,7 +123,7 @@ def test_no_dump_of_a_failed_request_stays_in_the_dump_dir(tmp_path):
 
     store, dumps = tmp_path / "store", tmp_path / "dumps"
     open_store(store, {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"},
-                       "aux_layers": {"ids": list(LAYERS)}, "hidden_size": H, "dtype": BF16,
+                       "aux_layers": {"sglang_layer_output_ids": list(LAYERS)}, "hidden_size": H, "dtype": BF16,
                        "max_length": 64, "max_length_policy": "truncate"})
 
     def samples(start):

@@ -35,11 +35,14 @@ from tests.tiny_models import TINY, TINY_KIMI_K25, ensure_model
 
 pytestmark = pytest.mark.server
 
-# Outputs of these layers, not SGLang's default (1, 3, 4) for these 8-layer
-# targets: a server that ignored the drafter's config would feed it other
-# layers, and so would one given them in the wrong convention for the
-# target's class (Kimi-K2.5's reads ids not starting at 1 unshifted).
-AUX_LAYER_IDS = (2, 5, 6)
+# A store of five layers, and each variant's drafter trained on its own
+# three of them, not SGLang's default (1, 3, 4) for these 8-layer targets: a
+# server that ignored the drafter's config would feed it other layers, and so
+# would one given them in the wrong convention for the target's class
+# (Kimi-K2.5's reads ids starting at 1 shifted, others unshifted: one triple
+# of each).
+STORE_LAYER_IDS = (1, 2, 4, 5, 6)
+AUX_LAYER_IDS = {"eagle3": (2, 5, 6), "eagle3.1": (1, 4, 5)}
 PROMPT = list(range(40, 90))
 # The drafter, fp32 on both sides: what is left is summation order (SGLang's
 # fused qkv and gate_up matmuls, its attention against ours), <= 1e-6 seen.
@@ -75,7 +78,7 @@ def _distinct_fc_norms(drafter_dir: Path) -> None:
     path = drafter_dir / "model.safetensors"
     tensors = load_file(str(path))
     g = torch.Generator().manual_seed(0)
-    for i in range(len(AUX_LAYER_IDS)):
+    for i in range(3):
         w = tensors[f"fc_norm.{i}.weight"]
         tensors[f"fc_norm.{i}.weight"] = (1 + 0.5 * torch.randn(w.shape, generator=g)).to(w.dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -92,9 +95,10 @@ def served(request, tmp_path_factory) -> Served:
     target, variant = request.param
     target_path = ensure_model(target)
     d = tmp_path_factory.mktemp(f"served-{target}-{variant}")
-    store = random_store(d, target_path, 8, max_length=64, aux_layer_ids=AUX_LAYER_IDS)
-    result = train(TrainConfig(out_dir=str(d / "train"), variant=variant, draft_vocab_size=256, ttt_steps=2,
-                               epochs=1, tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), store)
+    store = random_store(d, target_path, 8, max_length=64, aux_layer_ids=STORE_LAYER_IDS)
+    result = train(TrainConfig(out_dir=str(d / "train"), variant=variant, aux_layer_ids=list(AUX_LAYER_IDS[variant]),
+                               draft_vocab_size=256, ttt_steps=2, epochs=1, tokens_per_batch=512,
+                               heldout_fraction=0.25, eval_max_samples=4), store)
     if variant == "eagle3.1":
         _distinct_fc_norms(Path(result.drafter_dir))
     probe = d / "probe"
@@ -141,7 +145,7 @@ def test_sglang_loads_our_drafter(served):
         "embed_tokens.weight": load_target_embeddings(served.target_path)[0],  # shared from the target
     }
     if served.variant == "eagle3.1":
-        pairs.update({f"fc_norm.{i}.weight": ours[f"fc_norm.{i}.weight"] for i in range(len(AUX_LAYER_IDS))})
+        pairs.update({f"fc_norm.{i}.weight": ours[f"fc_norm.{i}.weight"] for i in range(3)})
     else:
         assert not any(name.startswith("fc_norm") for name in served.params)
     for name, want in pairs.items():
@@ -164,11 +168,12 @@ def test_the_greedy_output_through_the_drafter_is_the_targets_own(served):
 
 def test_sglang_feeds_the_drafter_the_layers_it_was_trained_on(served):
     config = json.loads((served.drafter_dir / "config.json").read_text())
-    assert config["eagle_config"]["layer_output_ids"] == list(AUX_LAYER_IDS)
+    trained = AUX_LAYER_IDS[served.variant]
+    assert config["eagle_config"]["layer_output_ids"] == list(trained)
     n, hidden = (target_sizes(served.target_path)[k] for k in ("num_hidden_layers", "hidden_size"))
     fed = served.forwards[_prefill_extend(served)]["hidden_in"].view(len(PROMPT), 3, hidden)
     reference = load_reference_model(str(served.target_path), torch.float32)
-    trained_on, _ = reference_states(reference, PROMPT, AuxLayers.for_model(n, AUX_LAYER_IDS))
+    trained_on, _ = reference_states(reference, PROMPT, AuxLayers.for_model(n, trained))
     torch.testing.assert_close(fed, trained_on.float(), atol=TARGET_ATOL, rtol=TARGET_RTOL)
     default, _ = reference_states(reference, PROMPT, AuxLayers.for_model(n, default_aux_layer_ids(n)))
     # The check tells the two apart.

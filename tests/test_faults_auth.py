@@ -247,7 +247,7 @@ def capture_a_batch(fake, tmp_path):
     warm_up(endpoint)
     store = tmp_path / "store"
     open_store(store, {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"},
-                       "aux_layers": {"ids": [1, 3, 4]}, "hidden_size": 4, "dtype": BF16, "max_length": 64,
+                       "aux_layers": {"sglang_layer_output_ids": [1, 3, 4]}, "hidden_size": 4, "dtype": BF16, "max_length": 64,
                        "max_length_policy": "truncate"})
     samples = [Sample(f"s{k}", k, np.arange(3 + k, dtype=np.int32), np.ones(3 + k, dtype=np.uint8)) for k in range(4)]
     result = extract_batch(endpoint, Store.open(store), "data.jsonl", samples, CaptureConfig(concurrency=1))

@@ -31,7 +31,7 @@ from tests.test_capture_client import H, LAYERS, FakeServer, states_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"},
-            "aux_layers": {"ids": list(LAYERS)}, "hidden_size": H, "dtype": "bfloat16",
+            "aux_layers": {"sglang_layer_output_ids": list(LAYERS)}, "hidden_size": H, "dtype": "bfloat16",
             "max_length": 64, "max_length_policy": "truncate"}
 
 

@@ -37,7 +37,8 @@ def built(tmp_path, tiny_model, tokenizer, ledger_url):
     rows = demo_rows(6)
     (tmp_path / "data").mkdir()
     dataset = write_jsonl(tmp_path / "data" / "data.jsonl", rows)
-    manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"}, "aux_layers": {},
+    manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
+                "aux_layers": {"sglang_layer_output_ids": [1, 3, 4]},
                 "hidden_size": H, "dtype": "bfloat16", "max_length": MAX_LENGTH, "max_length_policy": "truncate",
                 "target_path": str(tiny_model), "sources": [str(dataset)]}
     store = tmp_path / "store"

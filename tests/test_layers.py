@@ -24,6 +24,15 @@ def test_rejects_ids_that_are_not_three_distinct_ascending(bad):
         AuxLayers(bad)
 
 
+def test_a_drafters_layers_are_found_in_a_stores_or_refused_naming_what_it_holds():
+    store = AuxLayers((1, 2, 4, 5, 6))
+    assert AuxLayers((2, 4, 5)).positions_in(store) == (1, 2, 3)
+    assert store.positions_in(store) == (0, 1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"aux layers \[3\] are not in the store, which holds outputs of layers "
+                                         r"\[1, 2, 4, 5, 6\]"):
+        AuxLayers((2, 3, 5)).positions_in(store)
+
+
 def test_too_shallow_or_out_of_range():
     with pytest.raises(ValueError, match="6-layer"):
         default_aux_layer_ids(6)

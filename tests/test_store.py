@@ -15,12 +15,13 @@ import xxhash
 from tasks.store.handle import Store
 from tasks.store.ledger.open import open_store
 from tasks.store.manifest import StoreError
+from tasks.target.layers import AuxLayers
 from tasks.store.reader import StoreReader
 from tasks.store.shards import FORMAT, FP8, write_shard
 from tasks.store.verification import verify_store
 
 H = 16
-MANIFEST = {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"}, "aux_layers": {"ids": [1, 3, 4]},
+MANIFEST = {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"}, "aux_layers": {"sglang_layer_output_ids": [1, 3, 4]},
             "hidden_size": H, "dtype": "bfloat16", "max_length": 64, "max_length_policy": "truncate"}
 
 
@@ -376,3 +377,28 @@ def test_an_fp8_shard_with_other_header_bytes_but_equal_tensors_is_kept_and_othe
         write_shard(path, items, source="data.jsonl", dtype=FP8)
     assert shard.read_bytes() == changed
     assert [p.name for p in (path / "shards").iterdir()] == [shard.name]  # no temp file left
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", FP8])
+def test_a_five_layer_store_reads_and_verifies_and_a_three_layer_shard_in_it_does_not(tmp_path, ledger_url, dtype):
+    layers = AuxLayers((1, 2, 4, 5, 6))
+    path = tmp_path / "five"
+    ledger = open_store(path, {**MANIFEST, "aux_layers": layers.as_record(), "dtype": dtype}, ledger_url)
+    items = [item(k, n) for k, n in ((0, 5), (1, 3))]
+    for it in items:
+        it["aux_hidden_states"] = torch.cat([it["aux_hidden_states"], -it["aux_hidden_states"][:, :2]], dim=1)
+    ledger.commit_shard(*write_shard(path, items, source="data.jsonl", dtype=dtype))
+    reader = StoreReader(path)
+    for i, it in enumerate(items):
+        got = reader[i]["aux_hidden_states"].float()
+        assert got.shape == (len(it["input_ids"]), 5, H)
+        # Each layer where it was written (fp8: within e4m3's step and the bf16 it is read back as).
+        tol = 0.07 if dtype == FP8 else 2.0 ** -8
+        assert ((got - it["aux_hidden_states"]).abs() <= tol * it["aux_hidden_states"].abs() + 1e-3).all()
+    assert verify_store(path, recheck_source=False, write_report=False).ok
+    ledger.commit_shard(*write_shard(path, [item(2, 4)], source="data.jsonl", dtype=dtype))  # three layers
+    report = verify_store(path, recheck_source=False, write_report=False)
+    assert not report.ok
+    assert "aux_hidden_states shape (4, 3, 16), expected (4, 5, 16)" in " ".join(report.files.problems)
+    bad = report.samples[report.samples.problems != ""]
+    assert bad.sample_id.tolist() == ["s002"] and bad.problems.tolist() == ["its shard's layout is inconsistent"]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tasks.store.reader import StoreReader
 from tasks.store.verification import StoreNotVerified, require_verified
 from tasks.train.checkpoint import CHECKPOINT
-from tasks.train.config import TrainConfig
+from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import split
 from tasks.train.launch import write_launch_config
 from tasks.train.loop import train
@@ -170,6 +170,15 @@ def test_a_changed_setting_is_not_resumed_silently(trained, tiny_store, tmp_path
     shutil.copytree(cfg.out_dir, out)
     with pytest.raises(Exception, match="other settings.*lr"):
         train(config(out, lr=1e-4), tiny_store)
+    with pytest.raises(Exception, match="other settings.*variant"):
+        train(config(out, variant="eagle3.1"), tiny_store)
+
+
+def test_a_drafter_asking_for_layers_the_store_lacks_is_refused_naming_what_it_holds(tiny_store, tmp_path):
+    with pytest.raises(TrainingError, match=r"train.aux_layer_ids \[1, 2, 3\]: aux layers \[2\] are not in the "
+                                            r"store, which holds outputs of layers \[1, 3, 4\]"):
+        train(config(tmp_path / "out", aux_layer_ids=[1, 2, 3]), tiny_store)
+    assert not (tmp_path / "out" / "drafter").exists()
 
 
 def test_unverified_or_failed_stores_are_refused(tiny_store, tmp_path):

@@ -19,8 +19,9 @@ class CaptureConfig(Section):
     max_length: int = Field(2048, ge=1, description="longest sample in tokens")
     max_length_policy: Literal["truncate", "skip"] = Field("truncate", description="what to do with a longer sample")
     aux_layer_ids: Optional[list[int]] = Field(None, description=(
-        "SGLang 'output of layer i' ids of the three aux layers (default: [1, n//2-1, n-4]); an attached "
-        "server or a node's must capture these"))
+        "SGLang 'output of layer i' ids of the aux layers to store: three or more, ascending, up to n-2 "
+        "(default SGLang's three: [1, n//2-1, n-4]). A store with more serves drafters on any of its layers "
+        "(train.aux_layer_ids); an attached server or a node's must capture these"))
     batch_size: int = Field(32, ge=1, description="samples per batch task and per shard")
     concurrency: int = Field(8, ge=1, description="requests in flight per batch")
     dump_dir: Optional[str] = Field(None, description=(

@@ -8,7 +8,7 @@ serves part of that request, the hook writes one chunk file
 holding the tokens [start, end) of the prompt:
 
     input_ids           int64 [n]
-    aux_hidden_states   model dtype [n, 3, H]   (ascending layer order)
+    aux_hidden_states   model dtype [n, N, H]   (ascending layer order)
     final_hidden_state  model dtype [n, H]      (after the final norm)
 
 with metadata `rid`, `start`, `end`, `aux_layer_ids` (SGLang's "output of
@@ -135,7 +135,7 @@ def write_chunk(
 class Capture:
     rid: str
     input_ids: torch.Tensor  # int64 [n]
-    aux_hidden_states: torch.Tensor  # [n, 3, H]
+    aux_hidden_states: torch.Tensor  # [n, N, H]
     final_hidden_state: torch.Tensor  # [n, H]
     aux_layer_ids: tuple[int, ...]
     files: list[Path]

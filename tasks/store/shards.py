@@ -8,14 +8,14 @@ order:
     input_ids           int32 [T]
     loss_mask           uint8 [T]
     offsets             int64 [S + 1]     sample s = tokens offsets[s]:offsets[s+1]
-    aux_hidden_states   bf16  [T, 3, H]   (ascending layer order)
+    aux_hidden_states   bf16  [T, N, H]   (the manifest's N >= 3 layers, ascending)
     final_hidden_state  bf16  [T, H]      (after the final norm)
 
 or, in a store whose manifest says `dtype: float8_e4m3fn` (tasks/store/fp8.py):
 
-    aux_hidden_states   float8_e4m3fn [T, 3, H]
+    aux_hidden_states   float8_e4m3fn [T, N, H]
     final_hidden_state  float8_e4m3fn [T, H]
-    aux_scale           float32 [T, 3]    value = e4m3 * scale, per token and layer
+    aux_scale           float32 [T, N]    value = e4m3 * scale, per token and layer
     final_scale         float32 [T]
 
 with metadata `format`, `sample_ids` (JSON list, shard order = batch order).

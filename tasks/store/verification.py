@@ -96,12 +96,13 @@ def verify_store(store: Path, *, recheck_source: bool = True, write_report: bool
     sources = sorted(set(samples.source) | set(manifest.get("sources", [])))
     fresh = _fresh_samples(manifest, sources) if recheck_source else None
     hidden = manifest["hidden_size"]
+    num_aux = len(manifest["aux_layers"]["sglang_layer_output_ids"])
     canaries = opened.ledger.canaries()
     file_rows, sample_rows = [], []
 
     for shard in shards.itertuples():
         mine = samples[samples.shard == shard.name]
-        problems, per_sample, content_ids = _check_shard(store, shard, mine, hidden, opened.dtype)
+        problems, per_sample, content_ids = _check_shard(store, shard, mine, hidden, num_aux, opened.dtype)
         for s in mine.itertuples():
             p = per_sample.get(s.sample_id, [])
             if fresh is not None and content_ids.get(s.sample_id, s.sample_id) != s.sample_id:
@@ -141,7 +142,8 @@ def verify_store(store: Path, *, recheck_source: bool = True, write_report: bool
     return report
 
 
-def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, dtype: str) -> tuple[list[str], dict, dict]:
+def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, num_aux: int,
+                 dtype: str) -> tuple[list[str], dict, dict]:
     """File problems, problems per sample, and the id each sample's tokens
     and mask in the file give (its content address)."""
     path = shard_path(store, shard.name)
@@ -184,7 +186,7 @@ def _check_shard(store: Path, shard, mine: pd.DataFrame, hidden: int, dtype: str
         return every_sample_fails(problems + [f"input_ids shape {tuple(t['input_ids'].shape)}, expected [T]"],
                                   "its shard is inconsistent")
     n_tok, off = t["input_ids"].shape[0], t["offsets"]
-    expected = shard_shapes(n_tok, max(off.numel() - 1, 0), 3, hidden)
+    expected = shard_shapes(n_tok, max(off.numel() - 1, 0), num_aux, hidden)
     for k in dtypes:
         if k not in ("input_ids", "offsets") and tuple(t[k].shape) != expected[k]:
             problems.append(f"{k} shape {tuple(t[k].shape)}, expected {expected[k]}")

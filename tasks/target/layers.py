@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# An EAGLE-3 drafter reads three; a store may hold more (one capture for
+# several drafters: other triples, or five-layer DFlash-style drafters).
 NUM_AUX_LAYERS = 3
 # SGLang's LlamaModel returns its last hidden state after the final RMSNorm.
 FINAL_STATE_NORM = "post-norm"
@@ -29,16 +31,17 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class AuxLayers:
-    """The auxiliary layers of a capture. `sglang_ids` are SGLang's
-    "output of layer i" ids, ascending (the order SGLang concatenates them)."""
+    """The auxiliary layers of a capture or a drafter (at least three).
+    `sglang_ids` are SGLang's "output of layer i" ids, ascending (the order
+    SGLang concatenates them)."""
 
     sglang_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
         ids = tuple(int(i) for i in self.sglang_ids)
-        if len(ids) != NUM_AUX_LAYERS or list(ids) != sorted(set(ids)) or ids[0] < 0:
+        if len(ids) < NUM_AUX_LAYERS or list(ids) != sorted(set(ids)) or ids[0] < 0:
             raise ValueError(
-                f"EAGLE-3 needs {NUM_AUX_LAYERS} distinct ascending non-negative "
+                f"aux layers are at least {NUM_AUX_LAYERS} distinct ascending non-negative "
                 f"layer ids, got {self.sglang_ids}"
             )
         object.__setattr__(self, "sglang_ids", ids)
@@ -61,6 +64,16 @@ class AuxLayers:
     @property
     def hf_hidden_state_indices(self) -> tuple[int, ...]:
         return tuple(i + 1 for i in self.sglang_ids)
+
+    def positions_in(self, held: "AuxLayers") -> tuple[int, ...]:
+        """Where these layers sit in `held`'s (a store's) layer axis; refused,
+        naming what the store holds, when one is not there."""
+        missing = [i for i in self.sglang_ids if i not in held.sglang_ids]
+        if missing:
+            raise ValueError(f"aux layers {list(missing)} are not in the store, which holds outputs of layers "
+                             f"{list(held.sglang_ids)} (SGLang ids): pick ids among those, or capture a store "
+                             f"with them")
+        return tuple(held.sglang_ids.index(i) for i in self.sglang_ids)
 
     def as_record(self) -> dict:
         """How layer ids are written down: both conventions, explicitly named."""

@@ -41,7 +41,7 @@ def load_reference_model(model_path: str, dtype: torch.dtype):
 
 @torch.inference_mode()
 def reference_states(model, input_ids: Sequence[int], layers: AuxLayers) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux [n, 3, H], final [n, H]) for one prompt."""
+    """(aux [n, N, H], final [n, H]) for one prompt."""
     ids = torch.as_tensor([list(input_ids)], dtype=torch.long)
     hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
     aux = torch.stack([hidden[i][0] for i in layers.hf_hidden_state_indices], dim=1)

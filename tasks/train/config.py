@@ -27,6 +27,9 @@ class TrainConfig(Section):
     variant: Literal["eagle3", "eagle3.1"] = Field("eagle3", description=(
         "the drafter: eagle3, or eagle3.1 (an RMSNorm per aux state before fc, and draft steps fed the normed "
         "output; SGLang's fc_norm and norm_output). The capture is the same"))
+    aux_layer_ids: Optional[list[int]] = Field(None, description=(
+        "SGLang 'output of layer i' ids of the aux layers the drafter reads, among the store's (default: all of "
+        "the store's; three for an EAGLE-3 drafter of SGLang's kind)"))
     draft_vocab_size: int = Field(8192, ge=16, description="draft vocabulary: the N most frequent target tokens")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll depth K (loss weights decay^k)")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight decay per TTT step")

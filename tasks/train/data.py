@@ -112,10 +112,14 @@ def assign_batches(n: int, start: int, rank: int, world: int,
     return steps
 
 
-def collate(reader: StoreReader, indices: list[int]) -> dict[str, torch.Tensor]:
+def collate(reader: StoreReader, indices: list[int], layers: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded tensors read straight from the shards (only these samples'
-    slices are touched); hidden states stay bf16 until they reach the device."""
+    slices are touched); hidden states stay bf16 until they reach the device.
+    `layers`: positions in the store's layer axis of the aux states the
+    drafter reads (default all)."""
     items = [reader[i] for i in indices]
+    if layers is not None:
+        items = [{**it, "aux_hidden_states": it["aux_hidden_states"][:, list(layers)]} for it in items]
     lengths = [len(it["input_ids"]) for it in items]
     b, n = len(items), max(lengths)
     h = items[0]["final_hidden_state"].shape[-1]

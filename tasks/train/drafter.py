@@ -1,7 +1,7 @@
 """The EAGLE-3 drafter, in the layout SGLang serves (`LlamaForCausalLMEagle3`),
 and its forward: the computation SGLang serves, step by step.
 
-    fc          [H, 3H]    the three aux states of the target, concatenated
+    fc          [H, N*H]   the target's N aux states (three for EAGLE-3), concatenated
     midlayer    one Llama decoder layer whose q/k/v take 2H inputs: the
                 normed token embedding concatenated with the normed hidden
                 state (input_layernorm, hidden_norm); residual = the hidden

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.train.data import collate, plan_batches, prefetch
+from tasks.train.data import plan_batches, prefetch
 from tasks.train.prepare import Run
 from tasks.train.ttt import acceptance_length, exact_acceptance_length, ttt_forward
 
@@ -24,7 +24,7 @@ def evaluate(run: Run) -> dict:
     chain_counted = torch.zeros(cfg.ttt_steps, dtype=torch.long)
     losses = torch.zeros(cfg.ttt_steps)
     batches = plan_batches(run.reader.num_tokens, idx, cfg.tokens_per_batch, None)
-    for batch in prefetch(lambda b: collate(run.reader, b), batches):
+    for batch in prefetch(run.collate, batches):
         with run.autocast():
             out = ttt_forward(model, run.on_device(batch), run.head_rows, steps=cfg.ttt_steps,
                               decay=cfg.step_decay, full_head=run.full_head)

@@ -30,7 +30,7 @@ from tasks.target.architectures import architecture_of, read_config
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, CheckpointWriter, read_checkpoint, resume_position
 from tasks.train.config import TrainConfig, TrainingError, TrainResult
-from tasks.train.data import assign_batches, collate, plan_batches, prefetch, split_fingerprint
+from tasks.train.data import assign_batches, plan_batches, prefetch, split_fingerprint
 from tasks.train.evaluate import describe, evaluate
 from tasks.train.export import export_drafter
 from tasks.train.metrics import write_metrics
@@ -75,7 +75,7 @@ class Stepper:
 
     def start_epoch(self, plan: list[list[int]], mine: list[tuple[int, list[tuple[int, float]]]]) -> None:
         """Start reading this rank's batches of the epoch, in the order it trains them."""
-        self.loaded = prefetch(lambda b: collate(self.run.reader, plan[b]), [b for _, bs in mine for b, _ in bs])
+        self.loaded = prefetch(lambda b: self.run.collate(plan[b]), [b for _, bs in mine for b, _ in bs])
         self.idle_since = self.epoch_started = time.time()
         self.epoch_tokens = self.epoch_steps = 0
 

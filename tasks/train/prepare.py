@@ -16,7 +16,7 @@ from tasks.store.verification import require_verified
 from tasks.target.layers import AuxLayers
 from tasks.train import distributed
 from tasks.train.config import TrainConfig, TrainingError
-from tasks.train.data import split
+from tasks.train.data import collate, split
 from tasks.target.embeddings import load_target_embeddings
 from tasks.train.drafter import Eagle3Drafter, build_drafter
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -38,7 +38,7 @@ class Run:
     reader: StoreReader
     train_idx: np.ndarray
     held_idx: np.ndarray
-    layers: AuxLayers
+    layers: AuxLayers  # what the drafter reads, a subset of the store's
     target: Path
     model: Eagle3Drafter
     head_rows: torch.Tensor
@@ -47,6 +47,10 @@ class Run:
     rank: int = 0
     world: int = 1
     vocab: DraftVocab | None = None
+    aux_positions: tuple[int, ...] | None = None  # of `layers` in the store's layer axis; None: all of them
+
+    def collate(self, indices: list[int]) -> dict:
+        return collate(self.reader, indices, self.aux_positions)
 
     def autocast(self):
         dtype = autocast_dtype(self.cfg.precision, self.device)
@@ -74,7 +78,12 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if not (target / "config.json").exists():
         raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
                             f"captured from, {manifest.get('target')})")
-    layers = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
+    held = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
+    try:
+        layers = AuxLayers(tuple(cfg.aux_layer_ids)) if cfg.aux_layer_ids is not None else held
+        positions = layers.positions_in(held)
+    except ValueError as e:
+        raise TrainingError(f"train.aux_layer_ids {cfg.aux_layer_ids}: {e}") from None
     train_idx, held_idx = split(reader, cfg.heldout_fraction)
     embed, head = load_target_embeddings(target)
     device = distributed.device()
@@ -92,7 +101,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
         model.embed_tokens.to(low)
         head = head.to(low)
     return Run(cfg, reader, train_idx, held_idx, layers, target, model, head_rows, head, device, rank, world,
-               vocab)
+               vocab, None if positions == tuple(range(len(held.sglang_ids))) else positions)
 
 
 def draft_vocab(cfg: TrainConfig, reader, train_idx: np.ndarray, head: torch.Tensor, device: torch.device,
