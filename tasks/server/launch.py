@@ -16,7 +16,9 @@ process group and pid record (processes.py), waiting until it serves
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -30,13 +32,15 @@ from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present, resolve_dtype, server_environment
 from tasks.server.flags import gives_flag, refuse_capture_incompatible, refuse_owned_flags
-from tasks.server.health import wait_healthy
+from tasks.server.health import PortTaken, wait_healthy
 from tasks.server.processes import pidfile_for, reap_orphan, stop_group, write_pidfile
 from tasks.server.run_secrets import redact, run_secrets, write_options_file
 from tasks.server.server_log import LogFollower, log_tail
 from tasks.sglang_api import ServerError, client_options
 from tasks.target.architectures import Architecture, architecture_at
 from tasks.target.fingerprint import weights_fingerprint
+
+logger = logging.getLogger("eagle3.server")
 
 # Imported inside the server's scheduler process (the repository root is on
 # its PYTHONPATH).
@@ -95,7 +99,21 @@ class LaunchSpec:
         return dataclasses.replace(self, rid_prefix=rid_prefix, api_key=api_key)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Below the kernel's ephemeral range (where bind(0) and every outgoing
+# connection take their ports) and below SGLang's own picks (22000-29999):
+# the server binds its port only once its model is loaded, and a port from
+# bind(0) was seen taken by then (two nodes starting beside a Prefect server).
+PORT_RANGE = (10000, 21999)
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    for port in random.sample(range(PORT_RANGE[0], PORT_RANGE[1] + 1), attempts):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -264,8 +282,19 @@ def launch_server(spec: LaunchSpec, log_path: Path, *, timeout_s: float = 600.0,
     healthy within `timeout_s`; no process is left behind then.
     """
     spec = spec.with_secrets()
+    for attempt in range(3):
+        try:
+            return _launch(spec, log_path, spec.port or free_port(spec.host), timeout_s, follower)
+        except PortTaken:
+            if spec.port is not None or attempt == 2:
+                raise
+            logger.warning("the SGLang server's port was taken while it started; launching it on another")
+    raise AssertionError("unreachable")
+
+
+def _launch(spec: LaunchSpec, log_path: Path, port: int, timeout_s: float,
+            follower: LogFollower | None) -> ServerHandle:
     cpu = (not gpu_present()) if spec.cpu is None else spec.cpu
-    port = spec.port or free_port(spec.host)
     check_port_free(spec.host, port)
     if spec.capture:
         ensure_private_dir(spec.dump_dir)
@@ -297,7 +326,7 @@ def launch_server(spec: LaunchSpec, log_path: Path, *, timeout_s: float = 600.0,
         handle = ServerHandle(spec, process, f"http://{spec.host}:{port}", log_path)
         write_pidfile(pidfile, process.pid, port)
         try:
-            wait_healthy(handle, timeout_s, follower)
+            wait_healthy(handle, timeout_s, follower, log_start)
             if spec.capture:
                 check_hook_attached(handle, log_start)
         except BaseException:
