@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flows.cli import config_from_argv, help_text
+from flows.cli import run_dir_and_values
 from flows.demo import DEMO_CONFIG
 from flows.pipeline import eagle3_pipeline
 from tasks.paths import REPO_ROOT
@@ -53,19 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     """--run-dir DIR (each store's run under DIR/<dtype>), then the
     pipeline's own command line (default run file: configs/demo.yaml); the
     store dtype and paths are the bench's."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__ + "\n  --run-dir DIR  the two runs go to DIR/bfloat16 and DIR/float8_e4m3fn\n\n"
-              + help_text(eagle3_pipeline, "bench/fp8_quality.py").split("\n", 1)[1])
+    parsed = run_dir_and_values(eagle3_pipeline, sys.argv[1:] if argv is None else argv, DEMO_CONFIG,
+                                REPO_ROOT / "runs" / "fp8-quality", __doc__ + "\n  --run-dir DIR  the two runs go "
+                                "to DIR/bfloat16 and DIR/float8_e4m3fn", "bench/fp8_quality.py")
+    if parsed is None:
         return
-    run_dir = REPO_ROOT / "runs" / "fp8-quality"
-    if "--run-dir" in argv:
-        i = argv.index("--run-dir")
-        run_dir = Path(argv[i + 1])
-        del argv[i:i + 2]
-    if "--config" not in argv:
-        argv = ["--config", str(DEMO_CONFIG), *argv]
-    values, _ = config_from_argv(eagle3_pipeline, argv)
+    run_dir, values = parsed
 
     results = {}
     for storage in (BF16, FP8):

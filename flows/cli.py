@@ -221,6 +221,25 @@ def config_from_argv(flow, argv: list[str]) -> tuple[dict, bool]:
     return resolve(flow, *layers, overrides), print_config
 
 
+def run_dir_and_values(flow, argv: list[str], default_config: Path, default_run_dir: Path, usage: str,
+                       prog: str) -> tuple[Path, dict] | None:
+    """A bench's command line: `--run-dir DIR`, then the flow's own (run
+    file `default_config` unless --config is given). None after printing
+    `usage` and the flow's options for --help."""
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage + "\n\n" + help_text(flow, prog).split("\n", 1)[1])
+        return None
+    run_dir = default_run_dir
+    if "--run-dir" in argv:
+        i = argv.index("--run-dir")
+        run_dir = Path(argv[i + 1])
+        del argv[i:i + 2]
+    if "--config" not in argv:
+        argv = ["--config", str(default_config), *argv]
+    return run_dir, config_from_argv(flow, argv)[0]
+
+
 def run_cli(flow, prog: str, argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
