@@ -282,14 +282,12 @@ def launch_server(spec: LaunchSpec, log_path: Path, *, timeout_s: float = 600.0,
     healthy within `timeout_s`; no process is left behind then.
     """
     spec = spec.with_secrets()
-    for attempt in range(3):
+    for _ in range(2 if spec.port is None else 0):  # a port the user gave is theirs: no other is tried
         try:
-            return _launch(spec, log_path, spec.port or free_port(spec.host), timeout_s, follower)
+            return _launch(spec, log_path, free_port(spec.host), timeout_s, follower)
         except PortTaken:
-            if spec.port is not None or attempt == 2:
-                raise
             logger.warning("the SGLang server's port was taken while it started; launching it on another")
-    raise AssertionError("unreachable")
+    return _launch(spec, log_path, spec.port or free_port(spec.host), timeout_s, follower)
 
 
 def _launch(spec: LaunchSpec, log_path: Path, port: int, timeout_s: float,

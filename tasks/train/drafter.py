@@ -113,6 +113,14 @@ def variant_flags(variant: str) -> dict:
     return dict(VARIANTS[variant])
 
 
+def variant_named(**flags: bool) -> str:
+    """The variant these flags make, or ValueError naming the flags."""
+    for name, want in VARIANTS.items():
+        if flags == want:
+            return name
+    raise ValueError(f"drafter config with {flags}: not a variant this project trains ({', '.join(VARIANTS)})")
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     hidden_size: int
@@ -144,8 +152,7 @@ class DrafterConfig:
 
     @property
     def variant(self) -> str:
-        return next(name for name, flags in VARIANTS.items()
-                    if flags == {"fc_norm": self.fc_norm, "norm_output": self.norm_output})
+        return variant_named(fc_norm=self.fc_norm, norm_output=self.norm_output)
 
 
 class RMSNorm(nn.Module):

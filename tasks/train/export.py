@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.drafter import VARIANTS, DrafterConfig, Eagle3Drafter, target_sizes
+from tasks.train.drafter import DrafterConfig, Eagle3Drafter, target_sizes, variant_named
 from tasks.train.vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -158,12 +158,8 @@ def _exchange(a: Path, b: Path) -> bool:
 def variant_of(config: dict) -> str:
     """The variant an exported config.json describes, as SGLang reads it
     (`use_aux_norm` is its older name for fc_norm)."""
-    flags = {"fc_norm": bool(config.get("fc_norm") or config.get("use_aux_norm")),
-             "norm_output": bool(config.get("norm_output"))}
-    for name, want in VARIANTS.items():
-        if flags == want:
-            return name
-    raise ValueError(f"drafter config with {flags}: not a variant this project trains ({', '.join(VARIANTS)})")
+    return variant_named(fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm")),
+                         norm_output=bool(config.get("norm_output")))
 
 
 def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
