@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -80,10 +81,23 @@ class Api:
         self.http = httpx.Client(base_url=url, timeout=30.0)
 
     def call(self, method: str, path: str, body=None):
-        r = self.http.request(method, path, json=body)
+        # 429/502/503 are Prefect's "retry me" answers (a busy SQLite answers
+        # 503 while locked); Prefect's own client retries them with backoff,
+        # and so must anything that drives the API as a user's tools do.
+        for attempt in range(6):
+            r = self.http.request(method, path, json=body)
+            if r.status_code not in (429, 502, 503):
+                break
+            time.sleep(0.5 * 2 ** attempt)
         if r.status_code >= 400:
             raise RuntimeError(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else None
+
+    def create_flow_run(self, deployment_id: str, body: dict) -> dict:
+        """A run of the deployment, exactly one even if a retried POST had
+        reached the server: the idempotency key makes a repeat return it."""
+        key = {"idempotency_key": str(uuid.uuid4())}
+        return self.call("POST", f"/deployments/{deployment_id}/create_flow_run", {**body, **key})
 
     def deployment(self, name: str) -> dict:
         return self.call("GET", f"/deployments/name/{name}")

@@ -246,7 +246,7 @@ def test_a_failed_run_retried_like_the_ui_redoes_only_what_is_missing(prefect_st
                           "batch_retry_delay_s": 0}}
     # prefect.yaml gives the deployment one flow-level retry (after 60 s):
     # keep the retry, drop the wait, the way a user would for one run.
-    run = api.call("POST", f"/deployments/{deployment['id']}/create_flow_run", {
+    run = api.create_flow_run(deployment["id"], {
         "parameters": params, "job_variables": {"env": {"PREFECT_FLOWS_DEFAULT_RETRY_DELAY_SECONDS": "0"}}})
     run = api.wait_terminal(run["id"], 300, logs=prefect_stack["log_files"])
     states = api.flow_run_states(run["id"])
@@ -305,7 +305,7 @@ def test_a_run_cancelled_like_the_ui_stops_its_server_and_keeps_what_it_stored(p
     params = {**defaults, "server": {"model": str(tiny_model), "max_total_tokens": 4096},
               "store": {**defaults["store"], "path": str(store)},
               "capture": {**defaults["capture"], "dataset": str(dataset), "batch_size": 1, "dump_dir": None}}
-    run = api.call("POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": params})
+    run = api.create_flow_run(deployment["id"], {"parameters": params})
 
     deadline = time.monotonic() + 600
     while stored_samples(store) < 1:
