@@ -83,7 +83,11 @@ def test_two_extractions_into_sibling_stores_keep_their_own_servers(tiny_model, 
              "8192", "--capture.dataset", str(dataset), "--capture.batch-size", "8", "--capture.max-length", "256",
              "--store.path", str(stores / name)], cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"),
             stderr=open(tmp_path / f"{name}.err", "w"))
-        time.sleep(20)  # b starts while a's server runs
+        if name == "a":  # b starts once a's server runs (its pid record is written at launch)
+            deadline = time.monotonic() + 300
+            while not pidfile_for(stores / "a" / "logs" / "sglang-server.log").exists():
+                assert runs["a"].poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
+                time.sleep(0.5)
     for p in runs.values():
         p.wait(timeout=900)
     for name, p in runs.items():
