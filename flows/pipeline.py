@@ -16,7 +16,7 @@ from flows.cli import described
 from flows.extract import extract_hidden_states
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
-from flows.serve import serve_check
+from flows.serve import baseline_server, serve_check
 from flows.train import train_drafter
 from flows.verify import verify_store
 from tasks.capture.config import CaptureConfig
@@ -69,6 +69,7 @@ def eagle3_pipeline(
 ) -> dict:
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, serve-check."""
     log = get_run_logger()
+    baseline_server(server, serve)  # refused now, not after the training
     store_dir, train_dir = Path(store.path).resolve(), Path(train.out_dir).resolve()
     store = store.model_copy(update={"path": str(store_dir)})
     train = train.model_copy(update={"out_dir": str(train_dir)})

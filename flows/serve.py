@@ -1,5 +1,6 @@
 """Flow `serve_check`: serve the exported drafter in SGLang next to the plain
-target, on held-out prompts, and report SGLang's own acceptance figures.
+target (launched, or the attached server with serve.baseline: attached), on
+held-out prompts, and report SGLang's own acceptance figures.
 
     python -m flows.serve --drafter-dir runs/demo/train/drafter --store runs/demo/store
 """
@@ -44,9 +45,11 @@ def prompts_task(store: str, heldout_fraction: float, count: int) -> list[list[i
 @task(name="serve-check", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
       retry_condition_fn=unless_permanent)
 def serve_task(server: ServerConfig, drafter_dir: str, prompts: list[list[int]], serve: ServeConfig,
-               log_dir: str) -> dict:
+               log_dir: str, baseline: ServerConfig | None = None) -> dict:
     log = get_run_logger()
-    report = check.serve_check(server, drafter_dir, prompts, serve, log_dir=log_dir)
+    report = check.serve_check(server, drafter_dir, prompts, serve, log_dir=log_dir,
+                               baseline_url=baseline.url if baseline else None,
+                               baseline_api_key=baseline.api_key if baseline else None)
     result = report.to_dict()
     create_table_artifact(table=[{k: v for k, v in result.items() if not isinstance(v, (list, dict))}],
                           key=artifact_key("serving", drafter_dir),
@@ -60,6 +63,17 @@ def serve_task(server: ServerConfig, drafter_dir: str, prompts: list[list[int]],
             f"{report.differing_prompts} of {report.num_prompts} (dtype {serve.dtype or 'float32'}; compare in "
             f"float32: bf16 rounding flips near-tied tokens even between two plain servers). Server logs: {log_dir}")
     return result
+
+
+def baseline_server(server: ServerConfig, serve: ServeConfig) -> ServerConfig | None:
+    """The running server whose greedy outputs are the baseline (serve.baseline: attached), or None for a
+    launched one; refused up front when the run names no server to attach to."""
+    if serve.baseline == "launch":
+        return None
+    if not server.url:
+        raise ValueError("serve.baseline is 'attached' but server.url is not set: give the running server of the "
+                         "target to compare against, or use serve.baseline: launch")
+    return server
 
 
 def trained_for(drafter_dir: Path, server: ServerConfig) -> dict:
@@ -90,6 +104,7 @@ def serve_check(
 ) -> dict:
     """Serve the drafter in SGLang: identical greedy output, accept length, speed-up."""
     drafter = Path(drafter_dir).resolve()
+    baseline = baseline_server(server, serve)
     trained = trained_for(drafter, server)
     config = trained["config"]
     steps = serve.num_steps or config["serve_steps"]
@@ -98,7 +113,8 @@ def serve_check(
     prompts = prompts_task(store, config["heldout_fraction"], serve.num_prompts)
     target = server.model_copy(update={"model": str(resolve_model(server.model)), "url": None, "api_key": None,
                                        "rid_prefix": ServerConfig().rid_prefix})
-    return serve_task(target, str(drafter), prompts, serve, str(drafter.parent / "serve-logs"))
+    return serve_task(target, str(drafter), prompts, serve, str(drafter.parent / "serve-logs"),
+                      baseline=baseline)
 
 
 if __name__ == "__main__":

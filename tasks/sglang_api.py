@@ -52,3 +52,13 @@ def server_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 3
             return client.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def server_says(url: str, endpoint: str, key: str, what: str, *, api_key: str | None = None):
+    """The `key` field of a server's GET `endpoint` (/model_info,
+    /server_info), or ServerError saying the server did not tell `what`."""
+    try:
+        with httpx.Client(timeout=30.0, **client_options(api_key)) as client:
+            return client.get(f"{url}{endpoint}").json()[key]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise ServerError(f"{url}{endpoint} did not say {what} ({e!r}): is it an SGLang server?") from None

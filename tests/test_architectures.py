@@ -168,8 +168,11 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
             train=TrainConfig(out_dir=str(tmp_path / "run" / "train"), aux_layer_ids=drafter_layers,
                               draft_vocab_size=512, ttt_steps=3, epochs=6, lr=5e-3, tokens_per_batch=2048,
                               serve_steps=3),
-            serve=ServeConfig(num_prompts=4, max_new_tokens=24))
+            # The plain outputs from this server (no second launch of the target).
+            serve=ServeConfig(num_prompts=4, max_new_tokens=24, baseline="attached"))
     assert summary["outputs_equal"] is True, summary
+    served = json.loads((Path(summary["drafter_dir"]).parent / "serve-logs" / "serve-report.json").read_text())
+    assert served["baseline"] == attached.url, served
     # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
     report = json.loads((tmp_path / "run" / "store" / "reports" / "latest.json").read_text())
     assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tasks.serve.config import ServeConfig
-from tasks.serve.check import GenerationRun, compare, serve_check
+from flows.serve import baseline_server
+from tasks.serve.check import GenerationRun, compare, serve_check, serving_dtype
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, build_command
 from tests.conftest import ARTIFACTS
@@ -69,6 +70,7 @@ def pinned_drafter(tiny_model, tmp_path_factory):
 def test_speculative_decoding_gives_the_plain_greedy_outputs(tiny_model, pinned_drafter):
     report = serve_check(ServerConfig(model=str(tiny_model), max_total_tokens=16384), pinned_drafter, PROMPTS,
                          ServeConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=3), log_dir=ARTIFACTS / "serving")
+    assert report.baseline == "launched"
     assert report.outputs_equal, f"speculative outputs differ from plain greedy for prompts {report.differing_prompts}"
     assert report.plain_completion_tokens == report.spec_completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
     # Every request went through verify steps, and drafts were accepted and rejected.
@@ -78,6 +80,23 @@ def test_speculative_decoding_gives_the_plain_greedy_outputs(tiny_model, pinned_
     assert 1.0 < report.spec_accept_length <= report.speculative["num_draft_tokens"]
     assert 0.0 < report.spec_accept_rate < 1.0
     assert report.plain_tokens_per_s > 0 and report.spec_tokens_per_s > 0
+
+
+@pytest.mark.server
+def test_a_running_baseline_sets_the_dtype_and_a_different_one_is_refused(capture_server, tmp_path):
+    from tasks.server.launch import server_dtype
+
+    url, key, model = capture_server.url, capture_server.api_key, capture_server.spec.server.model
+    theirs = serving_dtype(model, None, url, key)
+    assert theirs == server_dtype(capture_server.spec, cpu=True)  # what the server was started with
+    other = next(d for d in ("float32", "bfloat16") if d != theirs)
+    with pytest.raises(ValueError, match=f"serve.dtype is {other}, but the baseline server at {url} computes in"):
+        serving_dtype(model, other, url, key)
+    with pytest.raises(ValueError, match="server.url is not set"):
+        baseline_server(ServerConfig(model=model), ServeConfig(baseline="attached"))
+    attached = ServerConfig(model=model, url=url)
+    assert baseline_server(attached, ServeConfig()) is None
+    assert baseline_server(attached, ServeConfig(baseline="attached")) is attached
 
 
 def test_compare_weights_acceptance_by_verify_steps_and_names_differences():

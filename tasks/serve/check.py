@@ -1,10 +1,11 @@
 """Serve a drafter the way it will be used: EAGLE-3 speculative decoding in
 SGLang, checked against plain greedy decoding of the same target.
 
-`serve_check` runs the same prompts greedily on a plain server and on a
-speculative server with the drafter, one server at a time, and reports whether
-every output is identical (speculative decoding must not change greedy
-outputs), SGLang's own acceptance figures, and the throughput of each.
+`serve_check` runs the same prompts greedily on a plain server (launched, or
+one already running) and on a speculative server with the drafter, one server
+at a time, and reports whether every output is identical (speculative
+decoding must not change greedy outputs), SGLang's own acceptance figures,
+and the throughput of each.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import httpx
 
 from tasks.serve.config import ServeConfig
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
-from tasks.sglang_api import ServerError, client_options
+from tasks.server.launch import LaunchSpec, check_serves, launch_server
+from tasks.sglang_api import ServerError, client_options, server_says
 from tasks.target.architectures import architecture_at
 
 logger = logging.getLogger("eagle3.serving")
@@ -63,6 +64,7 @@ class ServeReport:
     spec_num_correct_drafts: int | None
     spec_num_proposed_drafts: int | None
     speculative: dict = field(default_factory=dict)  # the settings served
+    baseline: str = "launched"  # where the plain outputs came from: "launched", or the running server's URL
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +77,8 @@ def serve_check(
     serve: ServeConfig,
     *,
     log_dir: str | Path,
+    baseline_url: str | None = None,
+    baseline_api_key: str | None = None,
     ignore_eos: bool = True,
     concurrency: int = 1,
     eagle_topk: int = 1,
@@ -83,14 +87,16 @@ def serve_check(
 ) -> ServeReport:
     """Generate greedily for `prompts` (token ids) on a plain server of
     `server.model` (a checkpoint folder), launched with the section's
-    settings, then on an EAGLE-3 speculative server with the drafter in
-    `draft_dir`, and compare. `serve` has its num_steps set (the flow takes
-    the drafter's own when the run gives none).
+    settings, or on the running server at `baseline_url` if given (the same
+    target: checked), then on an EAGLE-3 speculative server with the drafter
+    in `draft_dir`, and compare. `serve` has its num_steps set (the flow
+    takes the drafter's own when the run gives none).
 
     float32 by default (serve.dtype None): in bf16, two plain servers can
     already disagree at near-tied logits, which would hide what speculation
     itself changes. A target SGLang runs in one dtype only (gpt-oss: bf16) is
-    run in that one, and its outputs may then differ at such ties.
+    run in that one, and its outputs may then differ at such ties. Against a
+    running baseline, the speculative server takes that server's dtype.
     `ignore_eos` makes every generation serve.max_new_tokens long, so the
     two servers do the same amount of work. Server logs and the report
     (serve-report.json) go to `log_dir`.
@@ -106,42 +112,44 @@ def serve_check(
         raise FileNotFoundError(f"no drafter at {draft_dir}: expected an SGLang EAGLE-3 directory with config.json")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    target_model_path = server.model
-    dtype = serve.dtype
-    if dtype is None:
-        only = architecture_at(Path(target_model_path)).only_dtype
-        dtype = only or "float32"
-        if only:
-            logger.info("%s runs in %s only in SGLang: the greedy outputs may differ at near-tied logits",
-                        target_model_path, only)
+    if baseline_url is not None:
+        check_serves(baseline_url, Path(server.model), api_key=baseline_api_key)
+    dtype = serving_dtype(server.model, serve.dtype, baseline_url, baseline_api_key)
     num_steps, max_new_tokens = serve.num_steps, serve.max_new_tokens
     num_draft_tokens = serve.num_draft_tokens or num_steps + 1
     plain = LaunchSpec(server.model_copy(update={"dtype": dtype}), dump_dir=log_dir / "unused-dumps", capture=False)
     speculative = dict(num_steps=num_steps, eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens)
-    runs = {}
-    for name, spec in (
-        ("plain", plain),
-        ("speculative", replace(plain, draft_model_path=str(draft_dir), speculative_num_steps=num_steps,
-                                speculative_eagle_topk=eagle_topk, speculative_num_draft_tokens=num_draft_tokens)),
-    ):
-        log_path = log_dir / f"{name}-server.log"
-        logger.info("starting the %s server on %s (log: %s)", name, target_model_path, log_path)
-        started = time.monotonic()
-        with launch_server(spec, log_path, timeout_s=startup_timeout_s) as server:
-            logger.info("%s server up after %.0f s; generating %d prompts x %d tokens",
-                        name, time.monotonic() - started, len(prompts), max_new_tokens)
-            try:
-                runs[name] = asyncio.run(generate_all(server.url, prompts, api_key=server.api_key,
-                                                      max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                                                      concurrency=concurrency, timeout_s=request_timeout_s,
-                                                      tag=name))
-            except (httpx.HTTPError, ServerError) as e:
-                raise ServerError(f"generation on the {name} server failed: {e}\n"
-                                  f"last lines of {log_path}:\n{server.log_tail()}") from e
-        run = runs[name]
+
+    def generate(name: str, url: str, api_key: str | None, log_tail) -> GenerationRun:
+        try:
+            run = asyncio.run(generate_all(url, prompts, api_key=api_key, max_new_tokens=max_new_tokens,
+                                           ignore_eos=ignore_eos, concurrency=concurrency,
+                                           timeout_s=request_timeout_s, tag=name))
+        except (httpx.HTTPError, ServerError) as e:
+            raise ServerError(f"generation on the {name} server failed: {e}\n{log_tail()}") from e
         logger.info("%s: %d tokens in %.1f s (%.1f tokens/s)", name, run.completion_tokens, run.wall_s,
                     run.tokens_per_s)
-    report = compare(runs["plain"], runs["speculative"], speculative)
+        return run
+
+    def launched(name: str, spec: LaunchSpec) -> GenerationRun:
+        log_path = log_dir / f"{name}-server.log"
+        logger.info("starting the %s server on %s (log: %s)", name, server.model, log_path)
+        started = time.monotonic()
+        with launch_server(spec, log_path, timeout_s=startup_timeout_s) as live:
+            logger.info("%s server up after %.0f s; generating %d prompts x %d tokens",
+                        name, time.monotonic() - started, len(prompts), max_new_tokens)
+            return generate(name, live.url, live.api_key, lambda: f"last lines of {log_path}:\n{live.log_tail()}")
+
+    if baseline_url is None:
+        plain_run = launched("plain", plain)
+    else:
+        logger.info("plain outputs from the running server at %s, in %s (no plain server launched)",
+                    baseline_url, dtype)
+        plain_run = generate("plain", baseline_url, baseline_api_key, lambda: f"(the server at {baseline_url})")
+    spec_run = launched("speculative", replace(
+        plain, draft_model_path=str(draft_dir), speculative_num_steps=num_steps, speculative_eagle_topk=eagle_topk,
+        speculative_num_draft_tokens=num_draft_tokens))
+    report = compare(plain_run, spec_run, speculative, baseline=baseline_url or "launched")
     (log_dir / "serve-report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     logger.info("outputs equal: %s%s; accept length %s over %d verify steps; speed-up %.2fx",
                 report.outputs_equal,
@@ -151,7 +159,28 @@ def serve_check(
     return report
 
 
-def compare(plain: GenerationRun, spec: GenerationRun, speculative: dict) -> ServeReport:
+def serving_dtype(model: str, wanted: str | None, baseline_url: str | None, api_key: str | None) -> str:
+    """The dtype the check's servers compute in: `wanted`, else float32 or
+    the one dtype SGLang runs the target in; against a running baseline,
+    that server's own (a different `wanted` is refused: outputs of two
+    dtypes differ at near-tied logits, which would read as speculation
+    changing them)."""
+    if baseline_url is None:
+        if wanted is not None:
+            return wanted
+        only = architecture_at(Path(model)).only_dtype
+        if only:
+            logger.info("%s runs in %s only in SGLang: the greedy outputs may differ at near-tied logits", model, only)
+        return only or "float32"
+    theirs = server_says(baseline_url, "/server_info", "dtype", "the server's dtype", api_key=api_key)
+    if wanted is not None and wanted != theirs:
+        shown = "the checkpoint's dtype (--dtype auto)" if theirs == "auto" else theirs
+        raise ValueError(f"serve.dtype is {wanted}, but the baseline server at {baseline_url} computes in {shown}: "
+                         f"set serve.dtype to {theirs} (or leave it unset), or use serve.baseline: launch")
+    return theirs
+
+
+def compare(plain: GenerationRun, spec: GenerationRun, speculative: dict, baseline: str = "launched") -> ServeReport:
     differing = [i for i, (a, b) in enumerate(zip(plain.output_ids, spec.output_ids)) if a != b]
     metas = spec.meta_infos
     verify_ct = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
@@ -182,6 +211,7 @@ def compare(plain: GenerationRun, spec: GenerationRun, speculative: dict) -> Ser
         spec_num_correct_drafts=correct,
         spec_num_proposed_drafts=proposed,
         speculative=dict(speculative),
+        baseline=baseline,
     )
 
 

@@ -10,8 +10,8 @@ from tasks.config import Section
 
 
 class ServeConfig(Section):
-    """The serving check: the drafter served in SGLang beside the plain target, on held-out prompts; both
-    servers are launched with the server section's settings (the target, its parallelism, its flags) in the
+    """The serving check: the drafter served in SGLang beside the plain target, on held-out prompts; the
+    servers it launches take the server section's settings (the target, its parallelism, its flags) in the
     dtype given here."""
 
     num_prompts: int = Field(8, ge=1, description="held-out prompts to generate for")
@@ -19,6 +19,11 @@ class ServeConfig(Section):
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description=(
         "compute dtype of both servers (default float32, which makes greedy comparable; bf16 for a target "
         "SGLang runs in bf16 only)"))
+    baseline: Literal["launch", "attached"] = Field("launch", description=(
+        "where the plain greedy outputs come from: 'launch' a plain server of the target (default), or the "
+        "'attached' server (server.url, with server.api_key): a running server of the same target, whose "
+        "dtype the speculative server then takes, so the target is not launched twice. Its tokens/s are "
+        "that server's as it runs (a capture server's include the hook)"))
     num_steps: Optional[int] = Field(None, ge=1, description=(
         "--speculative-num-steps (default: the serve_steps the drafter was trained for)"))
     num_draft_tokens: Optional[int] = Field(None, ge=2, description=(

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import httpx
 
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.config import ServerConfig
@@ -36,7 +35,7 @@ from tasks.server.health import PortTaken, wait_healthy
 from tasks.server.processes import pidfile_for, reap_orphan, stop_group, write_pidfile
 from tasks.server.run_secrets import redact, run_secrets, write_options_file
 from tasks.server.server_log import LogFollower, log_tail
-from tasks.sglang_api import ServerError, client_options
+from tasks.sglang_api import ServerError, server_says
 from tasks.target.architectures import Architecture, architecture_at
 from tasks.target.fingerprint import weights_fingerprint
 
@@ -366,12 +365,7 @@ def check_serves(url: str, model_path: Path, *, api_key: str | None = None) -> N
     its states would go into the store as the target's. Its own /model_info
     says what it serves; a path elsewhere is accepted when it holds the same
     config and weights (a copy)."""
-    try:
-        with httpx.Client(timeout=30.0, **client_options(api_key)) as client:
-            served = client.get(f"{url}/model_info").json()["model_path"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        raise ServerError(f"{url}/model_info did not say which model it serves ({e!r}): is it an SGLang "
-                          "server?") from None
+    served = server_says(url, "/model_info", "model_path", "which model it serves", api_key=api_key)
     ours, theirs = Path(model_path).resolve(), Path(served).expanduser()
     if theirs.resolve() == ours:
         return
