@@ -380,11 +380,15 @@ def test_an_fp8_shard_with_other_header_bytes_but_equal_tensors_is_kept_and_othe
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", FP8])
-def test_a_five_layer_store_reads_and_verifies_and_a_three_layer_shard_in_it_does_not(tmp_path, ledger_url, dtype):
+def test_a_five_layer_store_reads_verifies_prunes_and_seals_and_a_three_layer_shard_in_it_does_not(
+        tmp_path, ledger_url, dtype, index_db):
+    from tasks.store.prune import prune_samples
+    from tasks.store.seal import seal
+
     layers = AuxLayers((1, 2, 4, 5, 6))
     path = tmp_path / "five"
     ledger = open_store(path, {**MANIFEST, "aux_layers": layers.as_record(), "dtype": dtype}, ledger_url)
-    items = [item(k, n) for k, n in ((0, 5), (1, 3))]
+    items = [item(k, n) for k, n in ((0, 5), (1, 3), (9, 2))]
     for it in items:
         it["aux_hidden_states"] = torch.cat([it["aux_hidden_states"], -it["aux_hidden_states"][:, :2]], dim=1)
     ledger.commit_shard(*write_shard(path, items, source="data.jsonl", dtype=dtype))
@@ -396,6 +400,12 @@ def test_a_five_layer_store_reads_and_verifies_and_a_three_layer_shard_in_it_doe
         tol = 0.07 if dtype == FP8 else 2.0 ** -8
         assert ((got - it["aux_hidden_states"]).abs() <= tol * it["aux_hidden_states"].abs() + 1e-3).all()
     assert verify_store(path, recheck_source=False, write_report=False).ok
+    # Pruning rewrites the shard with the others' five layers byte for byte; sealing exports what is left.
+    before = _stored_samples(path, index_db)
+    assert prune_samples(path, [items[2]["sample_id"]]) == {"pruned": 1, "rewritten": 1, "removed": 0}
+    assert _stored_samples(path, index_db) == {k: v for k, v in before.items() if k != items[2]["sample_id"]}
+    assert verify_store(path, recheck_source=False, write_report=False).ok
+    assert seal(path)["summary"]["samples"] == 2
     ledger.commit_shard(*write_shard(path, [item(2, 4)], source="data.jsonl", dtype=dtype))  # three layers
     report = verify_store(path, recheck_source=False, write_report=False)
     assert not report.ok
