@@ -7,7 +7,9 @@ of token t+1), and its forwards equal our drafter's: the draft extend, and
 the draft decode steps that follow it, which feed back the drafter's own
 hidden state (pre-norm for eagle3, normed for eagle3.1) and attend to the
 extend's keys plus the chain's own (the TTT unroll of tasks/train/ttt.py).
-The greedy output through the drafter is the target's own."""
+The greedy output through the drafter is the target's own. The Llama
+target's store is captured by a real server with five layers and checked
+against HF before its two drafters train on two triples of it."""
 from __future__ import annotations
 
 import json
@@ -84,18 +86,64 @@ def _distinct_fc_norms(drafter_dir: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+@pytest.fixture(scope="module")
+def llama_store(prefect_api, tmp_path_factory) -> Path:
+    """The Llama target's five-layer store, captured by a real SGLang server
+    (float32) through the extraction flow, which verifies it. (Kimi-K2.5's
+    five-layer capture: tests/test_architectures.py.)"""
+    from flows.extract import extract_hidden_states
+    from tasks.capture.config import CaptureConfig
+    from tasks.store.config import StoreConfig
+    from tests.conftest import demo_rows, write_jsonl
+
+    d = tmp_path_factory.mktemp("llama-store")
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(8))
+    result = extract_hidden_states(
+        server=ServerConfig(model=str(ensure_model(TINY)), dtype="float32", max_total_tokens=8192),
+        capture=CaptureConfig(dataset=str(dataset), max_length=64, batch_size=8, aux_layer_ids=list(STORE_LAYER_IDS)),
+        store=StoreConfig(path=str(d / "store")))
+    from transformers import AutoTokenizer
+
+    from tasks.data.dataset import prepare_samples
+
+    # Every row that fits (row 5 has no assistant token within 64: rejected).
+    fits, _ = prepare_samples(dataset, AutoTokenizer.from_pretrained(ensure_model(TINY)), max_length=64)
+    assert result["samples"] == len(fits) >= 6 and result["verification"]["ok"], result
+    return Path(result["store"])
+
+
+def test_the_captured_llama_store_holds_the_targets_five_layers(llama_store):
+    from tasks.store.reader import StoreReader
+
+    reader = StoreReader(llama_store)
+    layers = AuxLayers(STORE_LAYER_IDS)
+    assert reader.manifest["aux_layers"]["sglang_layer_output_ids"] == list(STORE_LAYER_IDS)
+    reference = load_reference_model(str(ensure_model(TINY)), torch.float32)
+    for i in range(len(reader)):
+        sample = reader[i]
+        aux, final = reference_states(reference, sample["input_ids"].tolist(), layers)
+        # Stored in bf16 from SGLang's float32 states: rounding to nearest is
+        # off by up to half a step, 2^-8 relative (bf16's unit roundoff).
+        torch.testing.assert_close(sample["aux_hidden_states"].float(), aux, atol=TARGET_ATOL,
+                                   rtol=TARGET_RTOL + 2.0 ** -8)
+        torch.testing.assert_close(sample["final_hidden_state"].float(), final, atol=TARGET_ATOL,
+                                   rtol=TARGET_RTOL + 2.0 ** -8)
+
+
 # Kimi-K2.5: a wrapper target whose embedding sits under language_model.,
 # an MLA target on a CPU, and a YaRN rope the drafter takes over.
 @pytest.fixture(scope="module", params=[(TINY, "eagle3"), (TINY, "eagle3.1"), (TINY_KIMI_K25, "eagle3"),
                                         (TINY_KIMI_K25, "eagle3.1")], ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory) -> Served:
     """A drafter trained (briefly: what is checked is the path, not its
-    quality) on a store captured from AUX_LAYER_IDS, served with the probe,
-    and one greedy request through it."""
+    quality) on its AUX_LAYER_IDS of a five-layer store (the Llama target's
+    captured, both variants from the one store; Kimi-K2.5's random states),
+    served with the probe, and one greedy request through it."""
     target, variant = request.param
     target_path = ensure_model(target)
     d = tmp_path_factory.mktemp(f"served-{target}-{variant}")
-    store = random_store(d, target_path, 8, max_length=64, aux_layer_ids=STORE_LAYER_IDS)
+    store = request.getfixturevalue("llama_store") if target == TINY else \
+        random_store(d, target_path, 8, max_length=64, aux_layer_ids=STORE_LAYER_IDS)
     result = train(TrainConfig(out_dir=str(d / "train"), variant=variant, aux_layer_ids=list(AUX_LAYER_IDS[variant]),
                                draft_vocab_size=256, ttt_steps=2, epochs=1, tokens_per_batch=512,
                                heldout_fraction=0.25, eval_max_samples=4), store)
