@@ -66,6 +66,18 @@ def attach(server, *, store, **capture) -> dict:
             "store": StoreConfig(path=str(store))}
 
 
+def wait_for(condition, proc, stderr: Path, timeout_s: float = 600) -> None:
+    """Return once `condition()` holds; fail, quoting `stderr`'s tail, if
+    the process `proc` exits first or `timeout_s` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, stderr.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
 def stored_samples(store: Path) -> int:
     """Samples committed to the store so far (0 before it exists)."""
     from tasks.store.handle import Store

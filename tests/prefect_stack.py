@@ -85,10 +85,11 @@ class Api:
         # 503 while locked); Prefect's own client retries them with backoff,
         # and so must anything that drives the API as a user's tools do.
         for attempt in range(6):
+            if attempt:
+                time.sleep(0.5 * 2 ** (attempt - 1))
             r = self.http.request(method, path, json=body)
             if r.status_code not in (429, 502, 503):
                 break
-            time.sleep(0.5 * 2 ** attempt)
         if r.status_code >= 400:
             raise RuntimeError(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else None

@@ -69,9 +69,7 @@ def test_two_extractions_into_sibling_stores_keep_their_own_servers(tiny_model, 
     """Seen before: a second run into stores/b took stores/a's live server
     for an orphan (both kept their record in stores/logs) and killed it. Each
     store now owns its server's log and record: both runs, at once, complete."""
-    import time
-
-    from tests.conftest import demo_rows, write_jsonl
+    from tests.conftest import demo_rows, wait_for, write_jsonl
 
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(24))
     stores = tmp_path / "stores"
@@ -84,10 +82,8 @@ def test_two_extractions_into_sibling_stores_keep_their_own_servers(tiny_model, 
              "--store.path", str(stores / name)], cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"),
             stderr=open(tmp_path / f"{name}.err", "w"))
         if name == "a":  # b starts once a's server runs (its pid record is written at launch)
-            deadline = time.monotonic() + 300
-            while not pidfile_for(stores / "a" / "logs" / "sglang-server.log").exists():
-                assert runs["a"].poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
-                time.sleep(0.5)
+            wait_for(pidfile_for(stores / "a" / "logs" / "sglang-server.log").exists, runs["a"], tmp_path / "a.err",
+                     timeout_s=300)
     for p in runs.values():
         p.wait(timeout=900)
     for name, p in runs.items():

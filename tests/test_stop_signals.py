@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tasks.store.lock import hold_lock
-from tests.conftest import demo_rows, rerun_completes, stored_samples, write_jsonl
+from tests.conftest import demo_rows, rerun_completes, stored_samples, wait_for, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_WITHIN_S = 15
@@ -33,14 +33,6 @@ def start(argv: list[str], tmp_path: Path) -> subprocess.Popen:
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # its own SQLite database
     return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, start_new_session=True,
                             stdout=open(tmp_path / "stdout", "w"), stderr=open(tmp_path / "stderr", "w"))
-
-
-def wait_for(condition, proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 600):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.5)
 
 
 def stop_and_check(proc: subprocess.Popen, signum: int, tmp_path: Path, *, group: bool) -> str:
@@ -73,7 +65,7 @@ def test_ctrl_c_stops_a_command_line_extraction_and_the_rerun_completes(capture_
                   "--capture.dataset", str(dataset), "--capture.batch-size", "2", "--store.path", str(store)],
                  tmp_path)
 
-    wait_for(lambda: stored_samples(store) >= 2, proc, tmp_path)
+    wait_for(lambda: stored_samples(store) >= 2, proc, tmp_path / "stderr")
     line = stop_and_check(proc, signal.SIGINT, tmp_path, group=True)
     kept = stored_samples(store)
     assert 2 <= kept < rows, "stopped too late to test anything"
@@ -96,7 +88,7 @@ def test_sigterm_stops_a_command_line_training_on_two_ranks(tiny_model, tmp_path
             "--train.tokens-per-batch", "128", "--train.checkpoint-every", "1", "--train.heldout-fraction", "0.1",
             "--train.eval-max-samples", "2"]
     proc = start(argv, tmp_path)
-    wait_for(lambda: (out / "checkpoint.pt").exists(), proc, tmp_path)
+    wait_for(lambda: (out / "checkpoint.pt").exists(), proc, tmp_path / "stderr")
     line = stop_and_check(proc, signal.SIGTERM, tmp_path, group=False)  # to the run alone, as a scheduler does
     assert line == (f"python -m flows.train: stopped by SIGTERM; training checkpoints in {out} kept; run the "
                     "same command again to resume"), line
