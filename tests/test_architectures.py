@@ -176,7 +176,14 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
     report = json.loads((tmp_path / "run" / "store" / "reports" / "latest.json").read_text())
     assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report
-    assert summary["heldout_tau"] > summary["untrained_tau"] + 0.3, summary
+    # The drafter learned. Not a fixed figure: the captures are batched
+    # float32 forwards whose last bits can depend on what the server batched
+    # together, and six epochs turn that into a spread. Seen: the slowest
+    # learners (Qwen3, Qwen3-MoE), retrained on one store with seeds 0-7,
+    # end at tau 0.30-0.45 (mean 0.36, sd 0.045); the untrained one at
+    # <= 0.005. 0.15 is mean - 4.7 sd, and a drafter that learned nothing
+    # stays near 0.
+    assert summary["heldout_tau"] > summary["untrained_tau"] + 0.15, summary
     assert summary["sglang_accept_length"] > 1.0, summary  # drafts were accepted in SGLang
     drafter = json.loads((Path(summary["drafter_dir"]) / "config.json").read_text())
     assert drafter["vocab_size"] == arch.sizes(config)["vocab_size"]
