@@ -43,6 +43,26 @@ def capture_server(tiny_model, tmp_path_factory):
         yield server
 
 
+# Five layers, not the default three: a store of any layer set.
+FIVE_LAYER_IDS = (1, 2, 4, 5, 6)
+
+
+@pytest.fixture(scope="session")
+def float32_server(tiny_model, tmp_path_factory):
+    """The tiny model served in float32, capturing FIVE_LAYER_IDS: for tests
+    that compare with HF token for token or to float32's precision (the
+    target's greedy answers, the five-layer store), where the capture
+    server's bf16 would flip near ties. Requests without its rid prefix
+    (regeneration's) are served and not captured."""
+    from tasks.target.architectures import LLAMA
+
+    spec = LaunchSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
+                      dump_dir=tmp_path_factory.mktemp("float32-dumps"),
+                      aux_layer_ids=LLAMA.sglang_layer_ids(FIVE_LAYER_IDS))
+    with launch_server(spec, ARTIFACTS / "float32-server.log", timeout_s=600) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """One temporary Prefect server (SQLite) for the session's flow runs."""

@@ -32,7 +32,7 @@ from tasks.target.embeddings import load_target_embeddings
 from tasks.train.drafter import Eagle3Drafter, target_sizes
 from tasks.train.export import export_weights, load_exported
 from tasks.train.loop import train
-from tests.conftest import ARTIFACTS, random_store
+from tests.conftest import ARTIFACTS, FIVE_LAYER_IDS, random_store
 from tests.tiny_models import TINY, TINY_KIMI_K25, ensure_model
 
 pytestmark = pytest.mark.server
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.server
 # would one given them in the wrong convention for the target's class
 # (Kimi-K2.5's reads ids starting at 1 shifted, others unshifted: one triple
 # of each).
-STORE_LAYER_IDS = (1, 2, 4, 5, 6)
+STORE_LAYER_IDS = FIVE_LAYER_IDS
 AUX_LAYER_IDS = {"eagle3": (2, 5, 6), "eagle3.1": (1, 4, 5)}
 PROMPT = list(range(40, 90))
 # The drafter, fp32 on both sides: what is left is summation order (SGLang's
@@ -87,7 +87,7 @@ def _distinct_fc_norms(drafter_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_store(prefect_api, tmp_path_factory) -> Path:
+def llama_store(float32_server, prefect_api, tmp_path_factory) -> Path:
     """The Llama target's five-layer store, captured by a real SGLang server
     (float32) through the extraction flow, which verifies it. (Kimi-K2.5's
     five-layer capture: tests/test_architectures.py.)"""
@@ -98,9 +98,12 @@ def llama_store(prefect_api, tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("llama-store")
     dataset = write_jsonl(d / "data.jsonl", demo_rows(8))
+    server = float32_server
     result = extract_hidden_states(
-        server=ServerConfig(model=str(ensure_model(TINY)), dtype="float32", max_total_tokens=8192),
-        capture=CaptureConfig(dataset=str(dataset), max_length=64, batch_size=8, aux_layer_ids=list(STORE_LAYER_IDS)),
+        server=server.spec.server.model_copy(update={"url": server.url, "api_key": server.api_key,
+                                                     "rid_prefix": server.rid_prefix}),
+        capture=CaptureConfig(dataset=str(dataset), max_length=64, batch_size=8, aux_layer_ids=list(STORE_LAYER_IDS),
+                              dump_dir=str(server.spec.dump_dir)),
         store=StoreConfig(path=str(d / "store")))
     from transformers import AutoTokenizer
 

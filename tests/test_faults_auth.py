@@ -299,30 +299,30 @@ def test_a_capture_without_the_key_is_refused_and_named(network, tmp_path):
 
 
 @pytest.mark.server
-def test_a_real_server_wants_its_key_and_captures_only_its_own_prefix(tiny_model, tmp_path):
-    """NOT run where it was written (no SGLang server could be started there)."""
-    dump_dir = tmp_path / "dumps"
-    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=dump_dir)
-    with launch_server(cfg, tmp_path / "server.log", timeout_s=600) as server:
-        assert server.api_key not in Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode()
-        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}}
-        with httpx.Client(timeout=60) as client:
-            url = f"{server.url}/generate"
-            assert client.post(url, json={**body, "rid": f"{server.rid_prefix}nokey"}).status_code == 401
-            assert client.post(url, json={**body, "rid": f"{server.rid_prefix}bad"},
-                               headers=auth_headers("wrong-key")).status_code == 401
-            public = client.post(url, json={**body, "rid": "e3-xyz"}, headers=auth_headers(server.api_key))
-            assert public.status_code == 200 and public.json()["meta_info"]["prompt_tokens"] == 3
-        (refused,) = capture_many(server.url, dump_dir, [[5, 6, 7]], lambda i, c: c.rid,
-                                  rid_prefix=server.rid_prefix)
-        assert "HTTP 401" in str(refused)
-        # The hook's writer works in order: once this capture's dump is read
-        # back, one for "e3-xyz" would be on disk already.
-        (rid,) = capture_many(server.url, dump_dir, [[5, 6, 7, 8]], lambda i, c: c.rid, api_key=server.api_key,
-                              rid_prefix=server.rid_prefix)
-        assert isinstance(rid, str) and rid.startswith(server.rid_prefix), rid
-        assert list(dump_dir.iterdir()) == []  # no dump for e3-xyz; capture_many removed its own
-        assert server.api_key not in server.log_tail(400)
+def test_a_real_server_wants_its_key_and_captures_only_its_own_prefix(capture_server):
+    # The session's capture server: launched by launch_server as a run's
+    # server is (a random key of its own, its own rid prefix).
+    server, dump_dir = capture_server, capture_server.spec.dump_dir
+    assert server.api_key not in Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode()
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}}
+    with httpx.Client(timeout=60) as client:
+        url = f"{server.url}/generate"
+        assert client.post(url, json={**body, "rid": f"{server.rid_prefix}nokey"}).status_code == 401
+        assert client.post(url, json={**body, "rid": f"{server.rid_prefix}bad"},
+                           headers=auth_headers("wrong-key")).status_code == 401
+        public = client.post(url, json={**body, "rid": "e3-xyz"}, headers=auth_headers(server.api_key))
+        assert public.status_code == 200 and public.json()["meta_info"]["prompt_tokens"] == 3
+    (refused,) = capture_many(server.url, dump_dir, [[5, 6, 7]], lambda i, c: c.rid, rid_prefix=server.rid_prefix)
+    assert "HTTP 401" in str(refused)
+    # The hook's writer works in order: once this capture's dump is read
+    # back, one for "e3-xyz" would be on disk already.
+    (rid,) = capture_many(server.url, dump_dir, [[5, 6, 7, 8]], lambda i, c: c.rid, api_key=server.api_key,
+                          rid_prefix=server.rid_prefix)
+    assert isinstance(rid, str) and rid.startswith(server.rid_prefix), rid
+    # No dump for e3-xyz or the refused requests; capture_many removed its own.
+    left = [p.name for p in dump_dir.iterdir() if "e3-xyz" in p.name or p.name.startswith(server.rid_prefix)]
+    assert left == [], left
+    assert server.api_key not in server.log_tail(400)
 
 
 def parsed_by_sglang(cfg):

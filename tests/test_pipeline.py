@@ -26,6 +26,8 @@ def test_pipeline_trains_a_drafter_sglang_accepts(capture_server, tiny_store, pr
         serve=ServeConfig(num_prompts=4, max_new_tokens=24))
     assert summary["store"] == str(tiny_store)
     assert summary["outputs_equal"] is True
+    served = json.loads((run_dir / "train" / "serve-logs" / "serve-report.json").read_text())
+    assert served["baseline"] == "launched"  # the default: a plain float32 server of the target
     assert summary["heldout_tau"] > summary["untrained_tau"] + 0.4
     # SGLang's accept length counts the bonus token: 1 + accepted drafts per
     # verify step; an untrained drafter stays at ~1.0. Far below 1 + tau@3

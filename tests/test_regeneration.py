@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from tasks.data.regeneration import prompt_messages, regenerate
-from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
-from tests.conftest import ARTIFACTS, demo_rows, write_jsonl
+from tests.conftest import demo_rows, write_jsonl
 
 
 def test_the_last_user_turn_is_answered_and_later_turns_dropped():
@@ -28,16 +26,13 @@ def test_a_conversation_without_a_user_turn_is_refused():
 
 
 @pytest.mark.server
-def test_regenerated_answers_are_the_targets_greedy_tokens(tiny_model, tmp_path):
+def test_regenerated_answers_are_the_targets_greedy_tokens(tiny_model, float32_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = write_jsonl(tmp_path / "data.jsonl", demo_rows(3) + ["{broken"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
-                     dump_dir=tmp_path / "unused", capture=False)
-    with launch_server(cfg, ARTIFACTS / "regenerate-server.log") as server:
-        result = regenerate(server.url, source, tmp_path / "out.jsonl", tokenizer, api_key=server.api_key,
-                            max_new_tokens=12)
+    result = regenerate(float32_server.url, source, tmp_path / "out.jsonl", tokenizer,
+                        api_key=float32_server.api_key, max_new_tokens=12)
     assert (result["rows"], result["skipped"]) == (3, 1)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()

@@ -67,10 +67,18 @@ def pinned_drafter(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.server
-def test_speculative_decoding_gives_the_plain_greedy_outputs(tiny_model, pinned_drafter):
+def test_speculative_decoding_gives_the_plain_greedy_outputs(tiny_model, float32_server, pinned_drafter):
+    # The plain outputs from a running float32 server of the target (the
+    # launched baseline: tests/test_pipeline.py); the speculative server
+    # takes its dtype.
     report = serve_check(ServerConfig(model=str(tiny_model), max_total_tokens=16384), pinned_drafter, PROMPTS,
-                         ServeConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=3), log_dir=ARTIFACTS / "serving")
-    assert report.baseline == "launched"
+                         ServeConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=3, baseline="attached"),
+                         log_dir=ARTIFACTS / "serving", baseline_url=float32_server.url,
+                         baseline_api_key=float32_server.api_key)
+    assert report.baseline == float32_server.url
+    launched = [line for line in (ARTIFACTS / "serving" / "speculative-server.log").read_text().splitlines()
+                if line.startswith("$ ")][-1]
+    assert "--dtype float32" in launched, launched
     assert report.outputs_equal, f"speculative outputs differ from plain greedy for prompts {report.differing_prompts}"
     assert report.plain_completion_tokens == report.spec_completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
     # Every request went through verify steps, and drafts were accepted and rejected.
