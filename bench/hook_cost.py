@@ -168,6 +168,42 @@ def sync(device):
 real_writer = hook_module.DumpWriter
 
 
+def measure(*, hidden: int, heads: int, intermediate: int, layers: int, tokens: int, requests: int, batches: int,
+            device: str) -> dict:
+    """The three variants on the same batches, in this process; figures per
+    batch and as fractions of the forward alone (bench/gpu_pack.py keeps them)."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = Stack(hidden, heads, intermediate, layers).to(device, dtype).eval()
+    per = tokens // requests
+    inputs = []
+    for b in range(batches + 1):  # the first one warms up
+        ids = torch.randint(0, 1024, (per * requests,), device=device)
+        fb = SimpleNamespace(forward_mode=Mode.EXTEND, rids=[f"e3-b{b}-r{r}" for r in range(requests)], input_ids=ids,
+                             extend_prefix_lens_cpu=[0] * requests, extend_seq_lens_cpu=[per] * requests)
+        inputs.append((ids, fb))
+    dump_dir = default_dump_root() / f"bench-hook-{next(tempfile._get_candidate_names())}"
+    dump_dir.mkdir(parents=True)
+    try:
+        run(model, inputs[:1], dump_dir, "sync", device)  # warm-up: kernels, allocator, page cache
+        out = {v: run(model, inputs[1:], dump_dir, v, device) for v in ("none", "sync", "writer")}
+    finally:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+    base = out["none"]["forward_s"]
+    result = {"device": device.type, "layers": layers, "hidden": hidden, "tokens": tokens, "batches": batches,
+              "requests": requests, "dtype": str(dtype).removeprefix("torch."),
+              "captured_mb_per_batch": tokens * 4 * hidden * torch.finfo(dtype).bits // 8 / 1e6,
+              "forward_ms_per_batch": 1000 * base / batches}
+    for v in ("sync", "writer"):
+        r = out[v]
+        assert r["files"] == batches * requests, r
+        result[v] = {"hook_ms_per_batch": 1000 * r["hook_s"] / batches, "hook_fraction": r["hook_s"] / base,
+                     "wall_ratio": r["wall_s"] / base}
+    result["after_over_before"] = out["writer"]["hook_s"] / out["sync"]["hook_s"]
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -180,40 +216,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
-    device = torch.device(args.device)
-    gpu = device.type == "cuda"
-    args.layers = args.layers or (4 if gpu else 2)
-    args.tokens = args.tokens or (8192 if gpu else 128)
-    args.batches = args.batches or (20 if gpu else 3)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    model = Stack(args.hidden, args.heads, args.intermediate, args.layers).to(device, dtype).eval()
-    per = args.tokens // args.requests
-    batches = []
-    for b in range(args.batches + 1):  # the first one warms up
-        ids = torch.randint(0, 1024, (per * args.requests,), device=device)
-        fb = SimpleNamespace(forward_mode=Mode.EXTEND, rids=[f"e3-b{b}-r{r}" for r in range(args.requests)],
-                             extend_prefix_lens_cpu=[0] * args.requests, extend_seq_lens_cpu=[per] * args.requests)
-        batches.append((ids, fb))
-    dump_dir = default_dump_root() / f"bench-hook-{next(tempfile._get_candidate_names())}"
-    dump_dir.mkdir(parents=True)
-    try:
-        run(model, batches[:1], dump_dir, "sync", device)  # warm-up: kernels, allocator, page cache
-        out = {v: run(model, batches[1:], dump_dir, v, device) for v in ("none", "sync", "writer")}
-    finally:
-        shutil.rmtree(dump_dir, ignore_errors=True)
-    base = out["none"]["forward_s"]
-    n = args.batches
-    captured = args.tokens * 4 * args.hidden * torch.finfo(dtype).bits // 8
-    print(f"{device.type}: {args.layers} layers, H={args.hidden}, {args.tokens} tokens x {n} batches "
-          f"({args.requests} requests each), {dtype}; {captured / 1e6:.0f} MB captured per batch")
-    print(f"forward alone: {1000 * base / n:.1f} ms per batch")
+    gpu = torch.device(args.device).type == "cuda"
+    r = measure(hidden=args.hidden, heads=args.heads, intermediate=args.intermediate,
+                layers=args.layers or (4 if gpu else 2), tokens=args.tokens or (8192 if gpu else 128), requests=args.requests,
+                batches=args.batches or (20 if gpu else 3), device=args.device)
+    print(f"{r['device']}: {r['layers']} layers, H={r['hidden']}, {r['tokens']} tokens x {r['batches']} batches "
+          f"({r['requests']} requests each), {r['dtype']}; {r['captured_mb_per_batch']:.0f} MB captured per batch")
+    print(f"forward alone: {r['forward_ms_per_batch']:.1f} ms per batch")
     for v, label in (("sync", "(1) before: write in the forward"), ("writer", "(2) after: background writer")):
-        r = out[v]
-        assert r["files"] == n * args.requests, r
-        print(f"{label:34s} hook {1000 * r['hook_s'] / n:8.1f} ms per batch = {r['hook_s'] / base:6.3f} of the "
-              f"forward; all batches until on disk {r['wall_s'] / base:.3f}x the forwards alone")
-    print(f"hook cost after / before: {out['writer']['hook_s'] / out['sync']['hook_s']:.3f}")
+        print(f"{label:34s} hook {r[v]['hook_ms_per_batch']:8.1f} ms per batch = {r[v]['hook_fraction']:6.3f} of the "
+              f"forward; all batches until on disk {r[v]['wall_ratio']:.3f}x the forwards alone")
+    print(f"hook cost after / before: {r['after_over_before']:.3f}")
 
 
 if __name__ == "__main__":
