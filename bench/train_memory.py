@@ -54,6 +54,10 @@ SMALL = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head
              vocab_size=4096, draft_vocab_size=1024)
 KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=18432,
             vocab_size=163_840, draft_vocab_size=32_768)
+# A Llama-3.1-8B target's drafter: the size most users train first.
+LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                vocab_size=128_256, draft_vocab_size=32_000)
+SHAPES = {"small": SMALL, "llama-8b": LLAMA_8B, "kimi": KIMI}
 
 
 def dense_ttt_attention(q, keys, values, valid):
@@ -102,9 +106,10 @@ def build(shape: dict, device: torch.device) -> Eagle3Drafter:
     return model
 
 
-def measure(shape: dict, n: int, steps: int, attention: str, device: str, repeats: int) -> dict:
+def measure(shape: dict, n: int, steps: int, attention: str, device: str, repeats: int, bf16: bool = False) -> dict:
     """TTT forward + backward in this process: extra peak memory, seconds (the
-    fastest of `repeats`: this machine is shared and noisy)."""
+    fastest of `repeats`: this machine is shared and noisy). `bf16`: under
+    bf16 autocast with fp32 weights, as training runs on a GPU."""
     dev = torch.device(device)
     torch.manual_seed(0)
     if attention == "dense":
@@ -121,7 +126,9 @@ def measure(shape: dict, n: int, steps: int, attention: str, device: str, repeat
                 "final": torch.randn(1, length, h, device=dev, dtype=torch.bfloat16)}
 
     def step(b: dict) -> None:
-        ttt_forward(model, b, head_rows, steps=steps, decay=0.8).loss.backward()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = ttt_forward(model, b, head_rows, steps=steps, decay=0.8).loss
+        loss.backward()
         model.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -154,9 +161,10 @@ _ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve(
         "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
-def in_fresh_process(n: int, steps: int, attention: str, device: str, repeats: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", str(n), str(steps), attention, device, str(repeats)],
-                         capture_output=True, text=True, env=_ENV)
+def in_fresh_process(n: int, steps: int, attention: str, device: str, repeats: int, shape: str = "small",
+                     precision: str = "fp32") -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", str(n), str(steps), attention, device, str(repeats),
+                          shape, precision], capture_output=True, text=True, env=_ENV)
     if out.returncode != 0:
         raise RuntimeError(f"measuring n={n} K={steps} {attention} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -244,11 +252,11 @@ def main(argv=None) -> None:
     ap.add_argument("--dense-max", type=int, default=2048, help="longest length the dense attention runs at")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=3, help="steps timed per measurement (the fastest counts)")
-    ap.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        n, k, attention, device, repeats = args.one
-        print(json.dumps(measure(SMALL, int(n), int(k), attention, device, int(repeats))))
+        n, k, attention, device, repeats, shape, precision = args.one
+        print(json.dumps(measure(SHAPES[shape], int(n), int(k), attention, device, int(repeats), precision == "bf16")))
         return
     per_token_step, dense_per_step = sweep(args.lengths, args.ttt_steps, args.dense_max, args.device, args.repeats)
     kimi(per_token_step, dense_per_step)
