@@ -130,13 +130,9 @@ def fsdp2_one(device: str) -> dict:
         plain = copy.deepcopy(model)
         ttt = TTT(model)
         fully_shard(ttt, mesh=init_device_mesh(dev.type, (1,)), ignored_params={model.embed_tokens.weight})
-        h, n = train_memory.SMALL["hidden_size"], 256
-        head_rows = torch.randn(train_memory.SMALL["draft_vocab_size"], h, device=dev) * 0.02
-        batch = {"input_ids": torch.randint(0, train_memory.SMALL["vocab_size"], (1, n), device=dev),
-                 "loss_mask": torch.ones(1, n, dtype=torch.bool, device=dev),
-                 "lengths": torch.tensor([n], device=dev),
-                 "aux": torch.randn(1, n, 3 * h, device=dev, dtype=torch.bfloat16),
-                 "final": torch.randn(1, n, h, device=dev, dtype=torch.bfloat16)}
+        shape = train_memory.SMALL
+        head_rows = torch.randn(shape["draft_vocab_size"], shape["hidden_size"], device=dev) * 0.02
+        batch = train_memory.random_batch(shape, 256, dev)
         ref = ttt_forward(plain, batch, head_rows, steps=3, decay=0.8).loss
         ref.backward()
         t0 = time.perf_counter()
@@ -146,7 +142,7 @@ def fsdp2_one(device: str) -> dict:
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
         worst = 0.0
-        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        for p, q in zip(model.parameters(), plain.parameters()):
             if p.grad is None:
                 continue
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

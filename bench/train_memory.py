@@ -106,6 +106,16 @@ def build(shape: dict, device: torch.device) -> Eagle3Drafter:
     return model
 
 
+def random_batch(shape: dict, length: int, device: torch.device) -> dict:
+    """One sample of `length` tokens as the loader collates it, the target's states random bf16."""
+    h = shape["hidden_size"]
+    return {"input_ids": torch.randint(0, shape["vocab_size"], (1, length), device=device),
+            "loss_mask": torch.ones(1, length, dtype=torch.bool, device=device),
+            "lengths": torch.tensor([length], device=device),
+            "aux": torch.randn(1, length, 3 * h, device=device, dtype=torch.bfloat16),
+            "final": torch.randn(1, length, h, device=device, dtype=torch.bfloat16)}
+
+
 def measure(shape: dict, n: int, steps: int, attention: str, device: str, repeats: int, bf16: bool = False) -> dict:
     """TTT forward + backward in this process: extra peak memory, seconds (the
     fastest of `repeats`: this machine is shared and noisy). `bf16`: under
@@ -118,13 +128,6 @@ def measure(shape: dict, n: int, steps: int, attention: str, device: str, repeat
     h = shape["hidden_size"]
     head_rows = torch.randn(shape["draft_vocab_size"], h, device=dev) * 0.02
 
-    def batch_of(length: int) -> dict:
-        return {"input_ids": torch.randint(0, shape["vocab_size"], (1, length), device=dev),
-                "loss_mask": torch.ones(1, length, dtype=torch.bool, device=dev),
-                "lengths": torch.tensor([length], device=dev),
-                "aux": torch.randn(1, length, 3 * h, device=dev, dtype=torch.bfloat16),
-                "final": torch.randn(1, length, h, device=dev, dtype=torch.bfloat16)}
-
     def step(b: dict) -> None:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
             loss = ttt_forward(model, b, head_rows, steps=steps, decay=0.8).loss
@@ -134,8 +137,8 @@ def measure(shape: dict, n: int, steps: int, attention: str, device: str, repeat
             torch.cuda.synchronize()
 
     # A short step first, so the kernels' lazily loaded code and buffers are in the baseline.
-    step(batch_of(16))
-    batch = batch_of(n)
+    step(random_batch(shape, 16, dev))
+    batch = random_batch(shape, n, dev)
     if dev.type == "cuda":
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -92,19 +92,12 @@ def llama_store(float32_server, prefect_api, tmp_path_factory) -> Path:
     (float32) through the extraction flow, which verifies it. (Kimi-K2.5's
     five-layer capture: tests/test_architectures.py.)"""
     from flows.extract import extract_hidden_states
-    from tasks.capture.config import CaptureConfig
-    from tasks.store.config import StoreConfig
-    from tests.conftest import demo_rows, write_jsonl
+    from tests.conftest import attach, demo_rows, write_jsonl
 
     d = tmp_path_factory.mktemp("llama-store")
     dataset = write_jsonl(d / "data.jsonl", demo_rows(8))
-    server = float32_server
-    result = extract_hidden_states(
-        server=server.spec.server.model_copy(update={"url": server.url, "api_key": server.api_key,
-                                                     "rid_prefix": server.rid_prefix}),
-        capture=CaptureConfig(dataset=str(dataset), max_length=64, batch_size=8, aux_layer_ids=list(STORE_LAYER_IDS),
-                              dump_dir=str(server.spec.dump_dir)),
-        store=StoreConfig(path=str(d / "store")))
+    result = extract_hidden_states(**attach(float32_server, store=d / "store", dataset=str(dataset), max_length=64,
+                                            batch_size=8, aux_layer_ids=list(STORE_LAYER_IDS)))
     from transformers import AutoTokenizer
 
     from tasks.data.dataset import prepare_samples
