@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     result = eagle3_pipeline(**values)
     elapsed = time.perf_counter() - t0
-    train, serve = values["train"], values["serve"]
+    train = values["train"]
     check = check_against_reference(result["store"], resolve_model(values["server"].model), samples_checked)
     summary = open_ledger(Path(result["store"])).summary()
     steps = train.serve_steps
@@ -92,11 +92,15 @@ def main(argv: list[str] | None = None) -> None:
         ("held-out tau", f"{held_out} samples: {result['heldout_tau']:.2f} over {train.ttt_steps} "
                          f"TTT steps, tau@{steps} {result[f'heldout_tau@{steps}']:.2f}, exact (chained) "
                          f"{result[f'heldout_tau_exact@{steps}']:.2f} (untrained {result['untrained_tau']:.2f})"),
-        ("SGLang accept length", f"{serve.num_prompts} prompts: {result['sglang_accept_length']:.2f} tokens per "
-                                 f"verify step at {steps} steps (accept rate {result['sglang_accept_rate']:.2f}); "
-                                 f"greedy output identical: {result['outputs_equal']}"),
-        ("speed-up", f"{result['speedup']:.2f}x ({result['spec_tokens_per_s']:.1f} vs "
-                     f"{result['plain_tokens_per_s']:.1f} tok/s){CPU_NOTE if not gpu_present() else ''}"),
+        ("SGLang accept length", f"{result['prompt_set']}: {result['sglang_accept_length']:.2f} tokens per verify "
+                                 f"step pooled, {result['sglang_accept_length_mean_of_means']:.2f} mean of "
+                                 f"per-request means, at {steps} steps (accept rate "
+                                 f"{result['sglang_accept_rate']:.2f}); greedy output identical: "
+                                 f"{result['outputs_equal']}"),
+        ("speed-up", f"{result['speedup']:.2f}x per user at {result['streams']} stream(s) "
+                     f"({result['spec_tokens_per_s']:.1f} vs {result['plain_tokens_per_s']:.1f} tok/s)"
+                     f"{CPU_NOTE if not gpu_present() else ''}"),
+        ("evaluation", f"{result['evaluation']} (every prompt set, the sweep, sweep.png)"),
         ("run time", f"{elapsed / 60:.1f} min (whole pipeline, server start-ups included)"),
     ]
     width = max(len(k) for k, _ in rows)

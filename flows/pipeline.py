@@ -1,6 +1,6 @@
 """Flow `eagle3_pipeline`: [regenerate answers] -> extract -> verify -> train
--> export -> serve-check, the stages after regeneration each a subflow, on
-one config whose sections are the stages' own.
+-> export -> evaluate (served in SGLang), the stages after regeneration each
+a subflow, on one config whose sections are the stages' own.
 
     python -m flows.pipeline --help
     python -m flows.pipeline --config configs/pipeline.yaml --train.lr 3e-4
@@ -16,13 +16,13 @@ from flows.cli import described
 from flows.extract import extract_hidden_states
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
-from flows.serve import baseline_server, serve_check
+from flows.evaluate import baseline_server, evaluate_drafter
 from flows.train import train_drafter
 from flows.verify import verify_store
 from tasks.capture.config import CaptureConfig
 from tasks.data import regeneration
 from tasks.data.config import RegenerateConfig
-from tasks.serve.config import ServeConfig
+from tasks.serve.config import EvaluateConfig
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, launch_server
 from tasks.store.config import StoreConfig
@@ -64,12 +64,12 @@ def eagle3_pipeline(
     capture: CaptureConfig = CaptureConfig(),
     store: StoreConfig = StoreConfig(),
     train: TrainConfig = TrainConfig(),
-    serve: ServeConfig = ServeConfig(),
+    evaluate: EvaluateConfig = EvaluateConfig(),
     regenerate: RegenerateConfig = RegenerateConfig(),
 ) -> dict:
-    """From a dataset to a drafter SGLang serves: capture, verify, train, export, serve-check."""
+    """From a dataset to a drafter SGLang serves: capture, verify, train, export, evaluate."""
     log = get_run_logger()
-    baseline_server(server, serve)  # refused now, not after the training
+    baseline_server(server, evaluate)  # refused now, not after the training
     store_dir, train_dir = Path(store.path).resolve(), Path(train.out_dir).resolve()
     store = store.model_copy(update={"path": str(store_dir)})
     train = train.model_copy(update={"out_dir": str(train_dir)})
@@ -86,23 +86,30 @@ def eagle3_pipeline(
         extract_hidden_states(server=server, capture=capture, store=store, verify=False)
         verify_store(store=str(store_dir))
         trained = train_drafter(store=str(store_dir), train=train)
-        served = serve_check(drafter_dir=trained["drafter_dir"], store=str(store_dir),
-                             server=server.model_copy(update={"model": trained["target"]}), serve=serve)
+        report = evaluate_drafter(drafter_dirs=[trained["drafter_dir"]], store=str(store_dir),
+                                  server=server.model_copy(update={"model": trained["target"]}), evaluate=evaluate)
     steps = train.serve_steps
     held = trained["heldout"]
+    # The first prompt set, greedy; speeds at the fewest streams swept.
+    served = next(r for r in report["acceptance"] if r["mode"] == "greedy")
+    fewest = min(report["sweep"], key=lambda r: r["concurrency"])
     summary = {
         "store": str(store_dir), "drafter_dir": trained["drafter_dir"],
         "heldout_tau": held["tau"], f"heldout_tau@{steps}": held[f"tau@{steps}"],
         "heldout_tau_exact": held["tau_exact"], f"heldout_tau_exact@{steps}": held[f"tau_exact@{steps}"],
         "untrained_tau": trained["untrained"]["tau"],
-        "sglang_accept_length": served["spec_accept_length"], "sglang_accept_rate": served["spec_accept_rate"],
-        "speedup": served["speedup"], "plain_tokens_per_s": served["plain_tokens_per_s"],
-        "spec_tokens_per_s": served["spec_tokens_per_s"], "outputs_equal": served["outputs_equal"],
+        "prompt_set": served["prompt_set"], "sglang_accept_length": served["pooled"],
+        "sglang_accept_length_mean_of_means": served["mean_of_means"], "sglang_accept_rate": served["accept_rate"],
+        "streams": fewest["concurrency"], "speedup": fewest["per_user_speedup"],
+        "plain_tokens_per_s": fewest["plain_per_user_tokens_per_s"],
+        "spec_tokens_per_s": fewest["spec_per_user_tokens_per_s"], "outputs_equal": served["outputs_equal"],
+        "evaluation": str(Path(trained["drafter_dir"]).parent / "evaluation"),
     }
     log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); SGLang accept length "
-             "%.2f, speed-up %.2fx, greedy outputs identical: %s", trained["drafter_dir"], held["tau"], steps,
-             held[f"tau@{steps}"], held[f"tau_exact@{steps}"], summary["untrained_tau"],
-             served["spec_accept_length"] or 0.0, served["speedup"], served["outputs_equal"])
+             "%.2f pooled, %.2f mean of means on %s; speed-up %.2fx at %d stream(s), greedy outputs identical: %s",
+             trained["drafter_dir"], held["tau"], steps, held[f"tau@{steps}"], held[f"tau_exact@{steps}"],
+             summary["untrained_tau"], served["pooled"], served["mean_of_means"], served["prompt_set"],
+             summary["speedup"] or 0.0, fewest["concurrency"], served["outputs_equal"])
     return summary
 
 

@@ -16,7 +16,7 @@ from flows.pipeline import eagle3_pipeline
 from tasks.capture import canary
 from tasks.capture.client import capture_many
 from tasks.capture.config import CaptureConfig
-from tasks.serve.config import ServeConfig
+from tasks.serve.config import EvaluateConfig
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, build_command, cpu_attention_backend, hook_spec, launch_server
 from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \
@@ -169,10 +169,12 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
                               draft_vocab_size=512, ttt_steps=3, epochs=6, lr=5e-3, tokens_per_batch=2048,
                               serve_steps=3),
             # The plain outputs from this server (no second launch of the target).
-            serve=ServeConfig(num_prompts=4, max_new_tokens=24, baseline="attached"))
+            # One stream, greedy: the sweep and sampling are tests/test_serving.py's.
+            evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, baseline="attached", concurrency=[1],
+                                    temperature=0.0, min_verify_steps=16))
     assert summary["outputs_equal"] is True, summary
-    served = json.loads((Path(summary["drafter_dir"]).parent / "serve-logs" / "serve-report.json").read_text())
-    assert served["baseline"] == attached.url, served
+    evaluation = json.loads((Path(summary["evaluation"]) / "evaluation.json").read_text())
+    assert evaluation["baseline"] == attached.url, evaluation
     # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
     report = json.loads((tmp_path / "run" / "store" / "reports" / "latest.json").read_text())
     assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report

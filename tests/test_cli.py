@@ -8,7 +8,7 @@ from flows.cli import config_from_argv, help_text
 from flows.config import ConfigError, is_section, parameters, parameters_model, section_fields
 
 FLOWS = ["flows.extract:extract_hidden_states", "flows.extract_nodes:extract_across_nodes",
-         "flows.verify:verify_store", "flows.train:train_drafter", "flows.serve:serve_check",
+         "flows.verify:verify_store", "flows.train:train_drafter", "flows.evaluate:evaluate_drafter",
          "flows.pipeline:eagle3_pipeline"]
 
 
@@ -53,11 +53,11 @@ def test_the_ui_form_describes_every_parameter_and_every_section_field(entry):
 def test_the_pipeline_takes_every_stage_section():
     from flows.extract import extract_hidden_states
     from flows.pipeline import eagle3_pipeline
-    from flows.serve import serve_check
+    from flows.evaluate import evaluate_drafter
     from flows.train import train_drafter
 
     pipeline = parameters(eagle3_pipeline)
-    for stage in (extract_hidden_states, train_drafter, serve_check):
+    for stage in (extract_hidden_states, train_drafter, evaluate_drafter):
         for name, (annotation, _) in parameters(stage).items():
             if is_section(annotation):
                 assert pipeline[name][0] is annotation, (stage.name, name)

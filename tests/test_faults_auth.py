@@ -33,7 +33,7 @@ from tasks.capture.extraction import Endpoint, extract_batch, reset_dump_dir, wa
 from tasks.capture.hook import make_capture_hook
 from tasks.data.dataset import Sample
 from tasks.data.regeneration import regenerate
-from tasks.serve.check import generate_all
+from tasks.serve.generate import generate_all
 from tasks.server.health import wait_healthy
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, ServerHandle, launch_server
@@ -383,9 +383,9 @@ OWNED = [
     (["--return-aux-hidden-state-layer-ids", "1", "2", "3"], {}, "capture.aux_layer_ids"),
     (["--speculative-algorithm", "NGRAM"], {}, "LaunchSpec.draft_model_path"),
     (["--speculative-draft-model-path", "d"], {}, "LaunchSpec.draft_model_path"),
-    (["--speculative-num-steps", "5"], {}, "serve.num_steps"),
+    (["--speculative-num-steps", "5"], {}, "evaluate.num_steps"),
     (["--speculative-eagle-topk", "2"], {}, "LaunchSpec.speculative_eagle_topk"),
-    (["--speculative-num-draft-tokens", "8"], {}, "serve.num_draft_tokens"),
+    (["--speculative-num-draft-tokens", "8"], {}, "a top-1 chain verifies"),
     (["--forward-hooks", "[]"], {}, "LaunchSpec.capture_module"),
     (["--api-key", "k"], {}, "server.api_key"),
     (["--config", "x.yaml"], {}, "the launcher passes its own --config"),

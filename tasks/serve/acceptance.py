@@ -1,0 +1,71 @@
+"""Acceptance, from SGLang's own per-request counts, under both of the
+aggregations drafters are compared by.
+
+- pooled: Σ completion tokens / Σ verify steps over the whole set, as vLLM
+  and SGLang's server report it (long requests weigh more);
+- mean of means: the mean over requests of each one's completion tokens /
+  verify steps, as SpecForge's benchmark reports it.
+The two can order two drafters differently (vllm #42508), so both are named.
+
+Per position, from `spec_correct_drafts_histogram` (index k: verify steps
+that accepted exactly k drafts): the share of verify steps whose k-th draft
+was accepted, i.e. that accepted at least k.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    requests: int
+    completion_tokens: int
+    verify_steps: int
+    pooled: float  # Σ completion tokens / Σ verify steps
+    mean_of_means: float  # mean over requests of completion tokens / verify steps
+    accept_rate: float  # drafts accepted / drafts proposed (num_drafts a step)
+    histogram: list[int]  # summed over requests, num_drafts + 1 bins; bin k: verify steps that accepted k drafts
+    per_position: list[float]  # num_drafts entries; entry k-1: share of verify steps that accepted their k-th draft
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def acceptance(meta_infos: Sequence[dict], num_drafts: int) -> Acceptance:
+    """Acceptance over requests answered by a speculative server drafting
+    `num_drafts` tokens a step (its num_steps, top-1). A request
+    without verify steps (answered by prefill alone) has no ratio; one that
+    lacks SGLang's counts is an error, not a zero: it would drag both means
+    down unseen."""
+    if not meta_infos:
+        raise ValueError("no requests to measure acceptance on")
+    if num_drafts < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    ratios, completion, steps, histogram = [], 0, 0, [0] * (num_drafts + 1)
+    for i, meta in enumerate(meta_infos):
+        if "spec_verify_ct" not in meta or "completion_tokens" not in meta:
+            raise ValueError(f"request {i}: meta_info has no spec_verify_ct/completion_tokens (keys "
+                             f"{sorted(meta)}): the server is not speculative, or SGLang changed its fields")
+        n, v = int(meta["completion_tokens"]), int(meta["spec_verify_ct"])
+        completion, steps = completion + n, steps + v
+        if v:
+            ratios.append(n / v)
+        hist = meta.get("spec_correct_drafts_histogram") or []
+        if v and sum(hist) != v:
+            raise ValueError(f"request {i}: its acceptance histogram counts {sum(hist)} verify steps, "
+                             f"meta_info says {v}")
+        if len(hist) > num_drafts + 1:
+            raise ValueError(f"request {i}: its acceptance histogram has {len(hist)} bins, more than "
+                             f"{num_drafts} drafts a step can fill")
+        for k, count in enumerate(hist):
+            histogram[k] += int(count)
+    if not steps:
+        raise ValueError(f"none of {len(meta_infos)} requests went through a verify step: nothing was drafted")
+    total = sum(histogram)
+    per_position = [sum(histogram[k:]) / total if total else 0.0 for k in range(1, num_drafts + 1)]
+    accepted = sum(k * n for k, n in enumerate(histogram))
+    return Acceptance(requests=len(meta_infos), completion_tokens=completion, verify_steps=steps,
+                      pooled=completion / steps, mean_of_means=sum(ratios) / len(ratios),
+                      accept_rate=accepted / (total * num_drafts) if total else 0.0,
+                      histogram=histogram, per_position=per_position)

@@ -1,0 +1,223 @@
+"""Drafters compared the way users compare them: each served speculatively
+in SGLang beside the plain target, on the same prompt sets and server
+settings, in one run.
+
+The plain target runs once (launched, or the attached server): its greedy
+outputs per set and its sweep. Then each drafter's speculative server runs
+in turn, one server at a time: greedy outputs per set (which must equal the
+plain ones), acceptance greedy and sampled (tasks/serve/acceptance.py), and
+the same sweep (tasks/serve/sweep.py). Every server the launcher starts has
+the prefix cache off, so a repeated prompt costs what a new one does.
+"""
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import logging
+import shlex
+import time
+from dataclasses import dataclass, replace
+from importlib.metadata import version
+from pathlib import Path
+from typing import Sequence
+
+from tasks.failures import Permanent
+from tasks.serve.acceptance import acceptance
+from tasks.serve.generate import GenerationRun, generate_all, serving_dtype
+from tasks.serve.config import EvaluateConfig
+from tasks.serve.prompts import PromptSet
+from tasks.serve.sweep import SweepPoint, sweep
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, check_serves, launch_server
+from tasks.sglang_api import server_says
+from tasks.train.launch import result_from_dir
+from tasks.train.loop import RESULT
+
+logger = logging.getLogger("eagle3.serving")
+
+RAW_COUNTS = ("completion_tokens", "spec_verify_ct", "spec_correct_drafts_histogram")
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A drafter under evaluation: its exported directory, the steps it is
+    served with and, when its training run is beside it, its held-out tau."""
+    name: str
+    path: Path
+    num_steps: int
+    heldout_tau: float | None = None
+
+
+def drafter_at(path: str | Path, num_steps: int | None = None, name: str | None = None) -> Drafter:
+    """The drafter exported at `path` (train_drafter's <out_dir>/drafter):
+    its serve_steps unless `num_steps` is given, its run's held-out tau."""
+    path = Path(path).resolve()
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no drafter at {path}: expected an SGLang EAGLE-3 directory with config.json")
+    trained = json.loads(config_path.read_text()).get("eagle3_training") or {}
+    steps = num_steps or trained.get("config", {}).get("serve_steps")
+    if not steps:
+        raise ValueError(f"{path}/config.json does not say the steps it serves with: give num_steps")
+    tau = result_from_dir(path.parent).final["tau"] if (path.parent / RESULT).is_file() else None
+    return Drafter(name or f"{path.parent.name}/{path.name}", path, int(steps), tau)
+
+
+class SpeculationChangedOutput(Permanent, RuntimeError):
+    """Greedy output with a drafter differs from greedy output without it."""
+
+
+def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: Sequence[PromptSet],
+                      cfg: EvaluateConfig, *, log_dir: str | Path, baseline_url: str | None = None,
+                      baseline_api_key: str | None = None, startup_timeout_s: float = 600.0,
+                      request_timeout_s: float = 600.0) -> dict:
+    """The comparison, written to `log_dir` (evaluation.json, acceptance.csv,
+    sweep.csv, sweep.png, requests.jsonl, the servers' logs: plain-server.log,
+    drafter<j>-server.log in the drafters' order) and returned. Raises
+    SpeculationChangedOutput, after writing it all, when a drafter changed
+    any greedy output."""
+    if not drafters:
+        raise ValueError("no drafter to evaluate")
+    if len({d.name for d in drafters}) != len(drafters):
+        raise ValueError(f"drafter names repeat: {[d.name for d in drafters]}; give each its own name")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if baseline_url is not None:
+        check_serves(baseline_url, Path(server.model), api_key=baseline_api_key)
+    dtype = serving_dtype(server.model, cfg.dtype, baseline_url, baseline_api_key)
+    plain = LaunchSpec(server.model_copy(update={"dtype": dtype}), dump_dir=log_dir / "unused-dumps", capture=False)
+    commands: dict[str, str] = {}
+
+    def generate(url, api_key, prompts, tag, temperature=0.0) -> GenerationRun:
+        return asyncio.run(generate_all(url, prompts, api_key=api_key, max_new_tokens=cfg.max_new_tokens,
+                                        ignore_eos=True, concurrency=max(cfg.concurrency), tag=tag,
+                                        timeout_s=request_timeout_s, temperature=temperature))
+
+    def measure(name: str, tag: str, url: str, api_key: str | None, speculative: bool):
+        # Request ids carry `tag`, not the names: a file path or a drafter's path is no part of an id.
+        started = time.monotonic()
+        greedy = {s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}") for k, s in enumerate(sets)}
+        sampled = ({s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}-t", cfg.temperature)
+                    for k, s in enumerate(sets)} if speculative and cfg.temperature > 0 else {})
+        points = sweep(url, [p for s in sets for p in s.prompts], cfg.concurrency, max_new_tokens=cfg.max_new_tokens,
+                       speculative=speculative, min_verify_steps=cfg.min_verify_steps, timeout_s=request_timeout_s,
+                       tag=tag, api_key=api_key)
+        logger.info("%s measured in %.0f s", name, time.monotonic() - started)
+        return greedy, sampled, points
+
+    def launched(name: str, tag: str, spec: LaunchSpec, speculative: bool):
+        log_path = log_dir / f"{tag}-server.log"
+        logger.info("starting the %s server (log: %s)", name, log_path)
+        with launch_server(spec, log_path, timeout_s=startup_timeout_s) as live:
+            commands[name] = shlex.join(map(str, live.process.args))
+            return measure(name, tag, live.url, live.api_key, speculative)
+
+    if baseline_url is None:
+        plain_greedy, _, plain_points = launched("plain", "plain", plain, False)
+    else:
+        logger.info("plain outputs from the running server at %s, in %s", baseline_url, dtype)
+        commands["plain"] = f"(attached: {baseline_url}, prefix cache " + (
+            "off)" if server_says(baseline_url, "/server_info", "disable_radix_cache", "its prefix cache setting",
+                                  api_key=baseline_api_key) else "on: its sweep may be optimistic)")
+        plain_greedy, _, plain_points = measure("plain", "plain", baseline_url, baseline_api_key, False)
+
+    rows, sweep_rows, changed, raw = [], [], {}, []
+    for j, d in enumerate(drafters):
+        spec = replace(plain, draft_model_path=str(d.path), speculative_num_steps=d.num_steps,
+                       speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1)
+        greedy, sampled, points = launched(d.name, f"drafter{j}", spec, True)
+        differ = greedy_changes(plain_greedy, greedy)
+        changed.update({f"{d.name} on {name}": prompts for name, prompts in differ.items()})
+        for s in sets:
+            differing = differ.get(s.name)
+            for mode, run in (("greedy", greedy[s.name]), (f"temperature {cfg.temperature}", sampled.get(s.name))):
+                if run is None:
+                    continue
+                rows.append({"drafter": d.name, "prompt_set": s.name, "mode": mode, "heldout_tau": d.heldout_tau,
+                             "outputs_equal": not differing if mode == "greedy" else None,
+                             **acceptance(run.meta_infos, d.num_steps).to_dict()})
+                raw += [{"drafter": d.name, "prompt_set": s.name, "mode": mode, "prompt": i,
+                         **{k: m.get(k) for k in RAW_COUNTS}} for i, m in enumerate(run.meta_infos)]
+        for p, q in zip(plain_points, points):
+            sweep_rows.append(sweep_row(d.name, p, q))
+
+    report = {
+        "baseline": baseline_url or "launched",
+        "drafters": [{"name": d.name, "path": str(d.path), "num_steps": d.num_steps, "heldout_tau": d.heldout_tau}
+                     for d in drafters],
+        "prompt_sets": {s.name: len(s.prompts) for s in sets},
+        "settings": {**cfg.model_dump(), "dtype": dtype, "sglang": version("sglang"), "commands": commands},
+        "acceptance": rows, "sweep": sweep_rows, "greedy_changed": changed,
+    }
+    write_report(report, log_dir)
+    # SGLang's own per-request counts, from which every acceptance figure above can be recomputed.
+    (log_dir / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw))
+    if changed:
+        raise SpeculationChangedOutput(
+            f"greedy output with a drafter differs from plain greedy output: {changed} (prompt indices per set; "
+            f"dtype {dtype}). Server logs and the report: {log_dir}")
+    return report
+
+
+def greedy_changes(plain: dict[str, GenerationRun], spec: dict[str, GenerationRun]) -> dict[str, list[int]]:
+    """Per prompt set, the prompts whose greedy output the drafter changed."""
+    changed = {}
+    for name, run in plain.items():
+        differing = [i for i, (a, b) in enumerate(zip(run.output_ids, spec[name].output_ids, strict=True)) if a != b]
+        if differing:
+            changed[name] = differing
+    return changed
+
+
+def sweep_row(drafter: str, plain: SweepPoint, spec: SweepPoint) -> dict:
+    def ratio(a, b):
+        return a / b if b else None
+
+    return {"drafter": drafter, "concurrency": spec.concurrency, "requests": spec.requests,
+            "verify_steps": spec.verify_steps,
+            "plain_per_user_tokens_per_s": plain.per_user_tokens_per_s,
+            "spec_per_user_tokens_per_s": spec.per_user_tokens_per_s,
+            "per_user_speedup": ratio(spec.per_user_tokens_per_s, plain.per_user_tokens_per_s),
+            "plain_total_tokens_per_s": plain.total_tokens_per_s,
+            "spec_total_tokens_per_s": spec.total_tokens_per_s,
+            "total_speedup": ratio(spec.total_tokens_per_s, plain.total_tokens_per_s)}
+
+
+def write_report(report: dict, log_dir: Path) -> None:
+    (log_dir / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
+    for name, rows in (("acceptance", report["acceptance"]), ("sweep", report["sweep"])):
+        if rows:
+            with open(log_dir / f"{name}.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()}
+                                 for r in rows)
+    plot_sweep(report["sweep"], log_dir / "sweep.png")
+
+
+def plot_sweep(rows: list[dict], path: Path) -> None:
+    """Total throughput against per-user speed, a line per server through
+    its concurrency points (labelled), the plain target's included."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    lines = {"plain": [(r["concurrency"], r["plain_per_user_tokens_per_s"], r["plain_total_tokens_per_s"])
+                       for r in rows if r["drafter"] == rows[0]["drafter"]]} if rows else {}
+    for r in rows:
+        lines.setdefault(r["drafter"], []).append(
+            (r["concurrency"], r["spec_per_user_tokens_per_s"], r["spec_total_tokens_per_s"]))
+    for name, points in lines.items():
+        ax.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=name)
+        for c, x, y in points:
+            ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    ax.set_xlabel("tokens/s per user")
+    ax.set_ylabel("tokens/s in all")
+    ax.set_title("throughput against per-user speed (labels: streams)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
