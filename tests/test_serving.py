@@ -14,11 +14,12 @@ from safetensors.torch import load_file, save_file
 from flows.evaluate import baseline_server
 from tasks.serve.acceptance import acceptance
 from tasks.serve.config import EvaluateConfig
-from tasks.serve.evaluate import greedy_changes
+from tasks.serve.evaluate import Drafter, SpeculationChangedOutput, evaluate_drafters, greedy_changes
 from tasks.serve.generate import GenerationRun, serving_dtype
 from tasks.serve.prompts import humaneval_problems, prompt_set, render
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, build_command
+from tasks.target.architectures import load_tokenizer
 from tests.conftest import ARTIFACTS
 from tests.random_drafter import export_random_drafter
 
@@ -124,8 +125,6 @@ def test_acceptance_is_pooled_and_a_mean_of_means_from_the_raw_counts():
 
 
 def test_prompt_sets_render_through_the_chat_template_and_bad_rows_are_refused(tiny_model, tmp_path):
-    from tasks.target.architectures import load_tokenizer
-
     tokenizer = load_tokenizer(tiny_model)
     human = prompt_set("humaneval", count=3, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
     first = humaneval_problems()[0]["prompt"]
@@ -145,27 +144,32 @@ def test_prompt_sets_render_through_the_chat_template_and_bad_rows_are_refused(t
 
 
 @pytest.mark.server
-def test_two_drafters_are_compared_in_one_run_from_sglangs_own_counts(tiny_model, float32_server, pinned_drafter,
-                                                                     prefect_api, tmp_path):
-    from flows.evaluate import evaluate_drafter
-
-    # A drafter of the pinned one's kind that drafts nothing the target says, beside the pinned one.
+def test_two_drafters_are_compared_in_one_run_and_a_changed_greedy_output_fails_it(tiny_model, float32_server,
+                                                                                   pinned_drafter, tmp_path):
+    # The pinned drafter, and an untrained one whose server has a real fault:
+    # a hook negating the target's final hidden state, so its greedy tokens
+    # are other tokens. The run measures both, then fails naming the second.
     random = export_random_drafter(tiny_model, tmp_path / "random" / "drafter", draft_vocab_size=512)
-    for d in (pinned_drafter, random):  # what an export by train_drafter records
-        config = json.loads((d / "config.json").read_text())
-        config["eagle3_training"] = {"target": str(tiny_model), "config": {"serve_steps": 3, "heldout_fraction": 0.1}}
-        (d / "config.json").write_text(json.dumps(config))
+    negate = {"name": "negate_final_norm", "target_modules": ["model.norm"],
+              "hook_factory": "tests.sglang_wrong_logits_hook:make_negating_hook", "config": {}}
+    drafters = [Drafter("pinned", pinned_drafter, 3), Drafter("faulty", random, 3, hooks=(negate,))]
     # The prompts the pinned drafter's token was chosen on, as a user's file of token ids.
     rows = tmp_path / "prompts.jsonl"
     rows.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    tokenizer = load_tokenizer(tiny_model)
+    sets = [prompt_set(name, count=3, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
+            for name in (str(rows), "humaneval")]
     out = ARTIFACTS / "evaluation"
-    cfg = EvaluateConfig(prompt_sets=["humaneval", str(rows)], num_prompts=3, max_new_tokens=MAX_NEW_TOKENS,
-                         concurrency=[1, 4], min_verify_steps=40, baseline="attached")
-    server = ServerConfig(model=str(tiny_model), url=float32_server.url, api_key=float32_server.api_key)
-    report = evaluate_drafter(drafter_dirs=[str(pinned_drafter), str(random)], store=None, out_dir=str(out),
-                              server=server, evaluate=cfg)
-    assert [d["path"] for d in report["drafters"]] == [str(pinned_drafter), str(random)]
-    assert report["prompt_sets"] == {"humaneval": 3, str(rows): 3} and not report["greedy_changed"]
+    # 100 verify steps: more than one round of 2 requests at one stream gives (~23 each).
+    cfg = EvaluateConfig(num_prompts=3, max_new_tokens=MAX_NEW_TOKENS, concurrency=[1, 4], min_verify_steps=100,
+                         baseline="attached")
+    with pytest.raises(SpeculationChangedOutput, match="faulty on .*prompts.jsonl") as failed:
+        evaluate_drafters(ServerConfig(model=str(tiny_model)), drafters, sets, cfg, log_dir=out,
+                          baseline_url=float32_server.url, baseline_api_key=float32_server.api_key)
+    assert "pinned" not in str(failed.value)
+    report = json.loads((out / "evaluation.json").read_text())  # written before the run failed
+    assert report["baseline"] == float32_server.url
+    assert set(report["greedy_changed"]) == {f"faulty on {rows}", "faulty on humaneval"}
     raw = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     by = {}
     for r in raw:
@@ -183,21 +187,25 @@ def test_two_drafters_are_compared_in_one_run_from_sglangs_own_counts(tiny_model
             assert sum(r["spec_correct_drafts_histogram"]) == r["spec_verify_ct"]
         assert sum(row["histogram"]) == steps == row["verify_steps"]
         assert len(row["histogram"]) == 3 + 1 and len(row["per_position"]) == 3
-        assert row["outputs_equal"] is (True if row["mode"] == "greedy" else None)
-    pinned, unpinned = rows_by[(report["drafters"][0]["name"], str(rows), "greedy")], \
-        rows_by[(report["drafters"][1]["name"], str(rows), "greedy")]
-    assert pinned["pooled"] > unpinned["pooled"] >= 1.0 and pinned["per_position"][0] > 0
+        if row["mode"] == "greedy":
+            assert row["outputs_equal"] is (row["drafter"] == "pinned")
+        else:
+            assert row["outputs_equal"] is None
+    pinned = rows_by[("pinned", str(rows), "greedy")]
+    assert pinned["pooled"] > 1.0 and pinned["per_position"][0] > 0
     assert 0 < pinned["accept_rate"] < 1  # drafts accepted and drafts rejected
     assert [(r["drafter"], r["concurrency"]) for r in report["sweep"]] == [
-        (d["name"], c) for d in report["drafters"] for c in (1, 4)]
+        (d, c) for d in ("pinned", "faulty") for c in (1, 4)]
     for point in report["sweep"]:
-        assert point["verify_steps"] >= 40 and point["requests"] >= 2 * point["concurrency"]
+        assert point["verify_steps"] >= 100 and point["requests"] % (2 * point["concurrency"]) == 0
         assert point["per_user_speedup"] > 0 and point["total_speedup"] > 0
-    settings = report["settings"]
+        if point["concurrency"] == 1:
+            assert point["requests"] > 2  # rounds were added until the point had its verify steps
     # Each speculative server in the attached baseline's float32, its prefix cache off.
+    settings = report["settings"]
     assert settings["sglang"] == "0.5.23" and settings["dtype"] == "float32"
-    for d in report["drafters"]:
-        command = settings["commands"][d["name"]]
+    for name in ("pinned", "faulty"):
+        command = settings["commands"][name]
         assert "--disable-radix-cache" in command and "--dtype float32" in command, command
     assert (out / "sweep.png").stat().st_size > 0 and (out / "acceptance.csv").read_text().count("\n") == 9
 

@@ -47,6 +47,7 @@ class Drafter:
     path: Path
     num_steps: int
     heldout_tau: float | None = None
+    hooks: tuple[dict, ...] = ()  # forward hooks for its server (`--forward-hooks`): probes, injected faults
 
 
 def drafter_at(path: str | Path, num_steps: int | None = None, name: str | None = None) -> Drafter:
@@ -125,7 +126,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
     rows, sweep_rows, changed, raw = [], [], {}, []
     for j, d in enumerate(drafters):
         spec = replace(plain, draft_model_path=str(d.path), speculative_num_steps=d.num_steps,
-                       speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1)
+                       speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1, extra_hooks=d.hooks)
         greedy, sampled, points = launched(d.name, f"drafter{j}", spec, True)
         differ = greedy_changes(plain_greedy, greedy)
         changed.update({f"{d.name} on {name}": prompts for name, prompts in differ.items()})

@@ -306,7 +306,8 @@ def _launch(spec: LaunchSpec, log_path: Path, port: int, timeout_s: float,
     reap_orphan(pidfile)
     if follower is not None:
         follower.hide(spec.api_key)
-    options_file = write_options_file(spec.api_key, hook_spec(spec) if spec.capture else None)
+    hooks = hook_spec(spec) if spec.capture else (list(spec.extra_hooks) or None)
+    options_file = write_options_file(spec.api_key, hooks)
     try:
         cmd += ["--config", str(options_file)]
         # Private: SGLang prints its arguments, the API key among them, into it.

@@ -32,7 +32,7 @@ def new_api_key() -> str:
 
 
 def write_options_file(api_key: str | None, hooks: list[dict] | None) -> Path:
-    """The API key and, on a capture server, the forward hooks (whose config
+    """The API key and the forward hooks (on a capture server, whose config
     holds the rid prefix) in a new file only this user can read, in the form
     SGLang's `--config` takes (YAML; JSON is YAML). The caller deletes it
     once the server has read it."""
