@@ -114,7 +114,7 @@ def evaluate_drafter(
     server: ServerConfig = ServerConfig(),
     evaluate: EvaluateConfig = EvaluateConfig(),
 ) -> dict:
-    """Compare drafters as served by SGLang: acceptance pooled and per request, per position, and a concurrency sweep."""
+    """Compare drafters as SGLang serves them: acceptance pooled and per request, per position, a concurrency sweep."""
     baseline = baseline_server(server, evaluate)
     trained = [trained_for(Path(d).resolve(), server) for d in drafter_dirs]
     drafters = [drafter_at(d, evaluate.num_steps) for d in drafter_dirs]
@@ -127,8 +127,7 @@ def evaluate_drafter(
                             trained[0]["config"]["heldout_fraction"])
     target = server.model_copy(update={"model": model, "url": None, "api_key": None,
                                        "rid_prefix": ServerConfig().rid_prefix})
-    return evaluate_task(target, drafters, sets, evaluate, str(out),
-                         baseline=baseline)
+    return evaluate_task(target, drafters, sets, evaluate, str(out), baseline=baseline)
 
 
 if __name__ == "__main__":
