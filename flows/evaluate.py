@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -119,7 +120,7 @@ def evaluate_drafter(
     trained = [trained_for(Path(d).resolve(), server) for d in drafter_dirs]
     drafters = [drafter_at(d, evaluate.num_steps) for d in drafter_dirs]
     if len({d.name for d in drafters}) != len(drafters):  # two runs' drafters both named train/drafter
-        drafters = [drafter_at(d, evaluate.num_steps, name=str(d)) for d in drafter_dirs]
+        drafters = [replace(d, name=given) for d, given in zip(drafters, drafter_dirs)]
     out = Path(out_dir).resolve() if out_dir else drafters[0].path.parent / "evaluation"
     model = str(resolve_model(server.model))
     # The held-out split of the first drafter's run: prompts it never trained on.

@@ -103,7 +103,7 @@ def eagle3_pipeline(
         "streams": fewest["concurrency"], "speedup": fewest["per_user_speedup"],
         "plain_tokens_per_s": fewest["plain_per_user_tokens_per_s"],
         "spec_tokens_per_s": fewest["spec_per_user_tokens_per_s"], "outputs_equal": served["outputs_equal"],
-        "evaluation": str(Path(trained["drafter_dir"]).parent / "evaluation"),
+        "evaluation": report["out_dir"],
     }
     log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); SGLang accept length "
              "%.2f pooled, %.2f mean of means on %s; speed-up %.2fx at %d stream(s), greedy outputs identical: %s",

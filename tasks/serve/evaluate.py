@@ -22,6 +22,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Sequence
 
+import httpx
+
 from tasks.failures import Permanent
 from tasks.serve.acceptance import acceptance
 from tasks.serve.generate import GenerationRun, generate_all, serving_dtype
@@ -30,7 +32,7 @@ from tasks.serve.prompts import PromptSet
 from tasks.serve.sweep import SweepPoint, sweep
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, check_serves, launch_server
-from tasks.sglang_api import server_says
+from tasks.sglang_api import ServerError, server_says
 from tasks.train.launch import result_from_dir
 from tasks.train.loop import RESULT
 
@@ -50,7 +52,7 @@ class Drafter:
     hooks: tuple[dict, ...] = ()  # forward hooks for its server (`--forward-hooks`): probes, injected faults
 
 
-def drafter_at(path: str | Path, num_steps: int | None = None, name: str | None = None) -> Drafter:
+def drafter_at(path: str | Path, num_steps: int | None = None) -> Drafter:
     """The drafter exported at `path` (train_drafter's <out_dir>/drafter):
     its serve_steps unless `num_steps` is given, its run's held-out tau."""
     path = Path(path).resolve()
@@ -62,7 +64,7 @@ def drafter_at(path: str | Path, num_steps: int | None = None, name: str | None 
     if not steps:
         raise ValueError(f"{path}/config.json does not say the steps it serves with: give num_steps")
     tau = result_from_dir(path.parent).final["tau"] if (path.parent / RESULT).is_file() else None
-    return Drafter(name or f"{path.parent.name}/{path.name}", path, int(steps), tau)
+    return Drafter(f"{path.parent.name}/{path.name}", path, int(steps), tau)
 
 
 class SpeculationChangedOutput(Permanent, RuntimeError):
@@ -95,15 +97,18 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
                                         ignore_eos=True, concurrency=max(cfg.concurrency), tag=tag,
                                         timeout_s=request_timeout_s, temperature=temperature))
 
-    def measure(name: str, tag: str, url: str, api_key: str | None, speculative: bool):
+    def measure(name: str, tag: str, url: str, api_key: str | None, speculative: bool, log_tail):
         # Request ids carry `tag`, not the names: a file path or a drafter's path is no part of an id.
         started = time.monotonic()
-        greedy = {s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}") for k, s in enumerate(sets)}
-        sampled = ({s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}-t", cfg.temperature)
-                    for k, s in enumerate(sets)} if speculative and cfg.temperature > 0 else {})
-        points = sweep(url, [p for s in sets for p in s.prompts], cfg.concurrency, max_new_tokens=cfg.max_new_tokens,
-                       speculative=speculative, min_verify_steps=cfg.min_verify_steps, timeout_s=request_timeout_s,
-                       tag=tag, api_key=api_key)
+        try:
+            greedy = {s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}") for k, s in enumerate(sets)}
+            sampled = ({s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}-t", cfg.temperature)
+                        for k, s in enumerate(sets)} if speculative and cfg.temperature > 0 else {})
+            points = sweep(url, [p for s in sets for p in s.prompts], cfg.concurrency,
+                           max_new_tokens=cfg.max_new_tokens, speculative=speculative,
+                           min_verify_steps=cfg.min_verify_steps, timeout_s=request_timeout_s, tag=tag, api_key=api_key)
+        except (httpx.HTTPError, ServerError) as e:
+            raise ServerError(f"generation on the {name} server failed: {e}\n{log_tail()}") from e
         logger.info("%s measured in %.0f s", name, time.monotonic() - started)
         return greedy, sampled, points
 
@@ -112,7 +117,8 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         logger.info("starting the %s server (log: %s)", name, log_path)
         with launch_server(spec, log_path, timeout_s=startup_timeout_s) as live:
             commands[name] = shlex.join(map(str, live.process.args))
-            return measure(name, tag, live.url, live.api_key, speculative)
+            return measure(name, tag, live.url, live.api_key, speculative,
+                           lambda: f"last lines of {log_path}:\n{live.log_tail()}")
 
     if baseline_url is None:
         plain_greedy, _, plain_points = launched("plain", "plain", plain, False)
@@ -121,7 +127,8 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         commands["plain"] = f"(attached: {baseline_url}, prefix cache " + (
             "off)" if server_says(baseline_url, "/server_info", "disable_radix_cache", "its prefix cache setting",
                                   api_key=baseline_api_key) else "on: its sweep may be optimistic)")
-        plain_greedy, _, plain_points = measure("plain", "plain", baseline_url, baseline_api_key, False)
+        plain_greedy, _, plain_points = measure("plain", "plain", baseline_url, baseline_api_key, False,
+                                                lambda: f"(the server at {baseline_url})")
 
     rows, sweep_rows, changed, raw = [], [], {}, []
     for j, d in enumerate(drafters):
@@ -144,6 +151,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
             sweep_rows.append(sweep_row(d.name, p, q))
 
     report = {
+        "out_dir": str(log_dir),
         "baseline": baseline_url or "launched",
         "drafters": [{"name": d.name, "path": str(d.path), "num_steps": d.num_steps, "heldout_tau": d.heldout_tau}
                      for d in drafters],
