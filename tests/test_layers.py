@@ -18,9 +18,10 @@ def test_hf_indices_are_one_past_layer_outputs():
     assert "HF hidden_states[2, 15, 27]" in layers.describe()
 
 
-@pytest.mark.parametrize("bad", [(1, 1, 4), (4, 3, 1), (1, 2), (-1, 2, 3)])
-def test_rejects_ids_that_are_not_three_distinct_ascending(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("bad, why", [((1, 1, 4), r"\[1\] repeated"), ((4, 3, 1), "not ascending"),
+                                      ((1, 2), "fewer than 3"), ((-1, 2, 3), "a negative id")])
+def test_rejects_ids_that_are_not_three_distinct_ascending(bad, why):
+    with pytest.raises(ValueError, match=rf"aux layer ids \[{', '.join(map(str, bad))}\]: {why}; give at least 3"):
         AuxLayers(bad)
 
 

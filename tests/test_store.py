@@ -110,6 +110,12 @@ def test_a_store_refuses_data_from_another_model(store, ledger_url):
     with pytest.raises(StoreError, match="different target"):
         open_store(path, {**MANIFEST, "target": {"name": "other"}}, ledger_url)
     open_store(path, {**MANIFEST, "sources": ["more.jsonl"]}, ledger_url)  # same identity: more data is fine
+    # Another layer set: refused naming the setting, the store's layers and the run's.
+    other_layers = {**MANIFEST, "aux_layers": {"sglang_layer_output_ids": [1, 2, 3, 4]}}
+    with pytest.raises(StoreError, match=r"different aux_layers: aux_layers \(capture\.aux_layer_ids\): store has "
+                                         r"\{'sglang_layer_output_ids': \[1, 3, 4\]\}, this run "
+                                         r"\{'sglang_layer_output_ids': \[1, 2, 3, 4\]\}"):
+        open_store(path, other_layers, ledger_url)
 
 
 def test_no_temp_files_and_shards_named_by_content(store, tmp_path):

@@ -39,11 +39,14 @@ class AuxLayers:
 
     def __post_init__(self) -> None:
         ids = tuple(int(i) for i in self.sglang_ids)
-        if len(ids) < NUM_AUX_LAYERS or list(ids) != sorted(set(ids)) or ids[0] < 0:
-            raise ValueError(
-                f"aux layers are at least {NUM_AUX_LAYERS} distinct ascending non-negative "
-                f"layer ids, got {self.sglang_ids}"
-            )
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        wrong = (f"fewer than {NUM_AUX_LAYERS}" if len(ids) < NUM_AUX_LAYERS else
+                 f"{repeated} repeated" if repeated else
+                 "not ascending" if list(ids) != sorted(ids) else
+                 "a negative id" if ids[0] < 0 else None)
+        if wrong:
+            raise ValueError(f"aux layer ids {list(self.sglang_ids)}: {wrong}; give at least {NUM_AUX_LAYERS} "
+                             f"distinct layer ids in ascending order, e.g. {list(range(1, NUM_AUX_LAYERS + 1))}")
         object.__setattr__(self, "sglang_ids", ids)
 
     @classmethod
