@@ -88,12 +88,16 @@ def evaluate_task(server: ServerConfig, drafters: list[Drafter], sets: list[Prom
     key = artifact_key("evaluation", out_dir)
     create_table_artifact(table=[{k: v for k, v in r.items() if k != "histogram"} for r in report["acceptance"]],
                           key=f"{key}-acceptance", description="acceptance per drafter and prompt set")
+    note = f"; {report['speeds_note']}" if report["speeds_note"] else ""
     create_table_artifact(table=report["sweep"], key=f"{key}-sweep",
-                          description="per-user and total tokens/s against streams, plain and speculative")
+                          description=f"per-user and total tokens/s against streams, plain and speculative{note}")
     png = base64.b64encode((Path(out_dir) / "sweep.png").read_bytes()).decode()
     create_markdown_artifact(markdown=f"### Throughput against per-user speed\n\n"
-                                      f"![sweep](data:image/png;base64,{png})\n\n`{out_dir}`\n",
+                                      f"![sweep](data:image/png;base64,{png})\n\n"
+                                      + (f"*{report['speeds_note']}*\n\n" if note else "") + f"`{out_dir}`\n",
                              key=f"{key}-plot", description="the concurrency sweep")
+    if note:
+        log.warning(report["speeds_note"])
     for r in report["acceptance"]:
         log.info("%s on %s (%s): accept length %.2f pooled, %.2f mean of means; per position %s; held-out tau %s",
                  r["drafter"], r["prompt_set"], r["mode"], r["pooled"], r["mean_of_means"],

@@ -18,6 +18,7 @@ from tasks.serve.evaluate import Drafter, SpeculationChangedOutput, evaluate_dra
 from tasks.serve.generate import GenerationRun, serving_dtype
 from tasks.serve.prompts import humaneval_problems, prompt_set, render
 from tasks.server.config import ServerConfig
+from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import LaunchSpec, build_command
 from tasks.target.architectures import load_tokenizer
 from tests.conftest import ARTIFACTS
@@ -204,6 +205,9 @@ def test_two_drafters_are_compared_in_one_run_and_a_changed_greedy_output_fails_
     # Each speculative server in the attached baseline's float32, its prefix cache off.
     settings = report["settings"]
     assert settings["sglang"] == "0.5.23" and settings["dtype"] == "float32"
+    # Speeds on a CPU are said not to be GPU figures, in the report and the plot's title.
+    assert settings["device"] == ("gpu" if gpu_present() else "cpu")
+    assert (report["speeds_note"] is None) == gpu_present()
     for name in ("pinned", "faulty"):
         command = settings["commands"][name]
         assert "--disable-radix-cache" in command and "--dtype float32" in command, command

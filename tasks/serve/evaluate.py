@@ -31,6 +31,7 @@ from tasks.serve.config import EvaluateConfig
 from tasks.serve.prompts import PromptSet
 from tasks.serve.sweep import SweepPoint, sweep
 from tasks.server.config import ServerConfig
+from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import LaunchSpec, check_serves, launch_server
 from tasks.sglang_api import ServerError, server_says
 from tasks.train.launch import result_from_dir
@@ -39,6 +40,9 @@ from tasks.train.loop import RESULT
 logger = logging.getLogger("eagle3.serving")
 
 RAW_COUNTS = ("completion_tokens", "spec_verify_ct", "spec_correct_drafts_histogram")
+# On a CPU the speculative path runs plain-PyTorch stand-ins for SGLang's kernels (tasks/server/cpu/).
+CPU_SPEEDS = ("speeds measured on a CPU: not GPU figures (the drafter's attention runs as plain-PyTorch "
+              "stand-ins for SGLang's kernels); the acceptance counts are real")
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,9 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         "drafters": [{"name": d.name, "path": str(d.path), "num_steps": d.num_steps, "heldout_tau": d.heldout_tau}
                      for d in drafters],
         "prompt_sets": {s.name: len(s.prompts) for s in sets},
-        "settings": {**cfg.model_dump(), "dtype": dtype, "sglang": version("sglang"), "commands": commands},
+        "settings": {**cfg.model_dump(), "dtype": dtype, "sglang": version("sglang"), "commands": commands,
+                     "device": "gpu" if gpu_present() else "cpu"},
+        "speeds_note": None if gpu_present() else CPU_SPEEDS,
         "acceptance": rows, "sweep": sweep_rows, "greedy_changed": changed,
     }
     write_report(report, log_dir)
@@ -202,10 +208,10 @@ def write_report(report: dict, log_dir: Path) -> None:
                 writer.writeheader()
                 writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()}
                                  for r in rows)
-    plot_sweep(report["sweep"], log_dir / "sweep.png")
+    plot_sweep(report["sweep"], log_dir / "sweep.png", note=report.get("speeds_note"))
 
 
-def plot_sweep(rows: list[dict], path: Path) -> None:
+def plot_sweep(rows: list[dict], path: Path, note: str | None = None) -> None:
     """Total throughput against per-user speed, a line per server through
     its concurrency points (labelled), the plain target's included."""
     import matplotlib
@@ -225,7 +231,7 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
             ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
     ax.set_xlabel("tokens/s per user")
     ax.set_ylabel("tokens/s in all")
-    ax.set_title("throughput against per-user speed (labels: streams)")
+    ax.set_title("throughput against per-user speed (labels: streams)" + ("\non a CPU: not GPU figures" if note else ""))
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
