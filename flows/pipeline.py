@@ -32,15 +32,22 @@ from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 
 
+def regeneration_paths(store_dir: Path) -> tuple[Path, Path]:
+    """The regenerated dataset and its server's log: inside the store, which
+    the run holds locked, so two pipelines on sibling stores never write each
+    other's answers or logs (nor stop each other's server as an orphan)."""
+    return store_dir / "regenerated.jsonl", store_dir / "logs" / "regenerate-server.log"
+
+
 @task(name="regenerate-answers", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
       retry_condition_fn=unless_permanent)
-def regenerate_task(server: ServerConfig, dataset: str, out_path: str, regenerate: RegenerateConfig) -> str:
+def regenerate_task(server: ServerConfig, dataset: str, store_dir: str, regenerate: RegenerateConfig) -> str:
     """The dataset with every answer written by the target (greedy), on a
     plain SGLang server launched with the server section's settings; reused
     while the source, model and settings match."""
     log = get_run_logger()
     model_path = resolve_model(server.model)
-    out = Path(out_path)
+    out, server_log = regeneration_paths(Path(store_dir))
     stamp = out.with_name(out.name + ".fingerprint")
     fingerprint = regeneration.fingerprint(Path(dataset), model_path, regeneration.GREEDY, regenerate.max_new_tokens)
     if out.exists() and stamp.exists() and stamp.read_text() == fingerprint:
@@ -48,7 +55,7 @@ def regenerate_task(server: ServerConfig, dataset: str, out_path: str, regenerat
         return str(out)
     spec = LaunchSpec(server.model_copy(update={"model": str(model_path)}), dump_dir=out.parent / "unused-dumps",
                       capture=False)
-    with launch_server(spec, out.parent / "logs" / "regenerate-server.log") as live:
+    with launch_server(spec, server_log) as live:
         result = regeneration.regenerate(live.url, Path(dataset), out, load_tokenizer(model_path),
                                          api_key=live.api_key, max_new_tokens=regenerate.max_new_tokens)
     stamp.write_text(fingerprint)
@@ -81,7 +88,7 @@ def eagle3_pipeline(
         if regenerate.enabled:
             regenerated = regenerate_task(server.model_copy(update={"url": None, "api_key": None,
                                                                     "rid_prefix": ServerConfig().rid_prefix}),
-                                          capture.dataset, str(store_dir.parent / "regenerated.jsonl"), regenerate)
+                                          capture.dataset, str(store_dir), regenerate)
             capture = capture.model_copy(update={"dataset": regenerated})
         extract_hidden_states(server=server, capture=capture, store=store, verify=False)
         verify_store(store=str(store_dir))

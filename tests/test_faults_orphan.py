@@ -95,3 +95,15 @@ def test_two_extractions_into_sibling_stores_keep_their_own_servers(tiny_model, 
         result = json.loads(out[out.index("{"):])
         assert result["samples"] == 24 and result["verification"]["ok"]
     assert not (stores / "logs").exists()
+
+
+def test_pipelines_on_sibling_stores_regenerate_into_their_own_stores(tmp_path):
+    """The pipeline's regenerated answers and their server's log and pid
+    record sat in <store>/.. too: each now lies in its own store, which its
+    run holds locked."""
+    from flows.pipeline import regeneration_paths
+
+    a, b = (tmp_path / "stores" / name for name in ("a", "b"))
+    (data_a, log_a), (data_b, log_b) = regeneration_paths(a), regeneration_paths(b)
+    assert {data_a, log_a, pidfile_for(log_a)}.isdisjoint({data_b, log_b, pidfile_for(log_b)})
+    assert all(p.is_relative_to(a) for p in (data_a, log_a, pidfile_for(log_a)))
