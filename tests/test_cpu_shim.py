@@ -25,7 +25,7 @@ def test_stub_defines_every_driver_symbol_sgl_kernel_needs():
 
 def test_cpu_environment_puts_stub_first_and_enables_cpu_engine():
     env = server_environment({"LD_LIBRARY_PATH": "/opt/x", "PATH": "/bin"}, cpu=True)
-    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["TORCHDYNAMO_DISABLE"] == "1"
     first, rest = env["LD_LIBRARY_PATH"].split(":", 1)
     assert (Path(first) / "libcuda.so.1").is_file() and rest == "/opt/x"
 
@@ -45,3 +45,40 @@ def test_cpu_ranks_get_their_own_cores_or_share_them_in_turn():
     assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2
     assert server_environment({"SGLANG_CPU_OMP_THREADS_BIND": "3|5"}, cpu=True, ranks=2)[
         "SGLANG_CPU_OMP_THREADS_BIND"] == "3|5"  # the user's binding stands
+
+
+def test_a_cpu_server_reads_its_sigterm_at_once_then_runs_sglangs_own_stop():
+    import asyncio
+
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from tasks.server.cpu import shutdown
+
+    assert shutdown.is_server_process(["/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "m"])
+    assert not shutdown.is_server_process(["/venv/bin/python", "-c", "from multiprocessing.spawn import spawn_main"])
+    seen = []
+
+    async def sglangs(self):  # stands for SGLang's watchdog: drain, ShutdownReq, kill
+        seen.append(self.gracefully_exit)
+
+    class Manager:
+        gracefully_exit = False
+
+    original = TokenizerManager.sigterm_watchdog
+    TokenizerManager.sigterm_watchdog = sglangs
+    try:
+        shutdown.poll_sigterm_quickly()
+        shutdown.poll_sigterm_quickly()  # once only: never a wrapper around the wrapper
+
+        async def stop_after_a_while(manager):
+            watchdog = asyncio.create_task(TokenizerManager.sigterm_watchdog(manager))
+            await asyncio.sleep(3 * shutdown.POLL_S)
+            assert not seen  # still watching
+            manager.gracefully_exit = True
+            await watchdog
+
+        asyncio.run(stop_after_a_while(Manager()))
+    finally:
+        TokenizerManager.sigterm_watchdog = original
+    # SGLang's own stop ran once, with the flag already set: its 5 s poll loop is skipped.
+    assert seen == [True]

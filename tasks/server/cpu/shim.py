@@ -94,13 +94,15 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
     """The environment for an SGLang server process.
 
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
-    switch and the stub driver, and with `cpu_ops=True` also the
-    sitecustomize that supplies the operators SGLang's intel_amx attention
-    backend calls (tasks/server/cpu/sglang_site, tasks/server/cpu/spec_ops.py; it
-    needs the repository root on PYTHONPATH too, which the launcher adds):
-    speculative decoding and MLA targets need that backend, and servers of
-    `ranks` > 1 its fix for CPU tensor-parallel groups. On a GPU machine:
-    `base` unchanged, since SGLang's own kernels serve all of that there.
+    switch, the stub driver, torch.compile off, and the sitecustomize
+    (tasks/server/cpu/sglang_site; it needs the repository root on PYTHONPATH
+    too, which the launcher adds) that makes a SIGTERM stop prompt
+    (tasks/server/cpu/shutdown.py) and, with `cpu_ops=True`, supplies the
+    operators SGLang's intel_amx attention backend calls
+    (tasks/server/cpu/spec_ops.py): speculative decoding and MLA targets need
+    that backend, and servers of `ranks` > 1 its fix for CPU tensor-parallel
+    groups. On a GPU machine: `base` unchanged, since SGLang's own kernels
+    serve all of that there.
     """
     env = dict(os.environ if base is None else base)
     if cpu is None:
@@ -112,8 +114,13 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
         env["LD_LIBRARY_PATH"] = os.pathsep.join([stub_dir, *paths])
         if ranks > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_thread_binding(ranks))
+        # SGLang torch.compile's a few small helpers of its sampler and
+        # speculative path; on a CPU inductor builds each with g++ at its
+        # first call, 97 s at a first speculative request on 2 cores (seen),
+        # for helpers that take microseconds eagerly.
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
         if cpu_ops:
             env[CPU_OPS_SWITCH] = "1"
-            paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-            env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SITE_DIR), *paths])
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SITE_DIR), *paths])
     return env

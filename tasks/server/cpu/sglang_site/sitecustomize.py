@@ -1,28 +1,42 @@
 """Imported by every Python process whose PYTHONPATH holds this folder (the
-SGLang server and the workers it spawns); see tasks/server/cpu/shim.py.
+SGLang server and the workers it spawns); see tasks/server/cpu/shim.py,
+which puts it there on a machine without a GPU only.
 
-It does nothing unless EAGLE3_CPU_OPS=1 is set, and never on a machine
-with a GPU. Then it adds the CPU operators SGLang's intel_amx backend calls,
-keeps that backend, and lets tensor-parallel groups start on a CPU
-(tasks/server/cpu/spec_ops.py).
+In the server's main process it makes a SIGTERM stop start at once
+(tasks/server/cpu/shutdown.py). With EAGLE3_CPU_OPS=1 it adds the CPU
+operators SGLang's intel_amx backend calls, keeps that backend, and lets
+tensor-parallel groups start on a CPU (tasks/server/cpu/spec_ops.py).
 """
 import os
+import sys
+import traceback
 
-if os.environ.get("EAGLE3_CPU_OPS") == "1":
-    import sys
-    import traceback
 
-    try:
-        from tasks.server.cpu.shim import gpu_present
+def _fail(what: str) -> None:
+    # site.py would print one line and carry on, and the server would then
+    # die far from the cause; stop here with the whole story instead.
+    traceback.print_exc()
+    sys.stderr.write(f"{what} failed (above); the repository root must be on PYTHONPATH\n")
+    raise SystemExit(1)
 
-        if not gpu_present():
+
+try:
+    from tasks.server.cpu.shim import gpu_present
+except Exception:
+    _fail("importing tasks.server.cpu.shim")
+
+if not gpu_present():
+    if os.environ.get("EAGLE3_CPU_OPS") == "1":
+        try:
             from tasks.server.cpu.spec_ops import install
 
             install()
+        except Exception:
+            _fail("EAGLE3_CPU_OPS=1 but tasks.server.cpu.spec_ops.install()")
+    try:
+        from tasks.server.cpu.shutdown import is_server_process, poll_sigterm_quickly
+
+        if is_server_process(sys.orig_argv):
+            poll_sigterm_quickly()
     except Exception:
-        # site.py would print one line and carry on, and the server would then
-        # die far from the cause; stop here with the whole story instead.
-        traceback.print_exc()
-        sys.stderr.write("EAGLE3_CPU_OPS=1 but tasks.server.cpu.spec_ops.install() failed (above); "
-                         "the repository root must be on PYTHONPATH\n")
-        raise SystemExit(1)
+        _fail("tasks.server.cpu.shutdown.poll_sigterm_quickly()")
