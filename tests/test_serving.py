@@ -218,3 +218,35 @@ def test_a_drafter_that_changed_a_greedy_output_is_named():
     plain = {"s": GenerationRun([[1, 2], [3, 4]], [{}, {}], 1.0)}
     spec = {"s": GenerationRun([[1, 2], [3, 5]], [{}, {}], 1.0)}
     assert greedy_changes(plain, spec) == {"s": [1]}
+
+
+@pytest.mark.server
+def test_the_demo_target_is_evaluated_beside_a_plain_server_the_run_launches(tmp_path):
+    """SmolLM2-135M-Instruct, the demo's target (a real tokenizer and chat
+    template, a 49k vocabulary), with an untrained drafter: the evaluation
+    launches the plain target itself (the default baseline), renders HumanEval
+    through SmolLM2's template, and its figures are SGLang's own counts."""
+    from tasks.target.models import SMOLLM2, resolve_model
+
+    model = resolve_model(SMOLLM2)
+    drafter = export_random_drafter(model, tmp_path / "random" / "drafter", draft_vocab_size=2048)
+    tokenizer = load_tokenizer(model)
+    sets = [prompt_set("humaneval", count=2, tokenizer=tokenizer, store=None, heldout_fraction=0.1)]
+    assert tokenizer.decode(sets[0].prompts[0]).startswith("<|im_start|>")  # ChatML, SmolLM2's own template
+    out = tmp_path / "evaluation"
+    cfg = EvaluateConfig(num_prompts=2, max_new_tokens=16, concurrency=[1], min_verify_steps=16, temperature=0.0)
+    report = evaluate_drafters(ServerConfig(model=str(model)), [Drafter("random", drafter, 3)], sets, cfg,
+                               log_dir=out)
+    assert report["baseline"] == "launched" and report["greedy_changed"] == {}
+    assert "--dtype float32" in report["settings"]["commands"]["plain"]
+    (row,) = report["acceptance"]
+    assert row["outputs_equal"] is True and row["mode"] == "greedy"
+    raw = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(raw) == 2 and sum(r["completion_tokens"] for r in raw) == 2 * 16
+    steps = sum(r["spec_verify_ct"] for r in raw)
+    assert row["pooled"] == 2 * 16 / steps == row["completion_tokens"] / row["verify_steps"]
+    assert row["mean_of_means"] == sum(r["completion_tokens"] / r["spec_verify_ct"] for r in raw) / 2
+    assert sum(row["histogram"]) == steps and all(sum(r["spec_correct_drafts_histogram"]) == r["spec_verify_ct"]
+                                                  for r in raw)
+    (point,) = report["sweep"]
+    assert point["verify_steps"] >= 16 and point["plain_total_tokens_per_s"] > 0
