@@ -130,6 +130,9 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
     assert {n.split("-", 2)[2] for n in names} == set(QUEUES)
     assert {r["queue"]: r["samples"] > 0 for r in result["nodes"]} == {q: True for q in QUEUES}
     assert sum(r["samples"] for r in result["nodes"]) == 16
+    # No capture left behind in a node's (RAM-backed, in production) dump dir, not even the one of the
+    # request node-a's server died under: each failure path discards its request's dumps.
+    assert not [p.name for q in QUEUES for p in (LOGS / f"dumps-{q}").glob("*.safetensors")]
 
 
 def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp_path, monkeypatch):
