@@ -25,7 +25,10 @@ def test_stub_defines_every_driver_symbol_sgl_kernel_needs():
 
 def test_cpu_environment_puts_stub_first_and_enables_cpu_engine():
     env = server_environment({"LD_LIBRARY_PATH": "/opt/x", "PATH": "/bin"}, cpu=True)
-    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["TORCHDYNAMO_DISABLE"] == "1"
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "TORCHDYNAMO_DISABLE" not in env
+    # torch.compile off in float32 only: in bf16 it changes what is computed.
+    assert server_environment({}, cpu=True, dtype="float32")["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in server_environment({}, cpu=True, dtype="bfloat16")
     first, rest = env["LD_LIBRARY_PATH"].split(":", 1)
     assert (Path(first) / "libcuda.so.1").is_file() and rest == "/opt/x"
 

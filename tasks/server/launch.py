@@ -297,7 +297,7 @@ def _launch(spec: LaunchSpec, log_path: Path, port: int, timeout_s: float,
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = server_environment(cpu=cpu, cpu_ops=cpu_attention_backend(spec) == "intel_amx" or spec.ranks > 1,
-                             ranks=spec.ranks)
+                             ranks=spec.ranks, dtype=server_dtype(spec, cpu=cpu))
     # The server's processes import the capture hook, and on a CPU the
     # operators of tasks/server/cpu/spec_ops.py, from the repository root.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)

@@ -90,11 +90,11 @@ def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
 
 
 def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None = None,
-                       cpu_ops: bool = False, ranks: int = 1) -> dict[str, str]:
+                       cpu_ops: bool = False, ranks: int = 1, dtype: str = "auto") -> dict[str, str]:
     """The environment for an SGLang server process.
 
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
-    switch, the stub driver, torch.compile off, and the sitecustomize
+    switch, the stub driver, torch.compile off for a float32 server, and the sitecustomize
     (tasks/server/cpu/sglang_site; it needs the repository root on PYTHONPATH
     too, which the launcher adds) that makes a SIGTERM stop prompt
     (tasks/server/cpu/shutdown.py) and, with `cpu_ops=True`, supplies the
@@ -114,11 +114,17 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
         env["LD_LIBRARY_PATH"] = os.pathsep.join([stub_dir, *paths])
         if ranks > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_thread_binding(ranks))
-        # SGLang torch.compile's a few small helpers of its sampler and
-        # speculative path; on a CPU inductor builds each with g++ at its
-        # first call, 97 s at a first speculative request on 2 cores (seen),
-        # for helpers that take microseconds eagerly.
-        env.setdefault("TORCHDYNAMO_DISABLE", "1")
+        # SGLang torch.compile's a few small helpers (sampler, speculative
+        # path, rotary, MoE top-k); on a CPU inductor builds each with g++ at
+        # its first call (97 s at the first speculative request on 2 cores)
+        # and every new server process traces them again (20-25 s a
+        # speculative server, seen), for helpers that take microseconds
+        # eagerly. Only in float32, where eager and compiled agree to
+        # float32's rounding: in bf16 inductor keeps fp32 inside its fused
+        # kernels where eager rounds every op, and eager moved a greedy
+        # near-tie of tiny gpt-oss between its plain and speculative servers.
+        if dtype == "float32":
+            env.setdefault("TORCHDYNAMO_DISABLE", "1")
         if cpu_ops:
             env[CPU_OPS_SWITCH] = "1"
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
