@@ -124,6 +124,22 @@ def test_a_share_is_handed_back_whatever_watching_its_child_raises():
     assert reports["a"]["samples"] + reports["b"]["samples"] == 12
 
 
+def test_a_progress_update_that_raises_stops_no_node(caplog):
+    """The progress update reads the index and calls the Prefect API after
+    every share; when it raised, the node's thread ended there: its report
+    was lost and the node took no more shares."""
+    d = Dispatcher(plan(8), ["a"], max_node_failures=2, min_share=2)
+
+    def on_progress():
+        raise ConnectionError("Prefect API unreachable")
+
+    with caplog.at_level(logging.WARNING):
+        report = feed_node("a", d, lambda share, n: (None, f"a-{share.index}"), logging.getLogger("t"), on_progress)
+    assert report["samples"] == 8 and d.left == 0
+    assert sorted(r for sh in d.done["a"] for r in sh.rows) == list(range(8))
+    assert "could not update the progress after share 0 (ConnectionError: Prefect API unreachable)" in caplog.text
+
+
 def test_the_prefect_api_is_retried_patiently_then_given_up(monkeypatch):
     import httpx
 

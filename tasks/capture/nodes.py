@@ -150,7 +150,9 @@ def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, in
     n)` runs the node's n-th share and returns (error or None, the child
     run's name); whatever it raises, the share is handed back to the
     dispatcher (never left counted in flight, which would keep every other
-    node waiting for it) and the node goes on with the next one."""
+    node waiting for it) and the node goes on with the next one. A progress
+    update that raises is logged, never the end of the node's thread: that
+    would leave its remaining shares to the others and its report lost."""
     samples = tokens = runs = 0
     while (share := dispatcher.take(queue)) is not None:
         runs += 1
@@ -171,7 +173,11 @@ def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, in
             log.warning("share %d on %s did not complete (%s); it goes to another node", share.index, queue, error)
         if queue in dispatcher.drained:
             log.error("node %s drained: %s. Its shares go to the other nodes", queue, dispatcher.drained[queue])
-        on_progress()
+        try:
+            on_progress()
+        except Exception as e:  # noqa: BLE001 - a progress bar (a Prefect API or index read) never stops a node
+            log.warning("could not update the progress after share %d (%s: %s); the node goes on",
+                        share.index, type(e).__name__, e)
     return {"queue": queue, "samples": samples, "tokens": tokens, "drained": dispatcher.drained.get(queue)}
 
 
