@@ -7,10 +7,10 @@ reset dump dir -> extract batches (mapped, retried) -> verify -> stop server.
 from __future__ import annotations
 
 import hashlib
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
@@ -26,7 +26,7 @@ from flows.cli import described
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
 from flows.verify import VerifyAtEnd, verify_task
-from tasks.capture import extraction
+from tasks.capture import extraction, nodes
 from tasks.capture.canary import CanaryTally
 from tasks.capture.config import CaptureConfig
 from tasks.paths import default_dump_root, ensure_private_dir
@@ -35,7 +35,7 @@ from tasks.server.launch import LaunchSpec, check_serves
 from tasks.server.supervisor import ServerSupervisor, node_sections
 from tasks.store.config import StoreConfig
 from tasks.store.handle import Store
-from tasks.store.lock import check_held_by, hold_lock
+from tasks.store.lock import LockHeld, check_held_by, hold_lock
 from tasks.store.manifest import build_manifest
 from tasks.store.shards import WRITER_NAME, remove_leaked_temps
 from tasks.target.checkpoint import Target
@@ -167,6 +167,22 @@ def default_dump_dir(store: Path) -> Path:
     return default_dump_root() / f"store-{hashlib.sha256(str(store).encode()).hexdigest()[:12]}"
 
 
+@contextmanager
+def hold_dump_dir(dump_dir: Path, store: Path, *, child: bool) -> Iterator[None]:
+    """Hold the run's dump dir. A child of extract_across_nodes refused
+    here is told apart (NodeBusy): an earlier child still runs on its node,
+    which is busy, not failing, and must not be drained for it."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(hold_lock(ensure_private_dir(dump_dir), f"the dump dir of extract_hidden_states "
+                                          f"into {store}", run=flow_run.get_id()))
+        except LockHeld as e:
+            if child:
+                raise nodes.NodeBusy(f"{nodes.NODE_BUSY}: {e}") from e
+            raise
+        yield
+
+
 @flow(name="extract_hidden_states", task_runner=ThreadPoolTaskRunner(max_workers=2))
 @described
 def extract_hidden_states(
@@ -201,8 +217,7 @@ def extract_hidden_states(
     # And its dump dir: a second run there would reset it under this one (a
     # node's second child, when a live one was taken for dead, or another
     # store's run attached to the same server). The lock dies with its process.
-    with held, hold_lock(ensure_private_dir(dump_dir), f"the dump dir of extract_hidden_states into {path}",
-                         run=flow_run.get_id()):
+    with held, hold_dump_dir(dump_dir, path, child=bool(parent_run)):
         keep_run_config(path / "runs", "extract_hidden_states", store.path)
         planned = plan_task(server.model, capture, store, rows, owner=not parent_run)
         # Before the preflight: dumps a killed run left in RAM-backed /dev/shm

@@ -140,6 +140,38 @@ def test_a_progress_update_that_raises_stops_no_node(caplog):
     assert "could not update the progress after share 0 (ConnectionError: Prefect API unreachable)" in caplog.text
 
 
+def test_a_busy_node_is_neither_drained_nor_kept_from_the_share_it_was_refused():
+    """A node whose earlier child still runs (marked Crashed by the
+    heartbeat automation while alive) refuses the next child with NODE_BUSY:
+    the share goes back uncounted and the node, once free, works on. Counted
+    as failures, two refusals drained a healthy node."""
+    from tasks.capture.nodes import NODE_BUSY
+
+    d = Dispatcher(plan(6), ["a"], max_node_failures=1, min_share=2, busy_limit_s=60)
+    refusals = []
+
+    def run_share(share, n):
+        if n <= 2:
+            refusals.append(share.index)
+            return f"a-{n} ended Failed: NodeBusy: {NODE_BUSY}: the dump dir is in use", f"a-{n}"
+        return None, f"a-{n}"
+
+    report = feed_node("a", d, run_share, logging.getLogger("t"), busy_wait_s=0)
+    assert report["drained"] is None and not d.drained and d.left == 0
+    assert sorted(r for sh in d.done["a"] for r in sh.rows) == list(range(6))
+    assert refusals == [0, 0] and [sh.index for sh in d.done["a"]][0] == 0
+
+
+def test_a_node_busy_for_too_long_is_drained_saying_so():
+    from tasks.capture.nodes import NODE_BUSY
+
+    d = Dispatcher(plan(4), ["a", "b"], max_node_failures=5, min_share=2, busy_limit_s=0)
+    share = d.take("a")
+    d.finished("a", share, f"NodeBusy: {NODE_BUSY}", busy=True)
+    assert d.drained["a"].startswith("busy with an earlier child run for 0 s") and NODE_BUSY in d.drained["a"]
+    assert d.take("b") == share  # the share itself never failed: the other node runs it
+
+
 def test_the_prefect_api_is_retried_patiently_then_given_up(monkeypatch):
     import httpx
 

@@ -112,6 +112,16 @@ def test_a_second_extraction_on_a_dump_dir_in_use_is_refused_before_it_resets_it
         extract_hidden_states.fn(capture=CaptureConfig(dataset=str(tmp_path / "none.jsonl"), dump_dir=str(dumps)),
                                  store=StoreConfig(path=str(tmp_path / "store")), verify=False)
     assert in_flight.exists() and read_holder(tmp_path / "store") is None
+    # A node's child says its node is busy, which the parent does not count
+    # as the node failing (tests/test_dispatch.py): no healthy node drained.
+    from tasks.capture.nodes import NODE_BUSY, NodeBusy
+
+    with hold_lock(tmp_path / "store", "the parent", run="parent-1"), disable_run_logger(), \
+            pytest.raises(NodeBusy, match=f"^{NODE_BUSY}: {dumps} is in use by another run: .*pid {proc.pid}"):
+        extract_hidden_states.fn(capture=CaptureConfig(dataset=str(tmp_path / "none.jsonl"), dump_dir=str(dumps)),
+                                 store=StoreConfig(path=str(tmp_path / "store")), verify=False, parent_run="parent-1",
+                                 node="node-a")
+    assert in_flight.exists()
 
 
 def test_a_sigkilled_holder_is_taken_over(tmp_path, holder, caplog):

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
+from tasks.store.lock import LockHeld
+
 ZOMBIE_AUTOMATION = "eagle3: crash flow runs that stop sending heartbeats"
 # How long a node thread sleeps at most before it looks at the line again
 # (it is woken at once when a share finishes; this only bounds the wait).
@@ -39,6 +41,14 @@ WAIT_S = 30.0
 # Prefect API calls while a child runs: retried this long (a server restart,
 # a network blip) before the share is given up on and handed back.
 API_PATIENCE_S = 300.0
+# What a child refused because its node's dump dir is held says first: an
+# earlier child still runs there (one the heartbeat automation marked
+# Crashed while it lived, a SIGSTOPped one). The node is busy, not failing.
+NODE_BUSY = "node busy with an earlier child run"
+
+
+class NodeBusy(LockHeld):
+    """A child run refused: its node's dump dir is held by another run."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,7 @@ class Dispatcher:
     so that no node is left with a long tail while the others idle."""
 
     def __init__(self, samples: list, nodes: list[str], max_node_failures: int, *, min_share: int,
-                 batch_size: int = 1):
+                 batch_size: int = 1, busy_limit_s: float = 600.0):
         if not nodes:
             raise ValueError("no node queues to send work to: give at least one work queue")
         if len(set(nodes)) != len(nodes):
@@ -78,6 +88,8 @@ class Dispatcher:
         self.nodes = list(nodes)
         self.min_share, self.batch_size = max(1, min_share), max(1, batch_size)
         self.max_node_failures = max_node_failures
+        self.busy_limit_s = busy_limit_s
+        self._busy_since: dict[str, float] = {}
         self.failures_in_a_row = {n: 0 for n in nodes}
         self.done: dict[str, list[Share]] = {n: [] for n in nodes}
         self.drained: dict[str, str] = {}
@@ -121,10 +133,23 @@ class Dispatcher:
                     return None
                 self._cond.wait(WAIT_S)
 
-    def finished(self, node: str, share: Share, error: str | None) -> None:
-        """`node` finished `share`: completed (error None) or not (why)."""
+    def finished(self, node: str, share: Share, error: str | None, *, busy: bool = False) -> None:
+        """`node` finished `share`: completed (error None) or not (why).
+        `busy`: its child was refused because an earlier child still holds
+        the node (NODE_BUSY). That is no failure of the node or the share:
+        the share goes back for any node, this one included, and the node is
+        drained only once it has been busy for `busy_limit_s`."""
         with self._cond:
             self._in_flight -= 1
+            if busy:
+                self._returned.appendleft(share)
+                since = self._busy_since.setdefault(node, time.monotonic())
+                if time.monotonic() - since >= self.busy_limit_s:
+                    self.drained[node] = (f"busy with an earlier child run for {time.monotonic() - since:.0f} s "
+                                          f"(the last refusal: {error})")
+                self._cond.notify_all()
+                return
+            self._busy_since.pop(node, None)
             if error is None:
                 self.failures_in_a_row[node] = 0
                 self.done[node].append(share)
@@ -145,27 +170,36 @@ class Dispatcher:
 
 
 def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, int], tuple[str | None, str]],
-              log: logging.Logger | logging.LoggerAdapter, on_progress: Callable[[], None] = lambda: None) -> dict:
+              log: logging.Logger | logging.LoggerAdapter, on_progress: Callable[[], None] = lambda: None,
+              busy_wait_s: float = WAIT_S) -> dict:
     """Feed one node its shares until none is left for it. `run_share(share,
     n)` runs the node's n-th share and returns (error or None, the child
     run's name); whatever it raises, the share is handed back to the
     dispatcher (never left counted in flight, which would keep every other
     node waiting for it) and the node goes on with the next one. A progress
     update that raises is logged, never the end of the node's thread: that
-    would leave its remaining shares to the others and its report lost."""
+    would leave its remaining shares to the others and its report lost. A
+    child refused because the node is busy (NODE_BUSY) hands its share back
+    uncounted and the node waits `busy_wait_s` before it takes another."""
     samples = tokens = runs = 0
     while (share := dispatcher.take(queue)) is not None:
         runs += 1
         t0 = time.monotonic()
         error, name = f"share {share.index} on {queue}: its child run was never seen to end", "?"
+        busy = False
         try:
             error, name = run_share(share, runs)
+            busy = error is not None and NODE_BUSY in error
         except Exception as e:  # noqa: BLE001 - any failure hands the share back; the reason is logged
             error = f"watching its child run failed: {type(e).__name__}: {e}"
         finally:
-            dispatcher.finished(queue, share, error)
+            dispatcher.finished(queue, share, error, busy=busy)
         seconds = time.monotonic() - t0
-        if error is None:
+        if busy and queue not in dispatcher.drained:
+            log.warning("share %d: %s is still busy (%s); the share goes back, not counted as a failure, and "
+                        "%s is tried again in %.0f s", share.index, queue, error, queue, busy_wait_s)
+            time.sleep(busy_wait_s)
+        elif error is None:
             samples, tokens = samples + share.samples, tokens + share.tokens
             log.info("share %d on %s: %d samples, %s tokens in %.0f s (%.0f tok/s) [%s]", share.index, queue,
                      share.samples, f"{share.tokens:,}", seconds, share.tokens / max(seconds, 1e-9), name)
