@@ -185,7 +185,15 @@ def prefect_server(home: Path, log: Path, database_url: str | None = None) -> tu
     })
     if database_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
-    server = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log)
+    return start_prefect_server(env, log), Api(api_url), env
+
+
+def start_prefect_server(env: dict, log: Path) -> subprocess.Popen:
+    """The Prefect server `env` names (its port and database), once healthy:
+    prefect_server's, or the same one again after it was stopped."""
+    api_url = env["PREFECT_API_URL"]
+    server = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", env["PREFECT_SERVER_API_PORT"]],
+                   env, log)
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -197,7 +205,7 @@ def prefect_server(home: Path, log: Path, database_url: str | None = None) -> tu
             stop(server)
             raise RuntimeError(f"Prefect server did not start:\n{log_tail(log)}")
         time.sleep(0.5)
-    return server, Api(api_url), env
+    return server
 
 
 def prefect_database(postgres_url: str) -> str:

@@ -4,6 +4,9 @@ index and Prefect's database), a Prefect server on it, and two "nodes", each
 dump dir) and a real Prefect worker on its own work queue. The parent flow
 runs from the command line, as `python -m flows.extract_nodes`.
 
+The third stops the Prefect server for 20 s under a running node and starts
+it again: the run finishes, nothing lost or doubled.
+
 The second test kills one node (its server, then its worker and the worker's
 flow-run process) while it runs a share: the run finishes on the other node,
 every sample is stored exactly once, and the dead node's child run ends
@@ -23,7 +26,8 @@ import pytest
 import yaml
 
 from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, write_jsonl
-from tests.prefect_stack import REPO, cli, log_tail, prefect_database, prefect_server, start_node, stop, stop_node, wait_node
+from tests.prefect_stack import (REPO, cli, log_tail, prefect_database, prefect_server, start_node, start_prefect_server,
+                                 stop, stop_node, wait_node)
 
 pytestmark = pytest.mark.server
 LOGS = ARTIFACTS / "many-nodes"
@@ -49,19 +53,21 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
         nodes = {q: {"proc": proc} for q, (proc, _) in started.items()}
         for q, (proc, out) in started.items():  # both servers start at once
             nodes[q] = wait_node(proc, out)
-        yield {"api": api, "env": env, "nodes": nodes, "model": str(tiny_model)}
+        stack = {"api": api, "env": env, "nodes": nodes, "model": str(tiny_model), "server": server}
+        yield stack
+        server = stack["server"]  # the outage test starts it again
     finally:
         for node in nodes.values():
             stop_node(node)
         stop(server)
 
 
-def run_parent(stack, d: Path, rows: int, *argv: str) -> subprocess.Popen:
+def run_parent(stack, d: Path, rows: int, *argv: str, queues=QUEUES) -> subprocess.Popen:
     """The parent from the command line: a run file (as configs/nodes.yaml),
     then the test's own keys."""
     dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
     run_file = d / "nodes.yaml"
-    run_file.write_text(yaml.safe_dump({"queues": list(QUEUES), "model": stack["model"],
+    run_file.write_text(yaml.safe_dump({"queues": list(queues), "model": stack["model"],
                                         "capture": {"dataset": str(dataset), "max_length": 512},
                                         "store": {"path": str(d / "store"), "ledger_url": "env"}}))
     return subprocess.Popen([sys.executable, "-m", "flows.extract_nodes", "--config", str(run_file), *argv],
@@ -181,3 +187,36 @@ def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp
     assert rows["node-a"] == "OK" and rows["node-b"].startswith("drained: 1 shares failed in a row there")
     assert not [r for r in children(api) if r["parameters"]["store"]["path"] == store
                 and r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED")]
+
+
+OUTAGE_S = 20
+
+
+def test_the_prefect_api_gone_for_20_s_under_a_running_node_loses_and_doubles_nothing(stack, tmp_path, monkeypatch):
+    """The Prefect server (every run's API: the parent's, the child's, the
+    worker's) stopped while node-a runs a share, started again 20 s later on
+    the same port and database. Last in the module: it replaces the stack's
+    server (and node-b is gone: the test before killed it)."""
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
+    api = stack["api"]
+    proc = run_parent(stack, tmp_path, 6, "--capture.batch-size", "2", "--batches-per-child", "1",
+                      queues=["node-a"])
+    store = str(tmp_path / "store")
+    deadline = time.monotonic() + 600
+    while not [r for r in children(api) if r["parameters"]["store"]["path"] == store and r["state_type"] == "RUNNING"]:
+        assert proc.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "parent.out", 80)
+        time.sleep(0.5)
+    down = time.monotonic()
+    stop(stack["server"])
+    time.sleep(OUTAGE_S)
+    stack["server"] = start_prefect_server(stack["env"], LOGS / "prefect-server.log")
+    down = time.monotonic() - down
+    assert proc.poll() is None, log_tail(tmp_path / "parent.out", 80)  # the outage was under the running run
+
+    result = parent_result(proc, tmp_path / "parent.out", 900)
+    assert down >= OUTAGE_S
+    assert result["verification"]["ok"], result["verification"]
+    ids = stored(tmp_path / "store")
+    assert len(ids) == len(set(ids)) == 6  # nothing lost, nothing twice
+    assert not [r for r in children(api) if r["parameters"]["store"]["path"] == store
+                and r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED", "FAILED")]
