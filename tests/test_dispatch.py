@@ -159,7 +159,7 @@ def test_a_busy_node_is_neither_drained_nor_kept_from_the_share_it_was_refused()
     report = feed_node("a", d, run_share, logging.getLogger("t"), busy_wait_s=0)
     assert report["drained"] is None and not d.drained and d.left == 0
     assert sorted(r for sh in d.done["a"] for r in sh.rows) == list(range(6))
-    assert refusals == [0, 0] and [sh.index for sh in d.done["a"]][0] == 0
+    assert refusals == [0, 0] and d.done["a"][0].index == 0
 
 
 def test_a_node_busy_for_too_long_is_drained_saying_so():

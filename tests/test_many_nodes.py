@@ -4,13 +4,13 @@ index and Prefect's database), a Prefect server on it, and two "nodes", each
 dump dir) and a real Prefect worker on its own work queue. The parent flow
 runs from the command line, as `python -m flows.extract_nodes`.
 
-The third stops the Prefect server for 20 s under a running node and starts
-it again: the run finishes, nothing lost or doubled.
-
 The second test kills one node (its server, then its worker and the worker's
 flow-run process) while it runs a share: the run finishes on the other node,
 every sample is stored exactly once, and the dead node's child run ends
 Crashed through the heartbeat automation, not Running forever.
+
+The third stops the Prefect server for 20 s under a running node and starts
+it again: the run finishes, nothing lost or doubled.
 """
 from __future__ import annotations
 
@@ -206,15 +206,12 @@ def test_the_prefect_api_gone_for_20_s_under_a_running_node_loses_and_doubles_no
     while not [r for r in children(api) if r["parameters"]["store"]["path"] == store and r["state_type"] == "RUNNING"]:
         assert proc.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "parent.out", 80)
         time.sleep(0.5)
-    down = time.monotonic()
     stop(stack["server"])
     time.sleep(OUTAGE_S)
     stack["server"] = start_prefect_server(stack["env"], LOGS / "prefect-server.log")
-    down = time.monotonic() - down
     assert proc.poll() is None, log_tail(tmp_path / "parent.out", 80)  # the outage was under the running run
 
     result = parent_result(proc, tmp_path / "parent.out", 900)
-    assert down >= OUTAGE_S
     assert result["verification"]["ok"], result["verification"]
     ids = stored(tmp_path / "store")
     assert len(ids) == len(set(ids)) == 6  # nothing lost, nothing twice

@@ -143,9 +143,10 @@ class Dispatcher:
             self._in_flight -= 1
             if busy:
                 self._returned.appendleft(share)
-                since = self._busy_since.setdefault(node, time.monotonic())
-                if time.monotonic() - since >= self.busy_limit_s:
-                    self.drained[node] = (f"busy with an earlier child run for {time.monotonic() - since:.0f} s "
+                now = time.monotonic()
+                busy_for = now - self._busy_since.setdefault(node, now)
+                if busy_for >= self.busy_limit_s:
+                    self.drained[node] = (f"busy with an earlier child run for {busy_for:.0f} s "
                                           f"(the last refusal: {error})")
                 self._cond.notify_all()
                 return
