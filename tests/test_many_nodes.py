@@ -4,13 +4,18 @@ index and Prefect's database), a Prefect server on it, and two "nodes", each
 dump dir) and a real Prefect worker on its own work queue. The parent flow
 runs from the command line, as `python -m flows.extract_nodes`.
 
-The second test kills one node (its server, then its worker and the worker's
-flow-run process) while it runs a share: the run finishes on the other node,
-every sample is stored exactly once, and the dead node's child run ends
-Crashed through the heartbeat automation, not Running forever.
-
-The third stops the Prefect server for 20 s under a running node and starts
-it again: the run finishes, nothing lost or doubled.
+The tests, in order (each fault injected for real):
+- a dataset over both nodes, node-a's server SIGKILLed under a share;
+- node-b's child SIGSTOPped until taken for dead, then SIGCONTed;
+- node-b killed (server, worker, its run's process) while it runs a share:
+  the run finishes on node-a, and the dead child ends Crashed through the
+  heartbeat automation, not Running forever;
+- node-b's worker gone (killed above): its shares are cancelled and run on
+  node-a, whatever max_node_failures is;
+- the parent retried by Prefect after a failed first attempt;
+- the parent SIGKILLed, then a new parent run;
+- the Prefect server stopped for 20 s under a running node, then started
+  again (last: it replaces the stack's server).
 """
 from __future__ import annotations
 
@@ -62,7 +67,8 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
         stop(server)
 
 
-def run_parent(stack, d: Path, rows: int, *argv: str, queues=QUEUES) -> subprocess.Popen:
+def run_parent(stack, d: Path, rows: int, *argv: str, queues=QUEUES, out: str = "parent.out",
+               env: dict | None = None) -> subprocess.Popen:
     """The parent from the command line: a run file (as configs/nodes.yaml),
     then the test's own keys."""
     dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
@@ -71,8 +77,8 @@ def run_parent(stack, d: Path, rows: int, *argv: str, queues=QUEUES) -> subproce
                                         "capture": {"dataset": str(dataset), "max_length": 512},
                                         "store": {"path": str(d / "store"), "ledger_url": "env"}}))
     return subprocess.Popen([sys.executable, "-m", "flows.extract_nodes", "--config", str(run_file), *argv],
-                            cwd=REPO, env=stack["env"],
-                            stdout=open(d / "parent.out", "w"), stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, env={**stack["env"], **(env or {})},
+                            stdout=open(d / out, "w"), stderr=subprocess.STDOUT, text=True)
 
 
 def parent_result(proc: subprocess.Popen, out: Path, timeout_s: float) -> dict:
@@ -81,22 +87,56 @@ def parent_result(proc: subprocess.Popen, out: Path, timeout_s: float) -> dict:
     return json.loads(text[text.rindex("\n{") + 1:])
 
 
-def children(api, parent_id: str | None = None) -> list[dict]:
+def until(ready, proc: subprocess.Popen, out: Path, timeout_s: float = 600):
+    """What `ready()` returns once it is truthy, polled while the parent
+    runs: the parent's log if it ends first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := ready()):
+        assert proc.poll() is None and time.monotonic() < deadline, log_tail(out, 80)
+        time.sleep(0.5)
+    return value
+
+
+def children(api, parent_id: str | None = None, store: str | None = None) -> list[dict]:
     runs = api.call("POST", "/flow_runs/filter", {"flow_runs": {"name": {"like_": "node-"}}})
-    return [r for r in runs if parent_id is None or r["parameters"].get("parent_run") == parent_id]
+    return [r for r in runs if (parent_id is None or r["parameters"].get("parent_run") == parent_id)
+            and (store is None or r["parameters"]["store"]["path"] == store)]
 
 
-def processes_of_run(run_id: str) -> list[int]:
-    """The process groups of the processes running flow run `run_id` (the
-    worker starts each flow run in a process of its own)."""
-    groups = set()
+def running_child(api, store: str, queue: str, beating: bool = False) -> dict | None:
+    """A Running child of `queue` writing `store` (with `beating`, one that has
+    sent a heartbeat: the automation can take it for dead once they stop)."""
+    for r in children(api, store=store):
+        if r["work_queue_name"] == queue and r["state_type"] == "RUNNING":
+            if not beating or api.call("POST", "/events/filter", {"filter": {
+                    "event": {"name": ["prefect.flow-run.heartbeat"]},
+                    "any_resource": {"id": [f"prefect.flow-run.{r['id']}"]}}})["events"]:
+                return r
+    return None
+
+
+def pids_of_run(run_id: str) -> list[int]:
+    """The processes running flow run `run_id` (the worker starts each flow
+    run in a process of its own)."""
+    pids = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
             if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
-                groups.add(os.getpgid(int(environ.parent.name)))
+                pids.append(int(environ.parent.name))
         except (OSError, ProcessLookupError):
             continue
-    assert groups, f"no process runs flow run {run_id}"
+    assert pids, f"no process runs flow run {run_id}"
+    return pids
+
+
+def processes_of_run(run_id: str) -> list[int]:
+    """The process groups of the processes running flow run `run_id`."""
+    groups = set()
+    for pid in pids_of_run(run_id):
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            continue
     return sorted(groups)
 
 
@@ -113,11 +153,7 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
     api, node_a = stack["api"], stack["nodes"]["node-a"]
     proc = run_parent(stack, tmp_path, 16, "--capture.batch-size", "2", "--batches-per-child", "2")
     store = str(tmp_path / "store")
-    deadline = time.monotonic() + 600
-    while not [r for r in children(api) if r["parameters"]["store"]["path"] == store
-               and r["work_queue_name"] == "node-a" and r["state_type"] == "RUNNING"]:
-        assert proc.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "parent.out", 80)
-        time.sleep(0.5)
+    until(lambda: running_child(api, store, "node-a"), proc, tmp_path / "parent.out")
     os.killpg(node_a["server_pid"], signal.SIGKILL)
     result = parent_result(proc, tmp_path / "parent.out", 900)
     node_log = Path(node_a["logs"]).parent / "node-a.out"
@@ -127,7 +163,7 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
     assert result["verification"]["ok"], result["verification"]
     ids = stored(tmp_path / "store")
     assert len(ids) == len(set(ids)) == 16
-    runs = [r for r in children(stack["api"]) if r["parameters"]["store"]["path"] == str(tmp_path / "store")]
+    runs = children(api, store=store)
     assert {r["state_type"] for r in runs} == {"COMPLETED"}
     assert {r["work_queue_name"] for r in runs} == set(QUEUES)  # both nodes worked
     assert all(r["parent_task_run_id"] for r in runs)  # the UI shows them under the parent's node tasks
@@ -141,6 +177,50 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
     assert not [p.name for q in QUEUES for p in (LOGS / f"dumps-{q}").glob("*.safetensors")]
 
 
+def test_a_live_child_taken_for_dead_keeps_its_node_to_itself(stack, tmp_path, monkeypatch):
+    """node-b's child stopped (SIGSTOP: its heartbeats stop) until the
+    automation marks it Crashed while it lives. The share goes back to
+    node-b (the only node): its next child is refused at the node's dump
+    dir, writes nothing beside the first, and the node is not drained for
+    it. Once the first goes on (SIGCONT), the run completes: nothing lost,
+    nothing twice, verified."""
+    from tasks.capture.nodes import NODE_BUSY
+    from tasks.store.ledger.open import open_ledger
+
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
+    api, out = stack["api"], tmp_path / "parent.out"
+    proc = run_parent(stack, tmp_path, 16, "--capture.batch-size", "2", "--batches-per-child", "8",
+                      "--start-timeout-s", "40", queues=["node-b"])  # the busy node tried every 10 s
+    store = str(tmp_path / "store")
+    first = until(lambda: running_child(api, store, "node-b", beating=True), proc, out)
+    pids = pids_of_run(first["id"])
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        until(lambda: api.flow_run(first["id"])["state_type"] == "CRASHED", proc, out, timeout_s=300)
+        until(lambda: "node-b is still busy" in out.read_text(), proc, out, timeout_s=300)
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    result = parent_result(proc, out, 900)
+    assert result["verification"]["ok"], result["verification"]
+    ids = stored(tmp_path / "store")
+    assert len(ids) == len(set(ids)) == 16
+    assert "Crashed" in api.flow_run_states(first["id"])
+    runs = children(api, store=store)
+    refused = [r for r in runs if NODE_BUSY in (r["state"]["message"] or "")]
+    assert refused and {r["state_type"] for r in refused} == {"FAILED"}, [r["state"] for r in runs]
+    assert [(r["queue"], r["samples"], r["drained"]) for r in result["nodes"]] == [("node-b", 16, None)]
+    # Every shard file in the store is one the index names: the refused child wrote none.
+    names = {p.name for p in (tmp_path / "store" / "shards").iterdir()}
+    assert names == {f"{n}.safetensors" for n in open_ledger(tmp_path / "store").shards().name}
+    assert not [p.name for p in (LOGS / "dumps-node-b").glob("*.safetensors")]
+
+
 def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
     api, victim = stack["api"], stack["nodes"]["node-b"]
@@ -149,17 +229,7 @@ def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp
     store = str(tmp_path / "store")
 
     # Kill node-b while one of its child runs is Running and has sent a heartbeat.
-    deadline, running = time.monotonic() + 600, None
-    while running is None:
-        assert proc.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "parent.out", 80)
-        for r in children(api):
-            if r["parameters"]["store"]["path"] == store and r["work_queue_name"] == "node-b" and r["state_type"] == "RUNNING":
-                beats = api.call("POST", "/events/filter", {"filter": {
-                    "event": {"name": ["prefect.flow-run.heartbeat"]},
-                    "any_resource": {"id": [f"prefect.flow-run.{r['id']}"]}}})
-                if beats["events"]:
-                    running = r
-        time.sleep(0.5)
+    running = until(lambda: running_child(api, store, "node-b", beating=True), proc, tmp_path / "parent.out")
     # The node dies at once: nothing of it may report its run's end.
     os.killpg(victim["server_pid"], signal.SIGKILL)
     for group in {victim["worker_pid"], *processes_of_run(running["id"])}:
@@ -185,8 +255,91 @@ def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp
     table = api.call("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [artifact_key("nodes", store)]}}})
     rows = {r["node"]: r["status"] for r in json.loads(table[0]["data"])}
     assert rows["node-a"] == "OK" and rows["node-b"].startswith("drained: 1 shares failed in a row there")
-    assert not [r for r in children(api) if r["parameters"]["store"]["path"] == store
-                and r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED")]
+    assert not [r for r in children(api, store=store) if r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED")]
+
+
+def test_a_node_whose_worker_is_gone_costs_one_start_timeout_whatever_max_node_failures_is(
+        stack, tmp_path, monkeypatch):
+    """node-b is gone (the test before killed it). Each share it takes is
+    cancelled once no worker has started it within start_timeout_s, and runs
+    on node-a, though node-b is allowed 5 failures in a row."""
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
+    api = stack["api"]
+    proc = run_parent(stack, tmp_path, 4, "--capture.batch-size", "2", "--batches-per-child", "1",
+                      "--max-node-failures", "5", "--start-timeout-s", "20", queues=["node-b", "node-a"])
+    result = parent_result(proc, tmp_path / "parent.out", 900)
+    assert result["verification"]["ok"], result["verification"]
+    ids = stored(tmp_path / "store")
+    assert len(ids) == len(set(ids)) == 4
+    runs = children(api, store=str(tmp_path / "store"))
+    on_b = [r for r in runs if r["work_queue_name"] == "node-b"]
+    assert on_b and {r["state_type"] for r in on_b} == {"CANCELLED"}
+    assert all("no worker on queue 'node-b' started it within 20 s" in r["state"]["message"] for r in on_b)
+    # node-b's shares ran on node-a, which stored everything.
+    rows_a = [row for r in runs if r["work_queue_name"] == "node-a" and r["state_type"] == "COMPLETED"
+              for row in r["parameters"]["rows"]]
+    assert {row for r in on_b for row in r["parameters"]["rows"]} <= set(rows_a)
+    assert {r["queue"]: r["samples"] for r in result["nodes"]} == {"node-a": 4, "node-b": 0}
+
+
+def test_a_parent_retried_by_prefect_runs_only_the_missing_shares(stack, tmp_path, monkeypatch):
+    """Prefect retries the parent (set up as the deployment's job variables
+    set it up) after its first attempt failed: node-a's queue was paused
+    once its first child ran, so the next was never started and node-a was
+    drained. The second attempt re-plans from the index: its children (keys
+    of attempt 2: never attempt 1's runs handed back) take only the rows
+    not stored."""
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
+    api, out = stack["api"], tmp_path / "parent.out"
+    proc = run_parent(stack, tmp_path, 4, "--capture.batch-size", "2", "--batches-per-child", "1",
+                      "--max-node-failures", "1", "--start-timeout-s", "15", queues=["node-a"],
+                      env={"PREFECT_FLOWS_DEFAULT_RETRIES": "1", "PREFECT_FLOWS_DEFAULT_RETRY_DELAY_SECONDS": "1"})
+    store = str(tmp_path / "store")
+    first = until(lambda: running_child(api, store, "node-a"), proc, out)
+    api.call("PATCH", "/work_pools/eagle3/queues/node-a", {"is_paused": True})  # as the UI's Pause
+    try:
+        until(lambda: "node node-a drained" in out.read_text(), proc, out, timeout_s=300)
+    finally:
+        api.call("PATCH", "/work_pools/eagle3/queues/node-a", {"is_paused": False})
+    result = parent_result(proc, out, 900)
+    assert result["verification"]["ok"], result["verification"]
+    ids = stored(tmp_path / "store")
+    assert len(ids) == len(set(ids)) == 4
+
+    parent = first["parameters"]["parent_run"]
+    assert "AwaitingRetry" in api.flow_run_states(parent) and api.flow_run(parent)["state_type"] == "COMPLETED"
+    runs = children(api, parent_id=parent)
+    attempt = {r["id"]: int(r["idempotency_key"].removeprefix(f"{parent}-").split("-")[0]) for r in runs}
+    done = {a: [row for r in runs if attempt[r["id"]] == a and r["state_type"] == "COMPLETED"
+                for row in r["parameters"]["rows"]] for a in (1, 2)}
+    assert done[1] and done[2], [(attempt[r["id"]], r["state_type"], r["parameters"]["rows"]) for r in runs]
+    assert sorted(done[1] + done[2]) == list(range(4))  # each row in one completed child, of either attempt
+    assert {r["state_type"] for r in runs if attempt[r["id"]] == 1} == {"COMPLETED", "CANCELLED"}
+
+
+def test_a_parent_killed_mid_run_is_finished_by_a_new_one(stack, tmp_path, monkeypatch):
+    """The parent SIGKILLed while node-a's child runs: the child stops before
+    its next batch (its parent's lock names a dead process, or the new
+    parent), and a new parent run takes the store over and stores only the
+    rest."""
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
+    api = stack["api"]
+    proc = run_parent(stack, tmp_path, 12, "--capture.batch-size", "2", "--batches-per-child", "6",
+                      queues=["node-a"], out="killed.out")
+    store = str(tmp_path / "store")
+    orphan = until(lambda: running_child(api, store, "node-a"), proc, tmp_path / "killed.out")
+    proc.kill()
+    proc.wait()
+
+    again = run_parent(stack, tmp_path, 12, "--capture.batch-size", "2", "--batches-per-child", "6",
+                       queues=["node-a"])
+    result = parent_result(again, tmp_path / "parent.out", 900)
+    assert result["verification"]["ok"], result["verification"]
+    ids = stored(tmp_path / "store")
+    assert len(ids) == len(set(ids)) == 12
+    ended = api.flow_run(orphan["id"])
+    assert ended["state_type"] == "FAILED" and "start the parent flow again" in ended["state"]["message"], ended["state"]
+    assert not [r for r in children(api, store=store) if r["state_type"] not in ("COMPLETED", "FAILED")]
 
 
 OUTAGE_S = 20
@@ -202,10 +355,7 @@ def test_the_prefect_api_gone_for_20_s_under_a_running_node_loses_and_doubles_no
     proc = run_parent(stack, tmp_path, 6, "--capture.batch-size", "2", "--batches-per-child", "1",
                       queues=["node-a"])
     store = str(tmp_path / "store")
-    deadline = time.monotonic() + 600
-    while not [r for r in children(api) if r["parameters"]["store"]["path"] == store and r["state_type"] == "RUNNING"]:
-        assert proc.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "parent.out", 80)
-        time.sleep(0.5)
+    until(lambda: running_child(api, store, "node-a"), proc, tmp_path / "parent.out")
     stop(stack["server"])
     time.sleep(OUTAGE_S)
     stack["server"] = start_prefect_server(stack["env"], LOGS / "prefect-server.log")
@@ -215,5 +365,4 @@ def test_the_prefect_api_gone_for_20_s_under_a_running_node_loses_and_doubles_no
     assert result["verification"]["ok"], result["verification"]
     ids = stored(tmp_path / "store")
     assert len(ids) == len(set(ids)) == 6  # nothing lost, nothing twice
-    assert not [r for r in children(api) if r["parameters"]["store"]["path"] == store
-                and r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED", "FAILED")]
+    assert not [r for r in children(api, store=store) if r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED", "FAILED")]

@@ -205,7 +205,8 @@ def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, in
             log.info("share %d on %s: %d samples, %s tokens in %.0f s (%.0f tok/s) [%s]", share.index, queue,
                      share.samples, f"{share.tokens:,}", seconds, share.tokens / max(seconds, 1e-9), name)
         else:
-            log.warning("share %d on %s did not complete (%s); it goes to another node", share.index, queue, error)
+            log.warning("share %d on %s did not complete (%s); it goes back in line, first for the other nodes",
+                        share.index, queue, error)
         if queue in dispatcher.drained:
             log.error("node %s drained: %s. Its shares go to the other nodes", queue, dispatcher.drained[queue])
         try:
