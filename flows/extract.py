@@ -224,7 +224,7 @@ def extract_hidden_states(
         # would otherwise count against the space it asks for, for good.
         reset_dump_dir_task(dump_dir, server.rid_prefix)
         preflight_task(planned, dump_dir, capture)
-        live = None
+        live = guard = None
         try:
             if planned.plan.todo:
                 live = launch_task(planned.target, server, dump_dir, log_path)
@@ -234,7 +234,6 @@ def extract_hidden_states(
                     max_ratio=capture.max_quarantine_ratio, max_consecutive=capture.max_consecutive_failures,
                     canaries=CanaryTally(max_ratio=capture.canary_max_failed_ratio))
                 failures = _extract_all(planned, live, dump_dir, capture, guard, node, parent_run)
-                guard.sweep(dump_dir)  # a dump that landed after its request failed: none stays
                 guard.check()  # this reason first: the batches it stopped are its consequence
                 if failures:
                     raise RuntimeError(f"{len(failures)} batches failed after their retries: "
@@ -244,13 +243,20 @@ def extract_hidden_states(
             else:
                 log.info("nothing to capture: every sample of %s is already stored", capture.dataset)
         finally:
-            if live is not None:
-                try:
-                    stop_task(live)
-                finally:
-                    # A cancelled run starts no task, not even this one: the
-                    # stop itself must not depend on it.
-                    live.stop()
+            try:
+                if live is not None:
+                    try:
+                        stop_task(live)
+                    finally:
+                        # A cancelled run starts no task, not even this one: the
+                        # stop itself must not depend on it.
+                        live.stop()
+            finally:
+                # However the run ended: a dump that landed after its request
+                # failed stays nowhere (once a launched server has stopped,
+                # none can land later).
+                if guard is not None:
+                    guard.sweep(dump_dir)
         result = {"store": str(path), **planned.store.ledger.summary()}
         if verify:
             result["verification"] = verify_task(str(path))

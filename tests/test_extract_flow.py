@@ -17,8 +17,8 @@ from flows.config import to_yaml
 from flows.extract import extract_hidden_states
 from tasks.capture import client as capture_client
 from tasks.capture.config import CaptureConfig
-from tasks.capture.dump import read_capture as real_read_capture, write_chunk
-from tasks.capture.extraction import Endpoint, extract_batch
+from tasks.capture.dump import TMP_PREFIX, read_capture as real_read_capture, write_chunk
+from tasks.capture.extraction import Endpoint, FailureGuard, extract_batch
 from tasks.data.dataset import prepare_samples
 from tasks.server.config import ServerConfig
 from tasks.store.config import StoreConfig
@@ -214,6 +214,56 @@ def test_bad_dumps_are_retried_then_quarantined(capture_server, tiny_model, tmp_
     assert stored == {s.sample_id for s in samples} - {samples[4].sample_id}
     # Nothing left but the lock file that the session's extraction runs hold on the dump dir.
     assert [p.name for p in server.spec.dump_dir.iterdir()] in ([], [LOCK_NAME])
+
+
+def test_requests_timed_out_on_a_real_server_leave_no_dump(capture_server, tiny_model, tmp_path):
+    """A request the client gave up on (its timeout) still runs on the server
+    and its dump lands late, after the sample was discarded: the run's next
+    batch sweeps it (in a RAM-backed dump dir, late dumps would pile up)."""
+    from transformers import AutoTokenizer
+
+    from tasks.store.ledger.open import open_store
+    from tasks.store.manifest import build_manifest
+    from tasks.target.architectures import LLAMA
+
+    server = capture_server
+    dump_dir = server.spec.dump_dir
+    # Long enough (12 prefill chunks) that a forward outlasts the batch that gave up on it.
+    long = [{"id": f"long-{k}", "messages": [{"role": "user", "content": f"{k} " + "word " * 3000},
+                                              {"role": "assistant", "content": "ok"}]} for k in range(3)]
+    dataset = write_jsonl(tmp_path / "data.jsonl", long + demo_rows(3))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    samples, _ = prepare_samples(dataset, tok, max_length=3072)
+    assert all(len(s.input_ids) > 3000 for s in samples[:3])
+    layers = AuxLayers.for_model(8)
+    open_store(tmp_path / "store", build_manifest(tiny_model, tok, layers, LLAMA, max_length=3072,
+                                                  policy="truncate", sources=[str(dataset)]))
+    endpoint = Endpoint(server.url, dump_dir, layers.sglang_ids, api_key=server.api_key,
+                        rid_prefix=server.rid_prefix)
+    guard = FailureGuard(max_ratio=1.0, max_consecutive=100)
+    first = extract_batch(endpoint, Store.open(tmp_path / "store"), str(dataset), samples[:3],
+                          CaptureConfig(sample_attempts=1, request_timeout_s=0.01, concurrency=3), guard=guard)
+    assert first.samples == 0 and sorted(first.quarantined) == sorted(s.sample_id for s in samples[:3])
+    assert all("Timeout" in r for r in open_ledger(tmp_path / "store").quarantined().reason)
+    timed_out = set(guard.failed_rids)
+    assert len(timed_out) == 3
+
+    def late() -> list[str]:
+        return sorted(p.name for p in dump_dir.iterdir() if p.name.removeprefix(TMP_PREFIX).split("@")[0] in timed_out)
+
+    # The server finishes what the client gave up on: wait until its dumps stop changing.
+    seen, since, deadline = late(), time.monotonic(), time.monotonic() + 60
+    while time.monotonic() < deadline and (not seen or time.monotonic() - since < 3):
+        time.sleep(0.1)
+        if (now := late()) != seen:
+            seen, since = now, time.monotonic()
+    assert seen, "no timed-out request left a late dump: the test proves nothing"
+
+    second = extract_batch(endpoint, Store.open(tmp_path / "store"), str(dataset), samples[3:], CaptureConfig(),
+                           guard=guard)
+    assert second.samples == 3
+    assert late() == []
+    assert [p.name for p in dump_dir.iterdir()] in ([], [LOCK_NAME])
 
 
 def test_a_transient_request_failure_is_retried(capture_server, prefect_api, tmp_path, monkeypatch):
