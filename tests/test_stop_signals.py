@@ -2,8 +2,8 @@
 whole process group) or a scheduler's SIGTERM tells it: it exits within
 15 s, non-zero, with one line saying what it kept and how to resume; every
 process it started is gone (its SGLang server, its temporary Prefect
-server, torchrun's ranks); its lock is free; and an extraction's rerun
-completes without losing or doubling anything (a training's resume from its
+server, torchrun's ranks); its locks are free; and an extraction's rerun
+(alone or a pipeline's stage) completes without losing or doubling anything (a training's resume from its
 checkpoint is tests/test_training.py's; here it runs long enough that the
 signal always lands mid-run)."""
 from __future__ import annotations
@@ -94,3 +94,31 @@ def test_sigterm_stops_a_command_line_training_on_two_ranks(tiny_model, tmp_path
                     "same command again to resume"), line
     with hold_lock(out, "the test"):
         pass
+
+
+@pytest.mark.server
+def test_sigterm_stops_a_command_line_pipeline_mid_extraction_and_its_rerun_completes(capture_server, prefect_api,
+                                                                                       tiny_model, tmp_path):
+    """The pipeline (extraction as a subflow, its server launched there) told
+    to stop by a scheduler's SIGTERM to it alone. The rerun shown is its
+    extraction stage's, the same flow with the same store: the training
+    and evaluation after it are tests/test_pipeline.py's."""
+    rows = 160
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
+    store, out = tmp_path / "store", tmp_path / "train"
+    proc = start(["-m", "flows.pipeline", "--server.model", str(tiny_model), "--server.max-total-tokens", "4096",
+                  "--capture.dataset", str(dataset), "--capture.batch-size", "2", "--store.path", str(store),
+                  "--train.out-dir", str(out)], tmp_path)
+
+    wait_for(lambda: stored_samples(store) >= 2, proc, tmp_path / "stderr")
+    line = stop_and_check(proc, signal.SIGTERM, tmp_path, group=False)
+    kept = stored_samples(store)
+    assert 2 <= kept < rows, "stopped too late to test anything"
+    assert re.fullmatch(rf"python -m flows.pipeline: stopped by SIGTERM; {kept:,} samples \(\S+ tokens\) in "
+                        rf"{re.escape(str(store.resolve()))} kept; training checkpoints in "
+                        rf"{re.escape(str(out.resolve()))} kept; run the same command again to resume", line), line
+    for held in (store, out):
+        with hold_lock(held, "the test"):
+            pass  # free
+
+    rerun_completes(capture_server, store, dataset, rows)
