@@ -3,9 +3,10 @@ whole process group) or a scheduler's SIGTERM tells it: it exits within
 15 s, non-zero, with one line saying what it kept and how to resume; every
 process it started is gone (its SGLang server, its temporary Prefect
 server, torchrun's ranks); its locks are free; and an extraction's rerun
-(alone or a pipeline's stage) completes without losing or doubling anything (a training's resume from its
-checkpoint is tests/test_training.py's; here it runs long enough that the
-signal always lands mid-run)."""
+(alone or a pipeline's stage) completes without losing or doubling
+anything (a training's resume from its checkpoint is
+tests/test_training.py's; here it runs long enough that the signal always
+lands mid-run)."""
 from __future__ import annotations
 
 import os
