@@ -242,7 +242,7 @@ def test_requests_timed_out_on_a_real_server_leave_no_dump(capture_server, tiny_
                         rid_prefix=server.rid_prefix)
     guard = FailureGuard(max_ratio=1.0, max_consecutive=100)
     first = extract_batch(endpoint, Store.open(tmp_path / "store"), str(dataset), samples[:3],
-                          CaptureConfig(sample_attempts=1, request_timeout_s=0.01, concurrency=3), guard=guard)
+                          CaptureConfig(sample_attempts=1, request_timeout_s=0.2, concurrency=3), guard=guard)
     assert first.samples == 0 and sorted(first.quarantined) == sorted(s.sample_id for s in samples[:3])
     assert all("Timeout" in r for r in open_ledger(tmp_path / "store").quarantined().reason)
     timed_out = set(guard.failed_rids)

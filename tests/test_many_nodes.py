@@ -6,12 +6,8 @@ runs from the command line, as `python -m flows.extract_nodes`.
 
 The tests, in order (each fault injected for real):
 - a dataset over both nodes, node-a's server SIGKILLed under a share;
-- node-b's child SIGSTOPped until taken for dead, then SIGCONTed;
-- node-b killed (server, worker, its run's process) while it runs a share:
-  the run finishes on node-a, and the dead child ends Crashed through the
-  heartbeat automation, not Running forever;
-- node-b's worker gone (killed above): its shares are cancelled and run on
-  node-a, whatever max_node_failures is;
+- both nodes silent at once under a share: node-b killed (server, worker,
+  its child's process), node-a's child SIGSTOPped, then SIGCONTed;
 - the parent retried by Prefect after a failed first attempt;
 - the parent SIGKILLed, then a new parent run;
 - the Prefect server stopped for 20 s under a running node, then started
@@ -177,30 +173,47 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
     assert not [p.name for q in QUEUES for p in (LOGS / f"dumps-{q}").glob("*.safetensors")]
 
 
-def test_a_live_child_taken_for_dead_keeps_its_node_to_itself(stack, tmp_path, monkeypatch):
-    """node-b's child stopped (SIGSTOP: its heartbeats stop) until the
-    automation marks it Crashed while it lives. The share goes back to
-    node-b (the only node): its next child is refused at the node's dump
-    dir, writes nothing beside the first, and the node is not drained for
-    it. Once the first goes on (SIGCONT), the run completes: nothing lost,
-    nothing twice, verified."""
+def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_path, monkeypatch):
+    """Both nodes fall silent under a running share at once (one wait for
+    the heartbeat automation serves both), each its own way:
+    - node-b dies: its server, its worker and its child's process
+      SIGKILLed. The automation marks the child Crashed; node-b's next share
+      is never started (no worker), so it is cancelled after start_timeout_s
+      and runs on node-a; node-b is drained at its second failure in a row
+      (the default max_node_failures), and the nodes table says why.
+    - node-a's child is stopped (SIGSTOP) but lives. The automation marks
+      it Crashed too; node-a's next child is refused at the node's dump dir,
+      which the stopped child still holds (NodeBusy): it writes nothing
+      beside it, and node-a is tried again, not drained. Once the stopped
+      child goes on (SIGCONT), node-a stores the rest.
+    Every sample stored once, verified; every child run in a final state."""
+    from flows.artifacts import artifact_key
     from tasks.capture.nodes import NODE_BUSY
     from tasks.store.ledger.open import open_ledger
 
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
-    api, out = stack["api"], tmp_path / "parent.out"
-    proc = run_parent(stack, tmp_path, 16, "--capture.batch-size", "2", "--batches-per-child", "8",
-                      "--start-timeout-s", "40", queues=["node-b"])  # the busy node tried every 10 s
+    api, out, victim = stack["api"], tmp_path / "parent.out", stack["nodes"]["node-b"]
+    # Two first shares of 32 samples (seconds of capture each: both are caught running).
+    proc = run_parent(stack, tmp_path, 64, "--capture.batch-size", "2", "--batches-per-child", "16",
+                      "--start-timeout-s", "30")
     store = str(tmp_path / "store")
-    first = until(lambda: running_child(api, store, "node-b", beating=True), proc, out)
-    pids = pids_of_run(first["id"])
-    for pid in pids:
+    first = until(lambda: (lambda a, b: a and b and {"node-a": a, "node-b": b})(
+        running_child(api, store, "node-a", beating=True), running_child(api, store, "node-b", beating=True)),
+        proc, out)
+    stopped = pids_of_run(first["node-a"]["id"])
+    for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
+    # node-b dies at once: nothing of it may report its run's end.
+    os.killpg(victim["server_pid"], signal.SIGKILL)
+    for group in {victim["worker_pid"], *processes_of_run(first["node-b"]["id"])}:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:  # the same group, already gone
+            pass
     try:
-        until(lambda: api.flow_run(first["id"])["state_type"] == "CRASHED", proc, out, timeout_s=300)
-        until(lambda: "node-b is still busy" in out.read_text(), proc, out, timeout_s=300)
+        until(lambda: "node-a is still busy" in out.read_text(), proc, out, timeout_s=300)
     finally:
-        for pid in pids:
+        for pid in stopped:
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
@@ -209,77 +222,29 @@ def test_a_live_child_taken_for_dead_keeps_its_node_to_itself(stack, tmp_path, m
     result = parent_result(proc, out, 900)
     assert result["verification"]["ok"], result["verification"]
     ids = stored(tmp_path / "store")
-    assert len(ids) == len(set(ids)) == 16
-    assert "Crashed" in api.flow_run_states(first["id"])
+    assert len(ids) == len(set(ids)) == 64  # nothing lost, nothing twice
+    for queue, run in first.items():  # the automation's doing, not the runs' own reports
+        assert "Crashed" in api.flow_run_states(run["id"]), queue
+    dead = api.flow_run(first["node-b"]["id"])
+    assert dead["state_type"] == "CRASHED" and "no heartbeat" in dead["state"]["message"]
+
     runs = children(api, store=store)
+    later_b = [r for r in runs if r["work_queue_name"] == "node-b" and r["id"] != first["node-b"]["id"]]
+    assert later_b and all(r["state_type"] == "CANCELLED" and "no worker on queue 'node-b' started it within 30 s"
+                           in r["state"]["message"] for r in later_b), [r["state"] for r in later_b]
     refused = [r for r in runs if NODE_BUSY in (r["state"]["message"] or "")]
-    assert refused and {r["state_type"] for r in refused} == {"FAILED"}, [r["state"] for r in runs]
-    assert [(r["queue"], r["samples"], r["drained"]) for r in result["nodes"]] == [("node-b", 16, None)]
-    # Every shard file in the store is one the index names: the refused child wrote none.
-    names = {p.name for p in (tmp_path / "store" / "shards").iterdir()}
-    assert names == {f"{n}.safetensors" for n in open_ledger(tmp_path / "store").shards().name}
-    assert not [p.name for p in (LOGS / "dumps-node-b").glob("*.safetensors")]
-
-
-def test_a_node_killed_mid_run_loses_nothing_and_its_run_ends_crashed(stack, tmp_path, monkeypatch):
-    monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
-    api, victim = stack["api"], stack["nodes"]["node-b"]
-    proc = run_parent(stack, tmp_path, 24, "--capture.batch-size", "2", "--batches-per-child", "1",
-                      "--max-node-failures", "1")
-    store = str(tmp_path / "store")
-
-    # Kill node-b while one of its child runs is Running and has sent a heartbeat.
-    running = until(lambda: running_child(api, store, "node-b", beating=True), proc, tmp_path / "parent.out")
-    # The node dies at once: nothing of it may report its run's end.
-    os.killpg(victim["server_pid"], signal.SIGKILL)
-    for group in {victim["worker_pid"], *processes_of_run(running["id"])}:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:  # the same group, already gone
-            pass
-
-    result = parent_result(proc, tmp_path / "parent.out", 900)
-    assert result["verification"]["ok"], result["verification"]
-    ids = stored(tmp_path / "store")
-    assert len(ids) == len(set(ids)) == 24  # nothing lost, nothing twice
-    crashed = api.flow_run(running["id"])
-    assert crashed["state_type"] == "CRASHED"
-    assert "no heartbeat" in crashed["state"]["message"]  # the automation's doing, not the run's own report
-    out = (tmp_path / "parent.out").read_text()
-    assert "node node-b drained" in out, log_tail(tmp_path / "parent.out", 80)
+    assert refused and {(r["work_queue_name"], r["state_type"]) for r in refused} == {("node-a", "FAILED")}
     by_node = {r["queue"]: r for r in result["nodes"]}
-    assert by_node["node-b"]["drained"] and not by_node["node-a"]["drained"]
-    # The UI shows why: the parent's nodes table.
-    from flows.artifacts import artifact_key
-
+    assert by_node["node-b"]["drained"].startswith("2 shares failed in a row there, the last: ")
+    assert by_node["node-a"]["drained"] is None and by_node["node-a"]["samples"] == 64
     table = api.call("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [artifact_key("nodes", store)]}}})
     rows = {r["node"]: r["status"] for r in json.loads(table[0]["data"])}
-    assert rows["node-a"] == "OK" and rows["node-b"].startswith("drained: 1 shares failed in a row there")
-    assert not [r for r in children(api, store=store) if r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED")]
-
-
-def test_a_node_whose_worker_is_gone_costs_one_start_timeout_whatever_max_node_failures_is(
-        stack, tmp_path, monkeypatch):
-    """node-b is gone (the test before killed it). Each share it takes is
-    cancelled once no worker has started it within start_timeout_s, and runs
-    on node-a, though node-b is allowed 5 failures in a row."""
-    monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
-    api = stack["api"]
-    proc = run_parent(stack, tmp_path, 4, "--capture.batch-size", "2", "--batches-per-child", "1",
-                      "--max-node-failures", "5", "--start-timeout-s", "20", queues=["node-b", "node-a"])
-    result = parent_result(proc, tmp_path / "parent.out", 900)
-    assert result["verification"]["ok"], result["verification"]
-    ids = stored(tmp_path / "store")
-    assert len(ids) == len(set(ids)) == 4
-    runs = children(api, store=str(tmp_path / "store"))
-    on_b = [r for r in runs if r["work_queue_name"] == "node-b"]
-    assert on_b and {r["state_type"] for r in on_b} == {"CANCELLED"}
-    assert all("no worker on queue 'node-b' started it within 20 s" in r["state"]["message"] for r in on_b)
-    # node-b's shares ran on node-a, which stored everything.
-    rows_a = [row for r in runs if r["work_queue_name"] == "node-a" and r["state_type"] == "COMPLETED"
-              for row in r["parameters"]["rows"]]
-    assert {row for r in on_b for row in r["parameters"]["rows"]} <= set(rows_a)
-    assert {r["queue"]: r["samples"] for r in result["nodes"]} == {"node-a": 4, "node-b": 0}
+    assert rows["node-a"] == "OK" and rows["node-b"].startswith("drained: 2 shares failed in a row there")
+    assert not [r for r in runs if r["state_type"] not in ("COMPLETED", "CRASHED", "CANCELLED", "FAILED")]
+    # Every shard file in the store is one the index names: the refused children wrote none.
+    names = {p.name for p in (tmp_path / "store" / "shards").iterdir()}
+    assert names == {f"{n}.safetensors" for n in open_ledger(tmp_path / "store").shards().name}
+    assert not [p.name for p in (LOGS / "dumps-node-a").glob("*.safetensors")]
 
 
 def test_a_parent_retried_by_prefect_runs_only_the_missing_shares(stack, tmp_path, monkeypatch):
@@ -349,7 +314,7 @@ def test_the_prefect_api_gone_for_20_s_under_a_running_node_loses_and_doubles_no
     """The Prefect server (every run's API: the parent's, the child's, the
     worker's) stopped while node-a runs a share, started again 20 s later on
     the same port and database. Last in the module: it replaces the stack's
-    server (and node-b is gone: the test before killed it)."""
+    server (and node-b is gone: an earlier test killed it)."""
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
     api = stack["api"]
     proc = run_parent(stack, tmp_path, 6, "--capture.batch-size", "2", "--batches-per-child", "1",
