@@ -197,9 +197,12 @@ def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_pat
     proc = run_parent(stack, tmp_path, 64, "--capture.batch-size", "2", "--batches-per-child", "16",
                       "--start-timeout-s", "30")
     store = str(tmp_path / "store")
-    first = until(lambda: (lambda a, b: a and b and {"node-a": a, "node-b": b})(
-        running_child(api, store, "node-a", beating=True), running_child(api, store, "node-b", beating=True)),
-        proc, out)
+
+    def both_running() -> dict | None:
+        runs = {q: running_child(api, store, q, beating=True) for q in QUEUES}
+        return runs if all(runs.values()) else None
+
+    first = until(both_running, proc, out)
     stopped = pids_of_run(first["node-a"]["id"])
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
