@@ -58,9 +58,7 @@ def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: 
         update_progress_artifact(artifact, progress=min(progress["percent"], 100.0))
         log.info("progress, all nodes: %s", meter.describe(progress))
 
-    # A busy node is tried again four times at least before it is drained.
-    return nodes.feed_node(queue, dispatcher, run_share, log, on_progress,
-                           busy_wait_s=min(nodes.WAIT_S, start_timeout_s / 4))
+    return nodes.feed_node(queue, dispatcher, run_share, log, on_progress)
 
 
 @flow(name="extract_across_nodes", task_runner=ThreadPoolTaskRunner(max_workers=MAX_NODES))

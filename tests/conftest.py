@@ -86,16 +86,18 @@ def attach(server, *, store, **capture) -> dict:
             "store": StoreConfig(path=str(store))}
 
 
-def wait_for(condition, proc, stderr: Path, timeout_s: float = 600) -> None:
-    """Return once `condition()` holds; fail, quoting `stderr`'s tail, if
-    the process `proc` exits first or `timeout_s` passes."""
+def wait_for(condition, proc, stderr: Path, timeout_s: float = 600):
+    """What `condition()` returns once it is truthy; fail, quoting
+    `stderr`'s tail, if the process `proc` exits first or `timeout_s`
+    passes."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (value := condition()):
         assert proc.poll() is None, stderr.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s"
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s: {stderr.read_text()[-3000:]}"
         time.sleep(0.5)
+    return value
 
 
 def stored_samples(store: Path) -> int:

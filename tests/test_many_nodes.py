@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, write_jsonl
+from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, wait_for, write_jsonl
 from tests.prefect_stack import (REPO, cli, log_tail, prefect_database, prefect_server, start_node, start_prefect_server,
                                  stop, stop_node, wait_node)
 
@@ -81,16 +81,6 @@ def parent_result(proc: subprocess.Popen, out: Path, timeout_s: float) -> dict:
     assert proc.wait(timeout=timeout_s) == 0, log_tail(out, 80)
     text = out.read_text()
     return json.loads(text[text.rindex("\n{") + 1:])
-
-
-def until(ready, proc: subprocess.Popen, out: Path, timeout_s: float = 600):
-    """What `ready()` returns once it is truthy, polled while the parent
-    runs: the parent's log if it ends first or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := ready()):
-        assert proc.poll() is None and time.monotonic() < deadline, log_tail(out, 80)
-        time.sleep(0.5)
-    return value
 
 
 def children(api, parent_id: str | None = None, store: str | None = None) -> list[dict]:
@@ -149,7 +139,7 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
     api, node_a = stack["api"], stack["nodes"]["node-a"]
     proc = run_parent(stack, tmp_path, 16, "--capture.batch-size", "2", "--batches-per-child", "2")
     store = str(tmp_path / "store")
-    until(lambda: running_child(api, store, "node-a"), proc, tmp_path / "parent.out")
+    wait_for(lambda: running_child(api, store, "node-a"), proc, tmp_path / "parent.out")
     os.killpg(node_a["server_pid"], signal.SIGKILL)
     result = parent_result(proc, tmp_path / "parent.out", 900)
     node_log = Path(node_a["logs"]).parent / "node-a.out"
@@ -202,7 +192,7 @@ def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_pat
         runs = {q: running_child(api, store, q, beating=True) for q in QUEUES}
         return runs if all(runs.values()) else None
 
-    first = until(both_running, proc, out)
+    first = wait_for(both_running, proc, out)
     stopped = pids_of_run(first["node-a"]["id"])
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
@@ -214,7 +204,7 @@ def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_pat
         except ProcessLookupError:  # the same group, already gone
             pass
     try:
-        until(lambda: "node-a is still busy" in out.read_text(), proc, out, timeout_s=300)
+        wait_for(lambda: "node-a is still busy" in out.read_text(), proc, out, timeout_s=300)
     finally:
         for pid in stopped:
             try:
@@ -263,10 +253,10 @@ def test_a_parent_retried_by_prefect_runs_only_the_missing_shares(stack, tmp_pat
                       "--max-node-failures", "1", "--start-timeout-s", "15", queues=["node-a"],
                       env={"PREFECT_FLOWS_DEFAULT_RETRIES": "1", "PREFECT_FLOWS_DEFAULT_RETRY_DELAY_SECONDS": "1"})
     store = str(tmp_path / "store")
-    first = until(lambda: running_child(api, store, "node-a"), proc, out)
+    first = wait_for(lambda: running_child(api, store, "node-a"), proc, out)
     api.call("PATCH", "/work_pools/eagle3/queues/node-a", {"is_paused": True})  # as the UI's Pause
     try:
-        until(lambda: "node node-a drained" in out.read_text(), proc, out, timeout_s=300)
+        wait_for(lambda: "node node-a drained" in out.read_text(), proc, out, timeout_s=300)
     finally:
         api.call("PATCH", "/work_pools/eagle3/queues/node-a", {"is_paused": False})
     result = parent_result(proc, out, 900)
@@ -295,7 +285,7 @@ def test_a_parent_killed_mid_run_is_finished_by_a_new_one(stack, tmp_path, monke
     proc = run_parent(stack, tmp_path, 12, "--capture.batch-size", "2", "--batches-per-child", "6",
                       queues=["node-a"], out="killed.out")
     store = str(tmp_path / "store")
-    orphan = until(lambda: running_child(api, store, "node-a"), proc, tmp_path / "killed.out")
+    orphan = wait_for(lambda: running_child(api, store, "node-a"), proc, tmp_path / "killed.out")
     proc.kill()
     proc.wait()
 
@@ -323,7 +313,7 @@ def test_the_prefect_api_gone_for_20_s_under_a_running_node_loses_and_doubles_no
     proc = run_parent(stack, tmp_path, 6, "--capture.batch-size", "2", "--batches-per-child", "1",
                       queues=["node-a"])
     store = str(tmp_path / "store")
-    until(lambda: running_child(api, store, "node-a"), proc, tmp_path / "parent.out")
+    wait_for(lambda: running_child(api, store, "node-a"), proc, tmp_path / "parent.out")
     stop(stack["server"])
     time.sleep(OUTAGE_S)
     stack["server"] = start_prefect_server(stack["env"], LOGS / "prefect-server.log")

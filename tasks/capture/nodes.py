@@ -172,7 +172,7 @@ class Dispatcher:
 
 def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, int], tuple[str | None, str]],
               log: logging.Logger | logging.LoggerAdapter, on_progress: Callable[[], None] = lambda: None,
-              busy_wait_s: float = WAIT_S) -> dict:
+              busy_wait_s: float | None = None) -> dict:
     """Feed one node its shares until none is left for it. `run_share(share,
     n)` runs the node's n-th share and returns (error or None, the child
     run's name); whatever it raises, the share is handed back to the
@@ -181,7 +181,11 @@ def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, in
     update that raises is logged, never the end of the node's thread: that
     would leave its remaining shares to the others and its report lost. A
     child refused because the node is busy (NODE_BUSY) hands its share back
-    uncounted and the node waits `busy_wait_s` before it takes another."""
+    uncounted and the node waits `busy_wait_s` before it takes another: by
+    default a quarter of the dispatcher's busy limit (at most WAIT_S), so a
+    busy node is tried four times at least before it is drained."""
+    if busy_wait_s is None:
+        busy_wait_s = min(WAIT_S, dispatcher.busy_limit_s / 4)
     samples = tokens = runs = 0
     while (share := dispatcher.take(queue)) is not None:
         runs += 1
