@@ -8,14 +8,17 @@ a subflow, on one config whose sections are the stages' own.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from pydantic import Field
 
 from flows.cli import described
 from flows.extract import extract_hidden_states
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
+from flows.stream import capture_and_train
 from flows.evaluate import baseline_server, evaluate_drafter
 from flows.train import train_drafter
 from flows.verify import verify_store
@@ -73,6 +76,9 @@ def eagle3_pipeline(
     train: TrainConfig = TrainConfig(),
     evaluate: EvaluateConfig = EvaluateConfig(),
     regenerate: RegenerateConfig = RegenerateConfig(),
+    mode: Annotated[Literal["offline", "stream"], Field(description=(
+        "offline: capture everything, verify, then train; stream: train while the capture runs (the same "
+        "batches and weights; wall time the longer side, not the sum)"))] = "offline",
 ) -> dict:
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, evaluate."""
     log = get_run_logger()
@@ -90,9 +96,13 @@ def eagle3_pipeline(
                                                                     "rid_prefix": ServerConfig().rid_prefix}),
                                           capture.dataset, str(store_dir), regenerate)
             capture = capture.model_copy(update={"dataset": regenerated})
-        extract_hidden_states(server=server, capture=capture, store=store, verify=False)
-        verify_store(store=str(store_dir))
-        trained = train_drafter(store=str(store_dir), train=train)
+        if mode == "stream":
+            trained = capture_and_train(server, capture, store, train)
+            verify_store(store=str(store_dir))  # the whole store, as offline, before it is served
+        else:
+            extract_hidden_states(server=server, capture=capture, store=store, verify=False)
+            verify_store(store=str(store_dir))
+            trained = train_drafter(store=str(store_dir), train=train)
         report = evaluate_drafter(drafter_dirs=[trained["drafter_dir"]], store=str(store_dir),
                                   server=server.model_copy(update={"model": trained["target"]}), evaluate=evaluate)
     steps = train.serve_steps

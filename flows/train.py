@@ -114,7 +114,8 @@ def train_drafter(
     lock_dir = out_dir if node == 0 else out_dir / f"node-{node}"
     with hold_lock(lock_dir, f"train_drafter on {store}" + (f", node {node}" if node else "")):
         keep_run_config(lock_dir / "config.yaml", "train_drafter", lock_dir)
-        check_verified_task(store)
+        if not cfg.stream:  # a stream run reads each shard as the capture commits it
+            check_verified_task(store)
         result = train_task(cfg, store)
         if node == 0:
             check_export_task(result.drafter_dir, cfg.out_dir, result.target)

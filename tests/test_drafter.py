@@ -52,6 +52,14 @@ def test_the_targets_greedy_tokens_are_counted_where_the_next_token_is_masked():
 
 
 
+class Samples(list):
+    """What draft_vocab reads of a store: samples and their token counts."""
+
+    @property
+    def num_tokens(self):
+        return np.array([len(s["loss_mask"]) for s in self])
+
+
 def _vocab_on_rank(rank, port, results):
     import os
 
@@ -63,7 +71,7 @@ def _vocab_on_rank(rank, port, results):
         head = torch.eye(40)
         # Each rank sees other data: only rank 0's may decide, or the ranks would train different drafters.
         greedy = list(range(24, 40)) if rank == 0 else list(range(16))
-        samples = [{"loss_mask": [1] * (len(greedy) + 1), "final_hidden_state": torch.eye(40)[greedy + [0]]}]
+        samples = Samples([{"loss_mask": [1] * (len(greedy) + 1), "final_hidden_state": torch.eye(40)[greedy + [0]]}])
         cfg = TrainConfig(draft_vocab_size=16)
         results[rank] = draft_vocab(cfg, samples, np.arange(1), head, torch.device("cpu"), rank, 2).target_ids.tolist()
     finally:

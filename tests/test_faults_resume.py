@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tasks.store.reader import StoreReader
 from tasks.train.checkpoint import CHECKPOINT
@@ -102,7 +103,7 @@ def uninterrupted(store, tmp_path_factory):
     train(config(tmp_path_factory.mktemp("ref") / "run"), store, on_step=recording(records))
     batches = trained_batches(records)
     reader = StoreReader(store)
-    train_ids = sorted(reader.sample_ids[i] for i in split(reader, 0.1)[0])
+    train_ids = sorted(reader.sample_ids[i] for i in split(reader.sample_ids, 0.1)[0])
     for epoch in (0, 1):  # the reference itself: every training sample once an epoch
         assert sorted(s for e, b in batches if e == epoch for s in b) == train_ids
     return batches
@@ -189,10 +190,10 @@ def test_a_store_grown_since_the_checkpoint_is_refused_or_replanned(tiny_model, 
     with pytest.raises(Stop):
         train(config(tmp_path / "run", checkpoint_every=2), store, on_step=recording([], stop_after=2))
     before = StoreReader(store)
-    n_train, n_held = (len(x) for x in split(before, 0.1))
+    n_train, n_held = (len(x) for x in split(before.sample_ids, 0.1))
     random_store(d, tiny_model, 24, max_length=64)  # 8 more conversations, verified
     now = StoreReader(store)
-    n_train_now, n_held_now = (len(x) for x in split(now, 0.1))
+    n_train_now, n_held_now = (len(x) for x in split(now.sample_ids, 0.1))
     assert n_train_now > n_train
     with pytest.raises(TrainingError, match=(
             rf"changed since .*{CHECKPOINT}.*training split: {n_train} samples .* then, {n_train_now} .* now.*"
@@ -202,7 +203,35 @@ def test_a_store_grown_since_the_checkpoint_is_refused_or_replanned(tiny_model, 
     result = train(config(tmp_path / "run", on_store_change="replan"), store, on_step=recording(records))
     assert result.resumed_from == {"epoch": 0, "batches_done": 0, "step": 2}
     # The epoch starts again over the split as it is now: each of its samples once, the new ones included.
-    train_ids = sorted(now.sample_ids[i] for i in split(now, 0.1)[0])
+    train_ids = sorted(now.sample_ids[i] for i in split(now.sample_ids, 0.1)[0])
     for epoch in (0, 1):
         assert sorted(s for r in records if r["epoch"] == epoch for s in r["sample_ids"]) == train_ids
     assert result.train_samples == n_train_now and result.heldout_samples == n_held_now
+
+
+def test_a_store_committed_in_another_order_trains_to_the_same_weights(store, tmp_path):
+    """The order shards were committed in (nodes, batch sizes, retries,
+    reruns) is not the training order: the same samples, committed in the
+    opposite order as two shards, train to the same weights bit for bit."""
+    from tasks.store.handle import Store
+    from tasks.store.ledger.open import open_store
+    from tasks.store.shards import write_shard
+    from tasks.store.verification import verify_store
+
+    opened, reader = Store.open(store), StoreReader(store)
+    rows = dict(zip(opened.ledger.samples().sample_id, opened.ledger.samples().source_row))
+    source = opened.manifest["sources"][0]
+    again = tmp_path / "reversed"
+    ledger = open_store(again, opened.manifest)
+    backwards = [{**reader[i], "source_row": int(rows[reader.sample_ids[i]])} for i in reversed(range(len(reader)))]
+    half = len(backwards) // 2
+    for part in (backwards[:half], backwards[half:]):
+        ledger.commit_shard(*write_shard(again, part, source=source, stored=True))
+    assert verify_store(again).ok
+    assert StoreReader(again).sample_ids == reader.sample_ids[::-1]
+    results = [train(config(tmp_path / name), s) for name, s in (("as-stored", store), ("reversed", again))]
+    assert results[0].history == results[1].history
+    weights = [load_file(tmp_path / name / "drafter" / "model.safetensors") for name in ("as-stored", "reversed")]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name

@@ -108,7 +108,7 @@ def test_an_independent_forward_agrees_with_the_targets_greedy_tokens(trained, t
 
     cfg, result = trained
     reader = StoreReader(tiny_store)
-    _, held = split(reader, cfg.heldout_fraction)
+    _, held = split(reader.sample_ids, cfg.heldout_fraction)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     hits = total = 0
     for i in held[:24]:

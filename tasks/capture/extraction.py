@@ -61,9 +61,10 @@ class Plan:
 
 
 def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Sequence[int] | None = None) -> Plan:
-    """Tokenise the capture's dataset (or only its `rows`) and keep only
-    what the ledger does not hold yet. Rows that cannot be used go to the
-    quarantine table with their reason."""
+    """Tokenise the capture's dataset (or only its `rows`, captured in the
+    order given: a stream run's training order) and keep only what the
+    ledger does not hold yet. Rows that cannot be used go to the quarantine
+    table with their reason."""
     source = str(Path(capture.dataset).resolve())
     samples, rejected = prepare_samples(Path(capture.dataset), tokenizer, max_length=capture.max_length,
                                         policy=capture.max_length_policy,
@@ -74,6 +75,9 @@ def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Seq
         if s.sample_id not in stored and s.sample_id not in seen:  # duplicates are stored once
             seen.add(s.sample_id)
             todo.append(s)
+    if rows is not None:
+        position = {row: k for k, row in enumerate(rows)}
+        todo.sort(key=lambda s: position[s.source_row])
     if rejected:
         ledger.quarantine([{"source": source, "source_row": r.source_row, "reason": r.reason} for r in rejected])
     return Plan(source, todo, len(samples) - len(todo), rejected, len(samples) + len(rejected))

@@ -50,9 +50,13 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs (no bf16 matmul units); fp32 "
         "or bf16 force either"))
-    vocab_positions: int = Field(2_000_000, ge=1, description="training positions (a seeded random subset) counted "
-                                                              "to pick the draft vocabulary")
+    vocab_positions: int = Field(2_000_000, ge=1, description=(
+        "training positions counted to pick the draft vocabulary: the first ones of the first epoch's batch order"))
     # Not part of a run's identity (RESUMABLE): they may change between a run and its resume.
+    stream: bool = Field(False, description=(
+        "train while the capture runs (the pipeline's mode stream): batches are planned from the dataset's "
+        "tokenisation, each sample is read as soon as its shard is committed, and the weights are those of an "
+        "offline run over the finished store"))
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
     log_every: int = Field(10, ge=1, description="steps between progress lines in the log")
     devices: int = Field(1, ge=1, description="GPUs to train on (per node); >1 runs torchrun")
@@ -78,7 +82,7 @@ class TrainConfig(Section):
         "in a new out_dir), or replan: start the current epoch again over the store as it is now"))
 
     RESUMABLE: ClassVar[tuple[str, ...]] = (
-        "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
+        "stream", "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
         "max_nonfinite_steps", "on_store_change")
 
     @field_validator("*", mode="wrap")

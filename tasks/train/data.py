@@ -7,7 +7,7 @@ import hashlib
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,18 +22,26 @@ def is_heldout(sample_id: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def split(reader: StoreReader, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    held = np.array([is_heldout(s, fraction) for s in reader.sample_ids], dtype=bool)
-    if len(reader) >= 2 and (held.all() or not held.any()):
+def split(sample_ids: Sequence[str], fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The training and held-out samples (indices into `sample_ids`), each in
+    sample-id order. Not in store order: that is the order shards were
+    committed in, which depends on the nodes, the batch size, retries and
+    reruns, and everything downstream follows this order (each epoch's
+    batches, the draft vocabulary's sample, the held-out samples evaluated),
+    so the same samples train to the same weights however they were
+    captured, and a stream run can plan its batches before capture."""
+    held = np.array([is_heldout(s, fraction) for s in sample_ids], dtype=bool)
+    if len(sample_ids) >= 2 and (held.all() or not held.any()):
         # Tiny stores: keep at least one sample on each side.
         held[:] = False
-        held[int(np.argmax([hashlib.sha256(s.encode()).digest() for s in reader.sample_ids]))] = True
-    return np.flatnonzero(~held), np.flatnonzero(held)
+        held[int(np.argmax([hashlib.sha256(s.encode()).digest() for s in sample_ids]))] = True
+    order = np.argsort(np.asarray(sample_ids), kind="stable")
+    return order[~held[order]], order[held[order]]
 
 
 def split_fingerprint(reader: StoreReader, train_idx: np.ndarray, held_idx: np.ndarray) -> dict:
     """What a checkpoint's batch position means depends on: the training
-    split's sample ids and token counts in store order (each epoch's batches
+    split's sample ids and token counts in split() order (each epoch's batches
     are cut from them), and the held-out split's (the history's metrics are
     over it). Per split: samples, tokens and a sha256 of (id, tokens) in order."""
     out = {}
@@ -163,7 +171,7 @@ def heldout_prompts(store: Path, heldout_fraction: float, count: int) -> list[li
     one: the conversation up to the assistant's answer), for serving checks
     on data the drafter never trained on."""
     reader = StoreReader(Path(store))
-    _, held = split(reader, heldout_fraction)
+    _, held = split(reader.sample_ids, heldout_fraction)
     prompts = []
     for i in held:
         s = reader[int(i)]

@@ -16,9 +16,10 @@ from tasks.store.verification import require_verified
 from tasks.target.layers import AuxLayers
 from tasks.train import distributed
 from tasks.train.config import TrainConfig, TrainingError
-from tasks.train.data import collate, split
+from tasks.train.data import collate, plan_batches, split
 from tasks.target.embeddings import load_target_embeddings
 from tasks.train.drafter import Eagle3Drafter, build_drafter
+from tasks.train.stream import StreamReader
 from tasks.train.vocab import DraftVocab, count_target_tokens
 
 logger = logging.getLogger("eagle3.training")
@@ -67,10 +68,15 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     0 counts the vocabulary and broadcasts it, so every rank has the same one
     (counting is the slow part: it reads the target's final states)."""
     store = Path(store)
-    require_verified(store)
-    # Verification passed once; each sample is checked again as it is read,
-    # so bytes changed since then are never trained on.
-    reader = StoreReader(store, verify_checksums=True)
+    if cfg.stream:
+        # Each sample as its shard is committed (the capture verified it
+        # against what was sent), checked against its checksum as it is read.
+        reader = StreamReader(store)
+    else:
+        require_verified(store)
+        # Verification passed once; each sample is checked again as it is
+        # read, so bytes changed since then are never trained on.
+        reader = StoreReader(store, verify_checksums=True)
     if len(reader) < 2:
         raise TrainingError(f"store {store} holds {len(reader)} samples: training needs at least 2")
     manifest = reader.manifest
@@ -84,7 +90,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
         positions = layers.positions_in(held)
     except ValueError as e:
         raise TrainingError(f"train.aux_layer_ids {cfg.aux_layer_ids}: {e}") from None
-    train_idx, held_idx = split(reader, cfg.heldout_fraction)
+    train_idx, held_idx = split(reader.sample_ids, cfg.heldout_fraction)
     embed, head = load_target_embeddings(target)
     device = distributed.device()
     head = head.to(device)
@@ -107,11 +113,15 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
 def draft_vocab(cfg: TrainConfig, reader, train_idx: np.ndarray, head: torch.Tensor, device: torch.device,
                 rank: int, world: int) -> DraftVocab:
     """The draft vocabulary, counted by rank 0 over the first vocab_positions
-    of the training samples in a seeded order, and broadcast."""
+    of the training samples in the first epoch's batch order, and broadcast.
+    That order is a seeded random one, known before a sample is captured,
+    and the one a stream run captures in: it can count the vocabulary from
+    its first captures and start training."""
     size = min(cfg.draft_vocab_size, head.shape[0])
     target_ids = torch.zeros(size, dtype=torch.long, device=device)
     if rank == 0:
-        order = np.random.default_rng(cfg.seed).permutation(train_idx)
+        order = [i for batch in plan_batches(reader.num_tokens, train_idx, cfg.tokens_per_batch, cfg.seed, 0)
+                 for i in batch]
         counts = count_target_tokens((reader[int(i)] for i in order), head, cfg.vocab_positions,
                                      dtype=autocast_dtype(cfg.precision, device) or torch.float32)
         vocab = DraftVocab.from_counts(counts, size)
