@@ -1,50 +1,63 @@
 """The pipeline's `mode: stream`: capture and training at once, in one run.
 
-    plan the training order -> capture in that order (a submitted task
-    running extract_hidden_states)  ||  train_drafter with train.stream
-    (each sample read as its shard is committed) -> both done
+    plan the training order -> capture in that order (a submitted task)
+                            || train_drafter with train.stream -> both done
 
 The trainer plans the batches an offline run over the finished store would
 (tasks/train/stream.py), so the weights are the same; the wall time is the
-longer of the two sides instead of their sum.
+longer of the two sides instead of their sum. With `train.spool_bytes` each
+epoch is captured again into a spool the trainer empties shard by shard, and
+the capture waits while the spool is full: the disk holds a budget, not the
+dataset.
 """
 from __future__ import annotations
 
+import logging
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.extract import extract_hidden_states
+from flows.extract import default_dump_dir, extract_hidden_states, launch_task
 from flows.train import train_drafter
 from tasks.capture.config import CaptureConfig
 from tasks.server.config import ServerConfig
 from tasks.store.config import StoreConfig
-from tasks.target.architectures import load_tokenizer
+from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
-from tasks.train.stream import mark_capture, planned_samples, stream_order
+from tasks.train.stream import StreamPlan, epoch_store, mark_capture, plan_stream, read_position, spool_bytes
+
+logger = logging.getLogger("eagle3.stream")
+
+WAIT_S = 0.5
+LOG_EVERY_S = 30.0
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
-def stream_rows_task(model: str, capture: CaptureConfig, train: TrainConfig) -> list[int]:
-    """The dataset rows in the order the trainer will need them."""
-    samples = planned_samples([str(Path(capture.dataset).resolve())], load_tokenizer(resolve_model(model)),
-                              max_length=capture.max_length, policy=capture.max_length_policy)
-    order = stream_order(samples, train)
-    get_run_logger().info("stream: %d samples to capture in the order training reads them (held-out ones first, "
-                          "then the first epoch's batches)", len(order))
-    return [s.source_row for s in order]
+def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig) -> StreamPlan:
+    plan = plan_stream(model, capture, train)
+    logger.info("stream: %d held-out samples, then %d epoch(s) of %d batches captured in the order training reads "
+                "them%s", len(plan.heldout), len(plan.epochs), len(plan.epochs[0]),
+                f"; spool {train.spool_bytes / 2**30:.2f} GiB ({plan.bytes_per_token:,} bytes per token)"
+                if train.spool_bytes is not None else "; every shard kept in the store")
+    return plan
 
 
 @task(name="capture-for-training", cache_policy=NO_CACHE)
-def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, rows: list[int]) -> dict:
-    """extract_hidden_states over `rows` in their order; its end (completed
-    or failed) is recorded for the trainer, which otherwise waits for the
-    samples it still needs."""
+def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
+                 plan: StreamPlan) -> dict:
+    """Capture in the plan's order; its end (completed or failed) is
+    recorded for the trainer, which otherwise waits for what it needs."""
     mark_capture(Path(store.path), "running")
     try:
-        result = extract_hidden_states(server=server, capture=capture, store=store, verify=False, rows=rows)
+        if train.spool_bytes is None:
+            rows = plan.heldout + [r for b in plan.epochs[0] for r in b]
+            result = extract_hidden_states(server=server, capture=capture, store=store, verify=False, rows=rows)
+        else:
+            result = capture_spooled(server, capture, store, train, plan)
     except BaseException as e:
         mark_capture(Path(store.path), "failed", f"{type(e).__name__}: {e}"[:500])
         raise
@@ -52,17 +65,70 @@ def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfi
     return result
 
 
+def capture_spooled(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
+                    plan: StreamPlan) -> dict:
+    """Held-out samples into the store, then every epoch's training samples
+    into its spool store, a few batches at a time while the spool has room,
+    from the trainer's last checkpointed position on (what it trained since
+    is captured again). One server for all of it, launched here or attached."""
+    root = Path(store.path)
+    with ExitStack() as stack:
+        if not server.url:  # launch once; each part of the capture attaches to it
+            dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(root)
+            target = Target.load(str(resolve_model(server.model)), capture.aux_layer_ids)
+            live = launch_task(target, server, dump_dir, root / "logs" / "sglang-server.log")
+            stack.callback(live.stop)
+            server = server.model_copy(update={"url": live.url, "api_key": live.api_key,
+                                               "rid_prefix": live.rid_prefix})
+            capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
+        extract_hidden_states(server=server, capture=capture, store=store, verify=False, rows=plan.heldout)
+        first_epoch, done = read_position(root)
+        peak, captured, paused, started = spool_bytes(root), 0, 0.0, time.time()
+        chunk = 2 * capture.batch_size  # two batches in flight, as in one extraction run
+        for e in range(first_epoch, len(plan.epochs)):
+            rows = [r for b in plan.epochs[e][done if e == first_epoch else 0:] for r in b]
+            part = store.model_copy(update={"path": str(epoch_store(root, e)), "ledger_url": None})
+            for k in range(0, len(rows), chunk):
+                piece = rows[k:k + chunk]
+                need = plan.shard_bytes(piece, capture.batch_size)
+                paused += _wait_for_room(root, need, train.spool_bytes, e)
+                extract_hidden_states(server=server, capture=capture, store=part, verify=False, rows=piece)
+                peak = max(peak, spool_bytes(root))
+                captured += sum(plan.tokens[r] for r in piece)
+                logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s; spool %.1f of "
+                         "%.1f MiB (peak %.1f)", e + 1, len(plan.epochs), min(k + chunk, len(rows)), len(rows),
+                         f"{captured:,}", captured / max(1e-9, time.time() - started), spool_bytes(root) / 2**20,
+                         train.spool_bytes / 2**20, peak / 2**20)
+    logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full", peak / 2**20,
+                train.spool_bytes / 2**20, paused)
+    return {"store": str(root), "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes, "paused_s": paused}
+
+
+def _wait_for_room(root: Path, need: int, budget: int, epoch: int) -> float:
+    """Back-pressure: until the spool can take `need` more bytes (or is
+    empty: a part larger than the budget still goes, alone). Seconds waited."""
+    since, last = time.time(), 0.0
+    while (held := spool_bytes(root)) and held + need > budget:
+        if time.time() - last >= LOG_EVERY_S:
+            last = time.time()
+            logger.info("stream capture paused %.0f s before epoch %d's next part: spool %.1f of %.1f MiB, the part "
+                     "needs %.1f", last - since, epoch + 1, held / 2**20, budget / 2**20, need / 2**20)
+        time.sleep(WAIT_S)
+    return time.time() - since
+
+
 def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: StoreConfig,
                       train: TrainConfig) -> dict:
     """Both sides of a stream run, inside the pipeline's flow; the
     train_drafter result."""
-    rows = stream_rows_task(server.model, capture, train)
-    captured = capture_task.submit(server, capture, store, rows)
+    train = train.model_copy(update={"stream": True})
+    plan = stream_plan_task(server.model, capture, train)
+    captured = capture_task.submit(server, capture, store, train, plan)
     try:
-        trained = train_drafter(store=store.path, train=train.model_copy(update={"stream": True}))
+        trained = train_drafter(store=store.path, train=train)
     finally:
-        # The trainer's failure first if both failed: the capture's is
-        # in the trainer's message (it waited for a sample it did not store).
+        # The trainer's failure first if both failed: the capture's is in
+        # the trainer's message (it waited for a sample it did not store).
         captured.wait()
-    captured.result()
+    trained["capture"] = captured.result()
     return trained

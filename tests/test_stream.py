@@ -1,6 +1,7 @@
 """Stream mode: the trainer trains while the capture runs, on the batches an
 offline run over the finished store forms, and ends with its weights."""
 import threading
+import time
 
 import pytest
 import torch
@@ -9,12 +10,12 @@ from safetensors.torch import load_file
 from flows.extract import extract_hidden_states
 from flows.stream import capture_task
 from tasks.data.dataset import prepare_samples
-from tasks.store.config import StoreConfig
 from tasks.store.verification import verify_store
 from tasks.target.architectures import load_tokenizer
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.loop import train
-from tasks.train.stream import mark_capture, planned_samples, stream_order
+from tasks.store.handle import Store
+from tasks.train.stream import SpoolTooSmall, mark_capture, plan_stream, spool_bytes
 from tests.conftest import attach, demo_rows, random_store, stored_samples, write_jsonl
 
 ROWS = 40
@@ -32,8 +33,8 @@ def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(c
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
     params = attach(capture_server, store=tmp_path / "store", dataset=str(dataset), batch_size=4, max_length=256)
     cfg = config(tmp_path / "stream")
-    samples = planned_samples([str(dataset)], load_tokenizer(tiny_model), max_length=256, policy="truncate")
-    rows = [s.source_row for s in stream_order(samples, cfg)]
+    plan = plan_stream(str(tiny_model), params["capture"], cfg)
+    rows = plan.heldout + [r for b in plan.epochs[0] for r in b]
     # The capture stops after the first third, as back-pressure would stop
     # it, until the trainer has taken a step: a trainer that needed a sample
     # later in the order would wait out the timeout, and the test fail.
@@ -44,7 +45,7 @@ def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(c
         try:
             extract_hidden_states(**params, verify=False, rows=rows[:len(rows) // 3])
             assert first_step.wait(timeout=300), "no step with a third of the samples captured"
-            capture_task.fn(**params, rows=rows)
+            capture_task.fn(**params, train=cfg, plan=plan)
         except BaseException as e:  # noqa: BLE001 - surfaced below
             failure.append(e)
 
@@ -84,3 +85,60 @@ def test_a_capture_that_ended_without_a_sample_stops_the_trainer_naming_it(tiny_
                                             r"without storing sample (\w+) \(row (1[6-9])\)") as e:
         train(config(tmp_path / "run", tokens_per_batch=128, vocab_positions=20), store)
     assert e.match("|".join(missing))
+
+
+@pytest.mark.server
+def test_a_spooled_run_stays_within_its_disk_budget_and_trains_the_offline_batches(capture_server, prefect_api,
+                                                                                   tiny_model, tmp_path):
+    """Each epoch captured again into the spool, each shard removed once
+    trained, the capture paused while the spool is full: the spool never
+    holds more than its budget, measured from the trainer's side after every
+    step, and well under one epoch of data; the trainer takes exactly the
+    batches, step by step, an offline run over a store of the same data
+    takes. (Not the same weights: each epoch is a capture of its own, and a
+    request's states change in their last bits with the requests it shares a
+    forward with; on the same bytes, the weights are equal: the test above.)"""
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
+    offline = attach(capture_server, store=tmp_path / "offline-store", dataset=str(dataset), batch_size=4,
+                     max_length=256)
+    extract_hidden_states(**offline)
+    epoch_bytes = Store.open(tmp_path / "offline-store").ledger.summary()["bytes"]
+    params = attach(capture_server, store=tmp_path / "store", dataset=str(dataset), batch_size=4, max_length=256)
+    budget = epoch_bytes * 7 // 10  # under one epoch: the data the run trains on is two
+    cfg = config(tmp_path / "stream", spool_bytes=budget, checkpoint_every=2)
+    plan = plan_stream(str(tiny_model), params["capture"], cfg)
+    assert len(plan.epochs) == 2
+    with pytest.raises(SpoolTooSmall, match=r"train.spool_bytes 1,000 cannot hold .* bytes"):
+        plan_stream(str(tiny_model), params["capture"], cfg.model_copy(update={"spool_bytes": 1000}))
+    held, failure, report, streamed_batches, offline_batches = [], [], {}, [], []
+
+    def capture():
+        try:
+            report.update(capture_task.fn(**params, train=cfg, plan=plan))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            failure.append(e)
+
+    def slow_start(s):
+        held.append(spool_bytes(tmp_path / "store"))
+        streamed_batches.append(s)
+        if s["step"] == 1:  # the capture runs ahead; without back-pressure it would take a whole epoch
+            time.sleep(8)
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        streamed = train(cfg, tmp_path / "store", on_step=slow_start)
+    finally:
+        thread.join()
+    assert not failure, failure
+    assert 0 < max(held) <= budget and report["spool_peak_bytes"] <= budget, (held, report, budget)
+    assert report["paused_s"] > 0, report  # it did fill
+    assert not list((tmp_path / "store" / "spool").glob("epoch-*"))  # every epoch trained and gone
+    assert stored_samples(tmp_path / "store") == len(plan.heldout)  # the held-out samples stay
+    reference = train(cfg.model_copy(update={"stream": False, "spool_bytes": None,
+                                             "out_dir": str(tmp_path / "offline")}), tmp_path / "offline-store",
+                      on_step=offline_batches.append)
+    assert streamed.steps == reference.steps == len(streamed_batches) and streamed.steps > 2 * 10
+    plan_of = [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in streamed_batches]
+    assert plan_of == [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in offline_batches]
+    assert streamed.history[0]["heldout_tokens"] == reference.history[0]["heldout_tokens"]  # the same held-out set

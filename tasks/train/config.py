@@ -81,8 +81,13 @@ class TrainConfig(Section):
         "a resume whose store has changed since the checkpoint (samples added, removed or altered): refuse (train "
         "in a new out_dir), or replan: start the current epoch again over the store as it is now"))
 
+    spool_bytes: Optional[int] = Field(None, ge=1, description=(
+        "stream: the disk the captured training data may take. Each epoch is captured again into a spool and each "
+        "shard removed once trained on (held-out samples are kept in the store); capture waits while the spool is "
+        "full. None: keep every shard in the store, captured once"))
+
     RESUMABLE: ClassVar[tuple[str, ...]] = (
-        "stream", "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
+        "stream", "spool_bytes", "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
         "max_nonfinite_steps", "on_store_change")
 
     @field_validator("*", mode="wrap")

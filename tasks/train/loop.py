@@ -35,6 +35,7 @@ from tasks.train.evaluate import describe, evaluate
 from tasks.train.export import export_drafter
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare
+from tasks.train.stream import Spool
 from tasks.train.ttt import TTT, StepOutput
 from tasks.train.vocab import DraftVocab
 
@@ -208,16 +209,21 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
     _log_start(run, plans, per_step)
     writer = CheckpointWriter(ckpt_path, cfg.identity(store), fingerprint, model, opt, rank, world)
     steps = Stepper(run, ttt, opt, trainable, ckpt_path)
+    spool = Spool(run, store)
     if not history:
         _evaluate(run, ttt, history, 0, 0, on_eval)
     while epoch < cfg.epochs:
         plan = plans[epoch]
         mine = assign_batches(len(plan), done, rank, world, cfg.accumulate)
+        if cfg.stream:
+            run.reader.start_epoch(epoch)
+            spool.consumed(plan[:done])
         steps.start_epoch(plan, mine)
         for first, batches in mine:
             lr = lr_at(int(batches_before[epoch]) + first, total, cfg)
             outs, grad_norm = steps.step(batches, lr, epoch, step + 1)
             step += 1
+            spool.consumed(plan[first:first + per_step])
             done = min(len(plan), first + per_step)
             if step % cfg.log_every == 0 and rank == 0:
                 steps.log_progress(epoch, step, total_steps, outs)
@@ -226,6 +232,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
                 # the checkpoint on disk is the one before it, and a resume
                 # (say at a lower lr) replays its batches.
                 writer.save(epoch, done, step, history)
+                spool.checkpointed(epoch, done)
             if on_step:
                 for (b, weight), out in zip(batches, outs):
                     on_step({"epoch": epoch, "step": step, "rank": rank, "world": world, "batch": b,
@@ -234,6 +241,8 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
         epoch, done = epoch + 1, 0
         _evaluate(run, ttt, history, epoch, step, on_eval)
         writer.save(epoch, 0, step, history)
+        spool.checkpointed(epoch, 0)
+    spool.finish(cfg.epochs)
     drafter_dir = out_dir / "drafter"
     writer.require_finite(f"the export {drafter_dir}", step)
     with distributed.whole_weights(ttt):

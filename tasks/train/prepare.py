@@ -71,7 +71,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if cfg.stream:
         # Each sample as its shard is committed (the capture verified it
         # against what was sent), checked against its checksum as it is read.
-        reader = StreamReader(store)
+        reader = StreamReader(store, cfg)
     else:
         require_verified(store)
         # Verification passed once; each sample is checked again as it is

@@ -4,28 +4,40 @@ dataset's tokenisation gives every sample id and token count), so the
 trainer plans exactly what an offline run over the finished store would,
 and reads each sample as soon as its shard is committed.
 
-The capture side captures in `stream_order` (held-out samples first: the
-untrained drafter is evaluated on them before the first step; then the first
-epoch's batches in training order, whose first positions also count the
-draft vocabulary) and, when it ends, says so in `capture_state`: a trainer
-waiting for a sample the capture did not store stops naming it instead of
-waiting for ever.
+The capture side (flows/stream.py) captures in the plan's order
+(`plan_stream`: held-out samples first, the untrained drafter is evaluated
+on them before the first step; then each epoch's batches in training order,
+whose first positions also count the draft vocabulary) and, when it ends,
+says so (`mark_capture`): a trainer waiting for a sample the capture did
+not store stops naming it instead of waiting for ever.
+
+With a spool (`train.spool_bytes`), each epoch's training samples are
+captured again into a store of their own under <store>/spool/, the trainer
+removes each shard once every sample in it is trained (`Spool`), and writes
+its checkpointed position for a capture started again (`read_position`).
 """
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from tasks.capture.config import CaptureConfig
 from tasks.data.dataset import Sample, prepare_samples
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path, write_json_atomic
 from tasks.store.reader import StoreReader
+from tasks.failures import Permanent
+from tasks.store.shards import bytes_per_token, shard_path
+from tasks.target.checkpoint import Target
+from tasks.target.models import resolve_model
 from tasks.target.architectures import load_tokenizer
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import plan_batches, split
@@ -33,6 +45,8 @@ from tasks.train.data import plan_batches, split
 logger = logging.getLogger("eagle3.training")
 
 CAPTURE_STATE = "stream-capture.json"
+SPOOL = "spool"
+POSITION = "position.json"
 
 
 def planned_samples(sources: list[str], tokenizer, *, max_length: int, policy: str) -> list[Sample]:
@@ -48,19 +62,77 @@ def planned_samples(sources: list[str], tokenizer, *, max_length: int, policy: s
     return out
 
 
-def stream_order(samples: list[Sample], cfg: TrainConfig) -> list[Sample]:
-    """The order a stream run captures in: the held-out samples, then the
-    training samples in the first epoch's batch order."""
+class SpoolTooSmall(Permanent, ValueError):
+    """The spool cannot hold what training reads before its first step."""
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Dataset rows in the order training reads them: held out, then each
+    epoch's batches (as rows), with the token counts the spool is sized by."""
+    heldout: list[int]
+    epochs: list[list[list[int]]]
+    tokens: dict[int, int]  # row -> tokens
+    bytes_per_token: int
+
+    def shard_bytes(self, rows: list[int], batch_size: int) -> int:
+        """At most what these rows take as shards of batch_size samples:
+        their tensors, and per shard a header of its sample ids and offsets."""
+        return self.shard_bytes_of(sum(self.tokens[r] for r in rows), -(-len(rows) // batch_size), batch_size)
+
+    def shard_bytes_of(self, tokens: int, shards: int, batch_size: int) -> int:
+        return tokens * self.bytes_per_token + shards * (16384 + 80 * batch_size)
+
+
+def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig) -> StreamPlan:
+    """What a stream run captures, in the order training reads it (refused,
+    with a spool too small to reach the first step)."""
+    target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
+    samples = planned_samples([str(Path(capture.dataset).resolve())], target.tokenizer(),
+                              max_length=capture.max_length, policy=capture.max_length_policy)
     ids = [s.sample_id for s in samples]
-    train_idx, held_idx = split(ids, cfg.heldout_fraction)
+    train_idx, held_idx = split(ids, train.heldout_fraction)
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
-    first_epoch = [i for b in plan_batches(lengths, train_idx, cfg.tokens_per_batch, cfg.seed, 0) for i in b]
-    return [samples[int(i)] for i in [*held_idx, *first_epoch]]
+    rows = [s.source_row for s in samples]
+    epochs = range(train.epochs if train.spool_bytes is not None else 1)
+    plan = StreamPlan(
+        heldout=[rows[i] for i in held_idx],
+        epochs=[[[rows[i] for i in b] for b in plan_batches(lengths, train_idx, train.tokens_per_batch, train.seed, e)]
+                for e in epochs],
+        tokens={s.source_row: s.num_tokens for s in samples},
+        bytes_per_token=bytes_per_token(target.hidden_size, len(target.layers.sglang_ids)))
+    if train.spool_bytes is not None:
+        need = spool_minimum(plan, samples, capture, train)
+        if train.spool_bytes < need:
+            raise SpoolTooSmall(
+                f"train.spool_bytes {train.spool_bytes:,} cannot hold what training reads before its first steps: "
+                f"{need:,} bytes (the first train.vocab_positions {train.vocab_positions:,} loss positions count "
+                f"the draft vocabulary, then a step's batches and the loader's look-ahead): raise it, or lower "
+                f"train.vocab_positions")
+    return plan
+
+
+def spool_minimum(plan: StreamPlan, samples: list[Sample], capture: CaptureConfig, train: TrainConfig) -> int:
+    """Bytes the trainer holds before it can free any: the samples counting
+    the draft vocabulary (they come first) or, if more, a step's batches and
+    the loader's look-ahead (4), per device; and room for the capture's
+    next part beside them."""
+    loss = {s.source_row: int(s.loss_mask.sum()) for s in samples}
+    counted = tokens = 0
+    for row in (r for b in plan.epochs[0] for r in b):
+        if counted >= train.vocab_positions:
+            break
+        counted += loss[row]
+        tokens += plan.tokens[row]
+    ahead = (4 + train.accumulate) * train.devices * train.nnodes * train.tokens_per_batch
+    longest = sorted(plan.tokens.values())[-2 * capture.batch_size:]  # and one part of the capture beside them
+    return max(tokens, ahead) * plan.bytes_per_token + plan.shard_bytes_of(sum(longest), 2, capture.batch_size)
 
 
 def mark_capture(store: Path, state: str, detail: str = "") -> None:
     """The capture side's state for a stream trainer: running, completed or
     failed (with why)."""
+    Path(store).mkdir(parents=True, exist_ok=True)
     write_json_atomic(Path(store) / CAPTURE_STATE, {"state": state, "detail": detail, "at": time.time(),
                                                     "pid": os.getpid()})
 
@@ -72,15 +144,50 @@ def capture_state(store: Path) -> dict:
         return {"state": "not started", "detail": ""}
 
 
+def epoch_store(store: Path, epoch: int) -> Path:
+    """Where a spooled run captures epoch `epoch`'s training samples (the
+    held-out ones stay in `store` itself, for every evaluation)."""
+    return Path(store) / SPOOL / f"epoch-{epoch:04d}"
+
+
+def spool_bytes(store: Path) -> int:
+    """Bytes of the shards the spool's indexes hold now (from the ledgers,
+    not a directory listing: a shard is in the spool once committed)."""
+    total = 0
+    for d in sorted((Path(store) / SPOOL).glob("epoch-*")):
+        if manifest_path(d).exists():
+            total += Store.open(d).ledger.summary()["bytes"]
+    return total
+
+
+def write_position(store: Path, epoch: int, batches_done: int) -> None:
+    """The trainer's last checkpointed position: a capture (re)started
+    takes the batches from there on."""
+    write_json_atomic(Path(store) / SPOOL / POSITION, {"epoch": epoch, "batches_done": batches_done})
+
+
+def read_position(store: Path) -> tuple[int, int]:
+    try:
+        p = json.loads((Path(store) / SPOOL / POSITION).read_text())
+    except FileNotFoundError:
+        return 0, 0
+    return p["epoch"], p["batches_done"]
+
+
 class StreamReader:
     """A StoreReader's interface over the samples a capture will store,
     before they are stored: `sample_ids` and `num_tokens` come from the
     dataset's tokenisation, `reader[i]` waits until sample i is committed and
     reads it checked against its committed checksum. Its stored tokens are
-    those its id was computed from, so a sample stored is the one planned."""
+    those its id was computed from, so a sample stored is the one planned.
 
-    def __init__(self, store: Path, *, poll_s: float = 0.5, log_every_s: float = 30.0):
+    With a spool, training samples are read from the current epoch's store
+    (`epoch`), and `consumed` removes each of its shards once every sample
+    in it was trained on this epoch."""
+
+    def __init__(self, store: Path, cfg: TrainConfig, *, poll_s: float = 0.5, log_every_s: float = 30.0):
         self.store, self.poll_s, self.log_every_s = Path(store), poll_s, log_every_s
+        self.spooled = cfg.spool_bytes is not None
         self.manifest = self._wait_for_store().manifest
         tokenizer = load_tokenizer(self.manifest["target_path"])
         planned = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
@@ -89,8 +196,10 @@ class StreamReader:
         self._rows = {s.sample_id: s.source_row for s in planned}
         self.num_tokens = np.array([s.num_tokens for s in planned], dtype=np.int64)
         self.num_loss_tokens = np.array([int(s.loss_mask.sum()) for s in planned], dtype=np.int64)
-        self._reader: StoreReader | None = None
-        self._where: dict[str, int] = {}
+        self._held = {self.sample_ids[i] for i in split(self.sample_ids, cfg.heldout_fraction)[1]}
+        self.epoch = 0
+        self._readers: dict[Path, tuple[StoreReader, dict[str, int]]] = {}
+        self._consumed: set[str] = set()
         self.waited_s = 0.0
         self._lock = threading.Lock()
 
@@ -112,23 +221,86 @@ class StreamReader:
                 f"kept: run the pipeline again (the capture takes only what is missing), or train offline on the "
                 f"store as it is")
 
+    def _home(self, sid: str) -> Path:
+        return epoch_store(self.store, self.epoch) if self.spooled and sid not in self._held else self.store
+
     def __getitem__(self, i: int) -> dict:
         sid = self.sample_ids[i]
         with self._lock:  # the loader thread and the evaluation share the reader
+            home = self._home(sid)
             started = last_log = time.time()
-            while sid not in self._where:
+            while sid not in self._readers.get(home, (None, {}))[1]:
                 # Read before the index: a capture that says it ended had
                 # committed everything it stored by then.
                 state = capture_state(self.store)
-                self._reader = StoreReader(self.store, verify_checksums=True)
-                self._where = {s: k for k, s in enumerate(self._reader.sample_ids)}
-                if sid in self._where:
-                    break
-                self._check_capture(f"sample {sid} (row {self._rows[sid]})", state)
+                if manifest_path(home).exists():
+                    reader = StoreReader(home, verify_checksums=True)
+                    self._readers[home] = reader, {s: k for k, s in enumerate(reader.sample_ids)}
+                    if sid in self._readers[home][1]:
+                        break
+                self._check_capture(f"sample {sid} (row {self._rows[sid]}) in {home}", state)
                 if time.time() - last_log >= self.log_every_s:
                     last_log = time.time()
-                    logger.info("stream: waiting %.0f s for sample %s (row %d); %d of %d samples stored so far",
-                                last_log - started, sid, self._rows[sid], len(self._where), len(self))
+                    logger.info("stream: waiting %.0f s for sample %s (row %d) in %s", last_log - started, sid,
+                                self._rows[sid], home)
                 time.sleep(self.poll_s)
             self.waited_s += time.time() - started
-            return self._reader[self._where[sid]]
+            reader, where = self._readers[home]
+            return reader[where[sid]]
+
+    def start_epoch(self, epoch: int) -> None:
+        """Read the training samples of `epoch` from now on; the spool's
+        earlier epochs, all trained, are removed."""
+        with self._lock:
+            self.epoch, self._consumed = epoch, set()
+            if self.spooled:
+                for e in range(epoch):
+                    shutil.rmtree(epoch_store(self.store, e), ignore_errors=True)
+                    self._readers.pop(epoch_store(self.store, e), None)
+
+    def consumed(self, sample_ids: list[str]) -> int:
+        """These samples' steps are done on every rank (the step's gradients
+        were reduced across them): remove the spooled shards whose every
+        sample is trained this epoch. Bytes removed."""
+        if not self.spooled:
+            return 0
+        with self._lock:
+            self._consumed.update(sample_ids)
+            home = epoch_store(self.store, self.epoch)
+            if not manifest_path(home).exists():
+                return 0
+            ledger, freed = Store.open(home).ledger, 0
+            sizes = ledger.shards().set_index("name").bytes
+            for shard, ids in ledger.samples().groupby("shard").sample_id:
+                if self._consumed.issuperset(ids):
+                    size = int(sizes[shard])
+                    # The index first: a crash in between leaves an orphan
+                    # file, never an entry without its data.
+                    ledger.replace_shard(shard, None, [])
+                    shard_path(home, shard).unlink(missing_ok=True)
+                    freed += size
+            return freed
+
+
+class Spool:
+    """The trainer's side of a spooled stream run, on rank 0 (elsewhere, and
+    without a spool, it does nothing): after each step, the shards it
+    finished are removed; after each checkpoint, its position is written for
+    the capture side."""
+
+    def __init__(self, run, store: Path):
+        cfg = run.cfg
+        self.active = cfg.stream and cfg.spool_bytes is not None and run.rank == 0
+        self.reader, self.store, self.freed = run.reader, Path(store), 0
+
+    def consumed(self, batches: list[list[int]]) -> None:
+        if self.active:
+            self.freed += self.reader.consumed([self.reader.sample_ids[i] for b in batches for i in b])
+
+    def checkpointed(self, epoch: int, batches_done: int) -> None:
+        if self.active:
+            write_position(self.store, epoch, batches_done)
+
+    def finish(self, epochs: int) -> None:
+        if self.active:
+            self.reader.start_epoch(epochs)  # every epoch trained: the spool's stores go
