@@ -31,7 +31,6 @@ from tasks.server.launch import LaunchSpec, launch_server  # noqa: E402
 from tasks.store.config import StoreConfig  # noqa: E402
 from tasks.store.verification import verify_store  # noqa: E402
 from tasks.train.config import TrainConfig  # noqa: E402
-from tasks.target.architectures import load_tokenizer  # noqa: E402
 from tasks.train.loop import train  # noqa: E402
 from tasks.train.stream import plan_stream  # noqa: E402
 from tests.conftest import demo_rows, write_jsonl  # noqa: E402
@@ -70,13 +69,12 @@ def main() -> None:
         cfg = TrainConfig(out_dir=str(work / "stream"), stream=True, **train_cfg)
         t0 = time.time()
         stream_sections = sections(work / "stream-store")
-        samples = planned_samples([str(dataset)], load_tokenizer(model), max_length=512, policy="truncate")
-        rows = [s.source_row for s in stream_order(samples, cfg)]
+        plan = plan_stream(str(model), stream_sections["capture"], cfg)
         failure: list[BaseException] = []
 
         def capture() -> None:
             try:
-                capture_task.fn(**stream_sections, rows=rows)
+                capture_task.fn(**stream_sections, train=cfg, plan=plan)
             except BaseException as e:  # noqa: BLE001 - reported below
                 failure.append(e)
 

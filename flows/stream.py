@@ -28,12 +28,17 @@ from tasks.store.config import StoreConfig
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
-from tasks.train.stream import StreamPlan, epoch_store, mark_capture, plan_stream, read_position, spool_bytes
+from tasks.train.stream import (StreamPlan, epoch_store, mark_capture, mark_trainer, plan_stream, read_position,
+                                spool_bytes, trainer_stopped)
 
 logger = logging.getLogger("eagle3.stream")
 
 WAIT_S = 0.5
 LOG_EVERY_S = 30.0
+
+
+class TrainerStopped(RuntimeError):
+    """The trainer of a spooled stream run stopped while the capture waited for room."""
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
@@ -54,7 +59,7 @@ def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfi
     mark_capture(Path(store.path), "running")
     try:
         if train.spool_bytes is None:
-            rows = plan.heldout + [r for b in plan.epochs[0] for r in b]
+            rows = plan.heldout + plan.rejected + [r for b in plan.epochs[0] for r in b]
             result = extract_hidden_states(server=server, capture=capture, store=store, verify=False, rows=rows)
         else:
             result = capture_spooled(server, capture, store, train, plan)
@@ -81,7 +86,8 @@ def capture_spooled(server: ServerConfig, capture: CaptureConfig, store: StoreCo
             server = server.model_copy(update={"url": live.url, "api_key": live.api_key,
                                                "rid_prefix": live.rid_prefix})
             capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
-        extract_hidden_states(server=server, capture=capture, store=store, verify=False, rows=plan.heldout)
+        extract_hidden_states(server=server, capture=capture, store=store, verify=False,
+                              rows=plan.heldout + plan.rejected)
         first_epoch, done = read_position(root)
         peak, captured, paused, started = spool_bytes(root), 0, 0.0, time.time()
         chunk = 2 * capture.batch_size  # two batches in flight, as in one extraction run
@@ -109,6 +115,9 @@ def _wait_for_room(root: Path, need: int, budget: int, epoch: int) -> float:
     empty: a part larger than the budget still goes, alone). Seconds waited."""
     since, last = time.time(), 0.0
     while (held := spool_bytes(root)) and held + need > budget:
+        if trainer_stopped(root):
+            raise TrainerStopped(f"the stream trainer stopped, so the spool of {root} will not empty; the capture "
+                                 f"stops too, keeping what it stored: run the pipeline again and both resume")
         if time.time() - last >= LOG_EVERY_S:
             last = time.time()
             logger.info("stream capture paused %.0f s before epoch %d's next part: spool %.1f of %.1f MiB, the part "
@@ -123,9 +132,13 @@ def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: Store
     train_drafter result."""
     train = train.model_copy(update={"stream": True})
     plan = stream_plan_task(server.model, capture, train)
+    mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan)
     try:
         trained = train_drafter(store=store.path, train=train)
+    except BaseException:
+        mark_trainer(Path(store.path), "stopped")
+        raise
     finally:
         # The trainer's failure first if both failed: the capture's is in
         # the trainer's message (it waited for a sample it did not store).

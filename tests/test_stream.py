@@ -8,17 +8,24 @@ import torch
 from safetensors.torch import load_file
 
 from flows.extract import extract_hidden_states
-from flows.stream import capture_task
+from flows.stream import TrainerStopped, capture_task
 from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store
 from tasks.target.architectures import load_tokenizer
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.loop import train
 from tasks.store.handle import Store
-from tasks.train.stream import SpoolTooSmall, mark_capture, plan_stream, spool_bytes
+from tasks.store.reader import CorruptSample
+from tasks.train.stream import (SpoolTooSmall, mark_capture, mark_trainer, plan_stream, read_position,
+                                spool_bytes)
 from tests.conftest import attach, demo_rows, random_store, stored_samples, write_jsonl
 
 ROWS = 40
+CRASH = 25
+
+
+class Stop(Exception):
+    """Ends an in-process training after a step, as a crash would."""
 
 
 def config(out_dir, **kw) -> TrainConfig:
@@ -30,10 +37,12 @@ def config(out_dir, **kw) -> TrainConfig:
 @pytest.mark.server
 def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(capture_server, prefect_api,
                                                                                 tiny_model, tmp_path):
-    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
+    bad = ["{broken json", {"messages": []}, {"messages": [{"role": "wizard", "content": "hi"}]}]
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS) + bad)
     params = attach(capture_server, store=tmp_path / "store", dataset=str(dataset), batch_size=4, max_length=256)
     cfg = config(tmp_path / "stream")
     plan = plan_stream(str(tiny_model), params["capture"], cfg)
+    assert plan.rejected == [ROWS, ROWS + 1, ROWS + 2]
     rows = plan.heldout + [r for b in plan.epochs[0] for r in b]
     # The capture stops after the first third, as back-pressure would stop
     # it, until the trainer has taken a step: a trainer that needed a sample
@@ -64,6 +73,11 @@ def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(c
     assert not failure, failure
     assert seen[0][0] == 1 and seen[0][1] <= len(rows) // 3, seen  # a step with a third captured, at most
     assert stored_samples(tmp_path / "store") == ROWS and verify_store(tmp_path / "store").ok
+    # The bad rows quarantined with the reasons an offline run's plan gives them.
+    offline_reasons = {r.source_row: r.reason for r in prepare_samples(dataset, load_tokenizer(tiny_model),
+                                                                       max_length=256)[1]}
+    quarantined = Store.open(tmp_path / "store").ledger.quarantined()
+    assert dict(zip(quarantined.source_row, quarantined.reason)) == offline_reasons and len(offline_reasons) == 3
     offline = train(cfg.model_copy(update={"stream": False, "out_dir": str(tmp_path / "offline")}),
                     tmp_path / "store")
     assert streamed.history == offline.history and streamed.steps == offline.steps
@@ -95,9 +109,12 @@ def test_a_spooled_run_stays_within_its_disk_budget_and_trains_the_offline_batch
     holds more than its budget, measured from the trainer's side after every
     step, and well under one epoch of data; the trainer takes exactly the
     batches, step by step, an offline run over a store of the same data
-    takes. (Not the same weights: each epoch is a capture of its own, and a
-    request's states change in their last bits with the requests it shares a
-    forward with; on the same bytes, the weights are equal: the test above.)"""
+    takes, also across a trainer that crashes in the second epoch (a step
+    after its checkpoint, whose shards were already removed) and a capture
+    started again with it from the checkpointed position. (Not the same
+    weights: each epoch is a capture of its own, and a request's states
+    change in their last bits with the requests it shares a forward with; on
+    the same bytes, the weights are equal: the test above.)"""
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
     offline = attach(capture_server, store=tmp_path / "offline-store", dataset=str(dataset), batch_size=4,
                      max_length=256)
@@ -110,35 +127,70 @@ def test_a_spooled_run_stays_within_its_disk_budget_and_trains_the_offline_batch
     assert len(plan.epochs) == 2
     with pytest.raises(SpoolTooSmall, match=r"train.spool_bytes 1,000 cannot hold .* bytes"):
         plan_stream(str(tiny_model), params["capture"], cfg.model_copy(update={"spool_bytes": 1000}))
-    held, failure, report, streamed_batches, offline_batches = [], [], {}, [], []
+    held, failures, reports, crashed, resumed, offline_batches = [], [], [], [], [], []
 
-    def capture():
-        try:
-            report.update(capture_task.fn(**params, train=cfg, plan=plan))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            failure.append(e)
+    def start_capture() -> threading.Thread:
+        def capture():
+            try:
+                reports.append(capture_task.fn(**params, train=cfg, plan=plan))
+            except BaseException as e:  # noqa: BLE001 - surfaced below
+                failures.append(e)
+        thread = threading.Thread(target=capture)
+        thread.start()
+        return thread
 
-    def slow_start(s):
+    def slow_start_then_crash(s):
         held.append(spool_bytes(tmp_path / "store"))
-        streamed_batches.append(s)
+        crashed.append(s)
         if s["step"] == 1:  # the capture runs ahead; without back-pressure it would take a whole epoch
             time.sleep(8)
+        if s["step"] == CRASH:  # in the second epoch, a step after a checkpoint: its shards are gone already
+            raise Stop
 
-    thread = threading.Thread(target=capture)
-    thread.start()
+    mark_trainer(tmp_path / "store", "running")
+    thread = start_capture()
     try:
-        streamed = train(cfg, tmp_path / "store", on_step=slow_start)
+        with pytest.raises(Stop):
+            train(cfg, tmp_path / "store", on_step=slow_start_then_crash)
+    finally:
+        mark_trainer(tmp_path / "store", "stopped")  # as capture_and_train does when its trainer fails
+        thread.join()
+    # The capture either had stored all it could or stopped waiting for room.
+    assert all(isinstance(e, TrainerStopped) for e in failures), failures
+    first_epoch = sum(1 for r in crashed if r["epoch"] == 0)
+    assert first_epoch < CRASH - 1
+    kept = CRASH - 1 - first_epoch  # batches of the second epoch in the last checkpoint (every 2 steps)
+    assert read_position(tmp_path / "store") == (1, kept)
+    mark_trainer(tmp_path / "store", "running")
+    thread = start_capture()
+    try:
+        streamed = train(cfg, tmp_path / "store", on_step=lambda s: (held.append(spool_bytes(tmp_path / "store")),
+                                                                      resumed.append(s)))
     finally:
         thread.join()
-    assert not failure, failure
-    assert 0 < max(held) <= budget and report["spool_peak_bytes"] <= budget, (held, report, budget)
-    assert report["paused_s"] > 0, report  # it did fill
+    assert streamed.resumed_from == {"epoch": 1, "batches_done": kept, "step": CRASH - 1}
+    assert not failures[1:] and len(reports) >= 1, failures
+    peak = max(r["spool_peak_bytes"] for r in reports)
+    assert 0 < max(held) <= budget and peak <= budget, (held, reports, budget)
+    assert sum(r["paused_s"] for r in reports) > 0, reports  # it did fill
     assert not list((tmp_path / "store" / "spool").glob("epoch-*"))  # every epoch trained and gone
     assert stored_samples(tmp_path / "store") == len(plan.heldout)  # the held-out samples stay
+    # What the crashed run checkpointed, then what the resumed one trained.
+    streamed_batches = [r for r in crashed if r["step"] < CRASH] + resumed
     reference = train(cfg.model_copy(update={"stream": False, "spool_bytes": None,
                                              "out_dir": str(tmp_path / "offline")}), tmp_path / "offline-store",
                       on_step=offline_batches.append)
-    assert streamed.steps == reference.steps == len(streamed_batches) and streamed.steps > 2 * 10
+    assert streamed.steps == reference.steps == len(streamed_batches) > CRASH
     plan_of = [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in streamed_batches]
     assert plan_of == [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in offline_batches]
     assert streamed.history[0]["heldout_tokens"] == reference.history[0]["heldout_tokens"]  # the same held-out set
+
+
+def test_a_byte_flipped_in_a_shard_stops_stream_training_naming_it(tiny_model, tmp_path):
+    store = random_store(tmp_path, tiny_model, 16, max_length=64)
+    shard = next((store / "shards").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01  # inside the hidden states
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptSample, match=rf"in {shard}: its bytes no longer match"):
+        train(config(tmp_path / "run", tokens_per_batch=128, vocab_positions=20), store)

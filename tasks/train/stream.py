@@ -45,6 +45,7 @@ from tasks.train.data import plan_batches, split
 logger = logging.getLogger("eagle3.training")
 
 CAPTURE_STATE = "stream-capture.json"
+TRAINER_STATE = "stream-trainer.json"
 SPOOL = "spool"
 POSITION = "position.json"
 
@@ -71,6 +72,7 @@ class StreamPlan:
     """Dataset rows in the order training reads them: held out, then each
     epoch's batches (as rows), with the token counts the spool is sized by."""
     heldout: list[int]
+    rejected: list[int]  # rows that give no sample: quarantined, as offline
     epochs: list[list[list[int]]]
     tokens: dict[int, int]  # row -> tokens
     bytes_per_token: int
@@ -88,8 +90,13 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig) -> Strea
     """What a stream run captures, in the order training reads it (refused,
     with a spool too small to reach the first step)."""
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
-    samples = planned_samples([str(Path(capture.dataset).resolve())], target.tokenizer(),
-                              max_length=capture.max_length, policy=capture.max_length_policy)
+    dataset = str(Path(capture.dataset).resolve())
+    samples = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
+                              policy=capture.max_length_policy)
+    # Unusable rows go to the capture's first part: it quarantines them with
+    # their reasons, as an offline run does.
+    rejected = [r.source_row for r in prepare_samples(Path(dataset), target.tokenizer(), max_length=capture.max_length,
+                                                      policy=capture.max_length_policy)[1]]
     ids = [s.sample_id for s in samples]
     train_idx, held_idx = split(ids, train.heldout_fraction)
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
@@ -97,6 +104,7 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig) -> Strea
     epochs = range(train.epochs if train.spool_bytes is not None else 1)
     plan = StreamPlan(
         heldout=[rows[i] for i in held_idx],
+        rejected=rejected,
         epochs=[[[rows[i] for i in b] for b in plan_batches(lengths, train_idx, train.tokens_per_batch, train.seed, e)]
                 for e in epochs],
         tokens={s.source_row: s.num_tokens for s in samples},
@@ -135,6 +143,20 @@ def mark_capture(store: Path, state: str, detail: str = "") -> None:
     Path(store).mkdir(parents=True, exist_ok=True)
     write_json_atomic(Path(store) / CAPTURE_STATE, {"state": state, "detail": detail, "at": time.time(),
                                                     "pid": os.getpid()})
+
+
+def mark_trainer(store: Path, state: str) -> None:
+    """The training side's state for the capture: running or stopped (a
+    capture waiting for room in the spool would otherwise wait for ever)."""
+    Path(store).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(store) / TRAINER_STATE, {"state": state, "at": time.time()})
+
+
+def trainer_stopped(store: Path) -> bool:
+    try:
+        return json.loads((Path(store) / TRAINER_STATE).read_text())["state"] == "stopped"
+    except FileNotFoundError:
+        return False
 
 
 def capture_state(store: Path) -> dict:
