@@ -58,11 +58,7 @@ def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfi
     recorded for the trainer, which otherwise waits for what it needs."""
     mark_capture(Path(store.path), "running")
     try:
-        if train.spool_bytes is None:
-            rows = plan.heldout + plan.rejected + [r for b in plan.epochs[0] for r in b]
-            result = extract_hidden_states(server=server, capture=capture, store=store, verify=False, rows=rows)
-        else:
-            result = capture_spooled(server, capture, store, train, plan)
+        result = capture_in_order(server, capture, store, train, plan)
     except BaseException as e:
         mark_capture(Path(store.path), "failed", f"{type(e).__name__}: {e}"[:500])
         raise
@@ -70,13 +66,16 @@ def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfi
     return result
 
 
-def capture_spooled(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
-                    plan: StreamPlan) -> dict:
-    """Held-out samples into the store, then every epoch's training samples
-    into its spool store, a few batches at a time while the spool has room,
-    from the trainer's last checkpointed position on (what it trained since
-    is captured again). One server for all of it, launched here or attached."""
-    root = Path(store.path)
+def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
+                     plan: StreamPlan) -> dict:
+    """Held-out samples (and the rows to quarantine) into the store, then the
+    training samples in parts, in training order: without a spool the first
+    epoch's into the store; with one, every epoch's into its spool store,
+    each part once the spool has room for it, from the trainer's last
+    checkpointed position on (what it trained since is captured again).
+    Between parts, a trainer that stopped stops the capture. One server for
+    all of it, launched here or attached."""
+    root, spooled = Path(store.path), train.spool_bytes is not None
     with ExitStack() as stack:
         if not server.url:  # launch once; each part of the capture attaches to it
             dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(root)
@@ -88,26 +87,37 @@ def capture_spooled(server: ServerConfig, capture: CaptureConfig, store: StoreCo
             capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
         extract_hidden_states(server=server, capture=capture, store=store, verify=False,
                               rows=plan.heldout + plan.rejected)
-        first_epoch, done = read_position(root)
+        first_epoch, done = read_position(root) if spooled else (0, 0)
         peak, captured, paused, started = spool_bytes(root), 0, 0.0, time.time()
-        chunk = 2 * capture.batch_size  # two batches in flight, as in one extraction run
+        # With a spool, two batches a part (as many as one extraction has in
+        # flight): the spool holds little more than the trainer needs.
+        # Without, larger parts: each costs a plan and a warm-up.
+        size = (2 if spooled else 32) * capture.batch_size
         for e in range(first_epoch, len(plan.epochs)):
             rows = [r for b in plan.epochs[e][done if e == first_epoch else 0:] for r in b]
-            part = store.model_copy(update={"path": str(epoch_store(root, e)), "ledger_url": None})
-            for k in range(0, len(rows), chunk):
-                piece = rows[k:k + chunk]
-                need = plan.shard_bytes(piece, capture.batch_size)
-                paused += _wait_for_room(root, need, train.spool_bytes, e)
+            part = (store.model_copy(update={"path": str(epoch_store(root, e)), "ledger_url": None}) if spooled
+                    else store)
+            for k in range(0, len(rows), size):
+                piece = rows[k:k + size]
+                if trainer_stopped(root):
+                    raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, keeping "
+                                         f"what it stored: run the pipeline again and both resume")
+                if spooled:
+                    paused += _wait_for_room(root, plan.shard_bytes(piece, capture.batch_size), train.spool_bytes,
+                                             e)
                 extract_hidden_states(server=server, capture=capture, store=part, verify=False, rows=piece)
                 peak = max(peak, spool_bytes(root))
                 captured += sum(plan.tokens[r] for r in piece)
-                logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s; spool %.1f of "
-                         "%.1f MiB (peak %.1f)", e + 1, len(plan.epochs), min(k + chunk, len(rows)), len(rows),
-                         f"{captured:,}", captured / max(1e-9, time.time() - started), spool_bytes(root) / 2**20,
-                         train.spool_bytes / 2**20, peak / 2**20)
-    logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full", peak / 2**20,
-                train.spool_bytes / 2**20, paused)
-    return {"store": str(root), "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes, "paused_s": paused}
+                logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s%s", e + 1,
+                            len(plan.epochs), min(k + size, len(rows)), len(rows), f"{captured:,}",
+                            captured / max(1e-9, time.time() - started),
+                            f"; spool {spool_bytes(root) / 2**20:.1f} of {train.spool_bytes / 2**20:.1f} MiB (peak "
+                            f"{peak / 2**20:.1f})" if spooled else "")
+    if spooled:
+        logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full",
+                    peak / 2**20, train.spool_bytes / 2**20, paused)
+    return {"store": str(root), "tokens": captured, "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
+            "paused_s": paused}
 
 
 def _wait_for_room(root: Path, need: int, budget: int, epoch: int) -> float:
