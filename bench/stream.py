@@ -3,9 +3,11 @@ one run, on one attached server and the same data and settings.
 
     .venv/bin/python bench/stream.py --model tiny-llama --samples 160 --epochs 2
 
-Prints each mode's wall time for capture plus training, their ratio, the
-store's size (the same in both today: a stream run keeps every shard), and
-whether the two drafters' weights are equal bit for bit: each mode captures
+Three runs: offline, stream keeping every shard, and stream with a spool
+(train.spool_bytes, a share of the offline store: each epoch captured
+again). Prints each one's wall time for capture plus training, its peak
+disk, their ratios against offline, and whether the drafters' weights equal
+the offline one bit for bit: each mode captures
 for itself, in its own order and batches, so they are equal only where the
 server's states do not depend on what else was in the batch. Ratios, not
 absolute numbers, are the result: this machine is shared and noisy.
@@ -46,6 +48,7 @@ def main() -> None:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--samples", type=int, default=160)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--spool-fraction", type=float, default=0.6, help="the spool's budget, a share of the offline store")
     args = p.parse_args()
     model = resolve_model_or_tiny(args.model)
     work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
@@ -66,33 +69,54 @@ def main() -> None:
         train(TrainConfig(out_dir=str(work / "offline"), **train_cfg), work / "offline-store")
         offline_s = time.time() - t0
 
-        cfg = TrainConfig(out_dir=str(work / "stream"), stream=True, **train_cfg)
-        t0 = time.time()
-        stream_sections = sections(work / "stream-store")
-        plan = plan_stream(str(model), stream_sections["capture"], cfg)
-        failure: list[BaseException] = []
+        def streamed(name: str, **extra) -> tuple[float, dict]:
+            cfg = TrainConfig(out_dir=str(work / name), stream=True, **train_cfg, **extra)
+            t0 = time.time()
+            parts = sections(work / f"{name}-store")
+            plan = plan_stream(str(model), parts["capture"], cfg)
+            failure: list[BaseException] = []
+            report: dict = {}
 
-        def capture() -> None:
-            try:
-                capture_task.fn(**stream_sections, train=cfg, plan=plan)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failure.append(e)
+            def capture() -> None:
+                try:
+                    report.update(capture_task.fn(**parts, train=cfg, plan=plan))
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    failure.append(e)
 
-        side = threading.Thread(target=capture)
-        side.start()
-        train(cfg, work / "stream-store")
-        side.join()
-        verify_store(work / "stream-store")  # as the pipeline does, before serving
-        stream_s = time.time() - t0
-        if failure:
-            raise failure[0]
-    a = load_file(work / "offline" / "drafter" / "model.safetensors")
-    b = load_file(work / "stream" / "drafter" / "model.safetensors")
-    equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    print(f"{args.samples} samples, {args.epochs} epochs, model {model.name}")
-    print(f"offline (capture, verify, then train): {offline_s:.1f} s; store {store_bytes(work / 'offline-store') / 2**20:.1f} MiB")
-    print(f"stream (train while capturing):        {stream_s:.1f} s; store {store_bytes(work / 'stream-store') / 2**20:.1f} MiB")
-    print(f"stream / offline wall time: {stream_s / offline_s:.2f}; weights equal bit for bit: {equal}")
+            side = threading.Thread(target=capture)
+            side.start()
+            train(cfg, work / f"{name}-store")
+            side.join()
+            verify_store(work / f"{name}-store")  # as the pipeline does, before serving
+            if failure:
+                raise failure[0]
+            return time.time() - t0, report
+
+        stream_s, _ = streamed("stream")
+        offline_bytes = store_bytes(work / "offline-store")
+        budget = int(offline_bytes * args.spool_fraction)
+        spool_s, spooled = streamed("spool", spool_bytes=budget)
+
+    def weights(name: str) -> dict:
+        return load_file(work / name / "drafter" / "model.safetensors")
+
+    def equal(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    mib = 2**20
+    print(f"{args.samples} samples, {args.epochs} epochs, model {model.name}, one attached server")
+    print(f"offline (capture, verify, then train): {offline_s:6.1f} s; disk {offline_bytes / mib:.1f} MiB")
+    print(f"stream (train while capturing):        {stream_s:6.1f} s; disk {store_bytes(work / 'stream-store') / mib:.1f}"
+          f" MiB")
+    print(f"stream, spool of {budget / mib:.1f} MiB (each epoch captured again): {spool_s:6.1f} s; disk peak "
+          f"{(spooled['spool_peak_bytes'] + store_bytes(work / 'spool-store')) / mib:.1f} MiB (spool peak "
+          f"{spooled['spool_peak_bytes'] / mib:.1f} + held-out {store_bytes(work / 'spool-store') / mib:.1f}), "
+          f"capture paused {spooled['paused_s']:.0f} s")
+    print(f"wall time against offline: stream {stream_s / offline_s:.2f}, spooled {spool_s / offline_s:.2f}; "
+          f"peak disk against offline: spooled "
+          f"{(spooled['spool_peak_bytes'] + store_bytes(work / 'spool-store')) / offline_bytes:.2f}")
+    print(f"weights equal to offline bit for bit: stream {equal(weights('offline'), weights('stream'))}, spooled "
+          f"{equal(weights('offline'), weights('spool'))} (separate captures: see the docstring)")
     print(f"(work dir {work})")
 
 
