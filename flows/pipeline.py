@@ -83,6 +83,9 @@ def eagle3_pipeline(
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, evaluate."""
     log = get_run_logger()
     baseline_server(server, evaluate)  # refused now, not after the training
+    if mode == "offline" and train.spool_bytes is not None:
+        raise ValueError(f"train.spool_bytes {train.spool_bytes:,} bounds a stream run's disk: set mode stream, or "
+                         f"leave it unset (an offline run keeps every shard in the store)")
     store_dir, train_dir = Path(store.path).resolve(), Path(train.out_dir).resolve()
     store = store.model_copy(update={"path": str(store_dir)})
     train = train.model_copy(update={"out_dir": str(train_dir)})

@@ -38,7 +38,8 @@ LOG_EVERY_S = 30.0
 
 
 class TrainerStopped(RuntimeError):
-    """The trainer of a spooled stream run stopped while the capture waited for room."""
+    """The trainer of a stream run stopped: the capture stops with it (a
+    spooled one would otherwise wait for room for ever)."""
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
