@@ -13,6 +13,7 @@ from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store
 from tasks.target.architectures import load_tokenizer
 from tasks.train.config import TrainConfig, TrainingError
+from tasks.train.data import heldout_prompts
 from tasks.train.loop import train
 from tasks.store.handle import Store
 from tasks.store.reader import CorruptSample
@@ -175,6 +176,10 @@ def test_a_spooled_run_stays_within_its_disk_budget_and_trains_the_offline_batch
     assert sum(r["paused_s"] for r in reports) > 0, reports  # it did fill
     assert not list((tmp_path / "store" / "spool").glob("epoch-*"))  # every epoch trained and gone
     assert stored_samples(tmp_path / "store") == len(plan.heldout)  # the held-out samples stay
+    # and serve the evaluation the prompts an offline store gives (not the one a tiny store's split keeps)
+    prompts = heldout_prompts(tmp_path / "store", cfg.heldout_fraction, 100)
+    assert len(prompts) == len(plan.heldout) > 1
+    assert prompts == heldout_prompts(tmp_path / "offline-store", cfg.heldout_fraction, 100)
     # What the crashed run checkpointed, then what the resumed one trained.
     streamed_batches = [r for r in crashed if r["step"] < CRASH] + resumed
     reference = train(cfg.model_copy(update={"stream": False, "spool_bytes": None,

@@ -171,7 +171,12 @@ def heldout_prompts(store: Path, heldout_fraction: float, count: int) -> list[li
     one: the conversation up to the assistant's answer), for serving checks
     on data the drafter never trained on."""
     reader = StoreReader(Path(store))
-    _, held = split(reader.sample_ids, heldout_fraction)
+    ids = reader.sample_ids
+    # By the hash alone, in split() order: a spooled stream run's store
+    # holds only held-out samples, which split() would take for a tiny store
+    # and hold out one of. A store with none by the hash is a tiny one.
+    held = [i for i in np.argsort(np.asarray(ids), kind="stable") if is_heldout(ids[i], heldout_fraction)]
+    held = held or list(split(ids, heldout_fraction)[1])
     prompts = []
     for i in held:
         s = reader[int(i)]
