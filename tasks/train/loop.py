@@ -215,9 +215,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
     while epoch < cfg.epochs:
         plan = plans[epoch]
         mine = assign_batches(len(plan), done, rank, world, cfg.accumulate)
-        if cfg.stream:
-            run.reader.start_epoch(epoch)
-            spool.consumed(plan[:done])
+        spool.start_epoch(epoch, plan[:done])
         steps.start_epoch(plan, mine)
         for first, batches in mine:
             lr = lr_at(int(batches_before[epoch]) + first, total, cfg)

@@ -20,25 +20,25 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tasks.capture.config import CaptureConfig
-from tasks.data.dataset import Sample, prepare_samples
+from tasks.data.dataset import Rejected, Sample, prepare_samples
+from tasks.failures import Permanent
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path, write_json_atomic
 from tasks.store.reader import StoreReader
-from tasks.failures import Permanent
 from tasks.store.shards import bytes_per_token, shard_path
+from tasks.target.architectures import load_tokenizer
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
-from tasks.target.architectures import load_tokenizer
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import plan_batches, split
 
@@ -50,17 +50,20 @@ SPOOL = "spool"
 POSITION = "position.json"
 
 
-def planned_samples(sources: list[str], tokenizer, *, max_length: int, policy: str) -> list[Sample]:
+def planned_samples(sources: list[str], tokenizer, *, max_length: int,
+                    policy: str) -> tuple[list[Sample], list[Rejected]]:
     """Every sample the capture of these sources will store (once per id, in
-    row order), from their tokenisation alone."""
-    out, seen = [], set()
+    row order), from their tokenisation alone, and the rows it will
+    quarantine instead."""
+    out, rejected, seen = [], [], set()
     for source in sources:
-        samples, _ = prepare_samples(Path(source), tokenizer, max_length=max_length, policy=policy)
+        samples, unusable = prepare_samples(Path(source), tokenizer, max_length=max_length, policy=policy)
+        rejected += unusable
         for s in samples:
             if s.sample_id not in seen:
                 seen.add(s.sample_id)
                 out.append(s)
-    return out
+    return out, rejected
 
 
 class SpoolTooSmall(Permanent, ValueError):
@@ -91,12 +94,8 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig) -> Strea
     with a spool too small to reach the first step)."""
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     dataset = str(Path(capture.dataset).resolve())
-    samples = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
-                              policy=capture.max_length_policy)
-    # Unusable rows go to the capture's first part: it quarantines them with
-    # their reasons, as an offline run does.
-    rejected = [r.source_row for r in prepare_samples(Path(dataset), target.tokenizer(), max_length=capture.max_length,
-                                                      policy=capture.max_length_policy)[1]]
+    samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
+                                        policy=capture.max_length_policy)
     ids = [s.sample_id for s in samples]
     train_idx, held_idx = split(ids, train.heldout_fraction)
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
@@ -104,7 +103,9 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig) -> Strea
     epochs = range(train.epochs if train.spool_bytes is not None else 1)
     plan = StreamPlan(
         heldout=[rows[i] for i in held_idx],
-        rejected=rejected,
+        # The capture's first part takes them: it quarantines them with their
+        # reasons, as an offline run does.
+        rejected=[r.source_row for r in unusable],
         epochs=[[[rows[i] for i in b] for b in plan_batches(lengths, train_idx, train.tokens_per_batch, train.seed, e)]
                 for e in epochs],
         tokens={s.source_row: s.num_tokens for s in samples},
@@ -212,8 +213,8 @@ class StreamReader:
         self.spooled = cfg.spool_bytes is not None
         self.manifest = self._wait_for_store().manifest
         tokenizer = load_tokenizer(self.manifest["target_path"])
-        planned = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
-                                  policy=self.manifest["max_length_policy"])
+        planned, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
+                                     policy=self.manifest["max_length_policy"])
         self.sample_ids = [s.sample_id for s in planned]
         self._rows = {s.sample_id: s.source_row for s in planned}
         self.num_tokens = np.array([s.num_tokens for s in planned], dtype=np.int64)
@@ -222,7 +223,6 @@ class StreamReader:
         self.epoch = 0
         self._readers: dict[Path, tuple[StoreReader, dict[str, int]]] = {}
         self._consumed: set[str] = set()
-        self.waited_s = 0.0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -266,7 +266,6 @@ class StreamReader:
                     logger.info("stream: waiting %.0f s for sample %s (row %d) in %s", last_log - started, sid,
                                 self._rows[sid], home)
                 time.sleep(self.poll_s)
-            self.waited_s += time.time() - started
             reader, where = self._readers[home]
             return reader[where[sid]]
 
@@ -280,44 +279,47 @@ class StreamReader:
                     shutil.rmtree(epoch_store(self.store, e), ignore_errors=True)
                     self._readers.pop(epoch_store(self.store, e), None)
 
-    def consumed(self, sample_ids: list[str]) -> int:
+    def consumed(self, sample_ids: list[str]) -> None:
         """These samples' steps are done on every rank (the step's gradients
         were reduced across them): remove the spooled shards whose every
-        sample is trained this epoch. Bytes removed."""
+        sample is trained this epoch."""
         if not self.spooled:
-            return 0
+            return
         with self._lock:
             self._consumed.update(sample_ids)
             home = epoch_store(self.store, self.epoch)
             if not manifest_path(home).exists():
-                return 0
-            ledger, freed = Store.open(home).ledger, 0
-            sizes = ledger.shards().set_index("name").bytes
+                return
+            ledger = Store.open(home).ledger
             for shard, ids in ledger.samples().groupby("shard").sample_id:
                 if self._consumed.issuperset(ids):
-                    size = int(sizes[shard])
                     # The index first: a crash in between leaves an orphan
                     # file, never an entry without its data.
                     ledger.replace_shard(shard, None, [])
                     shard_path(home, shard).unlink(missing_ok=True)
-                    freed += size
-            return freed
 
 
 class Spool:
-    """The trainer's side of a spooled stream run, on rank 0 (elsewhere, and
-    without a spool, it does nothing): after each step, the shards it
-    finished are removed; after each checkpoint, its position is written for
-    the capture side."""
+    """The trainer's side of a stream run: each epoch read from its own
+    store, and with a spool, on rank 0, the shards each step finished
+    removed and each checkpoint's position written for the capture side
+    (offline, it does nothing)."""
 
     def __init__(self, run, store: Path):
         cfg = run.cfg
+        self.stream = cfg.stream
         self.active = cfg.stream and cfg.spool_bytes is not None and run.rank == 0
-        self.reader, self.store, self.freed = run.reader, Path(store), 0
+        self.reader, self.store = run.reader, Path(store)
+
+    def start_epoch(self, epoch: int, done: list[list[int]]) -> None:
+        """Epoch `epoch`, whose batches `done` a checkpoint already holds."""
+        if self.stream:
+            self.reader.start_epoch(epoch)
+            self.consumed(done)
 
     def consumed(self, batches: list[list[int]]) -> None:
         if self.active:
-            self.freed += self.reader.consumed([self.reader.sample_ids[i] for b in batches for i in b])
+            self.reader.consumed([self.reader.sample_ids[i] for b in batches for i in b])
 
     def checkpointed(self, epoch: int, batches_done: int) -> None:
         if self.active:
