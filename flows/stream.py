@@ -1,14 +1,17 @@
 """The pipeline's `mode: stream`: capture and training at once, in one run.
 
     plan the training order -> capture in that order (a submitted task)
-                            || train_drafter with train.stream -> both done
+                            || train_drafter with train.stream
+                            || the progress artifact (a submitted task) -> all done
 
 The trainer plans the batches an offline run over the finished store would
 (tasks/train/stream.py), so the weights are the same; the wall time is the
 longer of the two sides instead of their sum. With `train.spool_bytes` each
 epoch is captured again into a spool the trainer empties shard by shard, and
 the capture waits while the spool is full: the disk holds a budget, not the
-dataset.
+dataset; with `train.cache_epochs` the first samples of the first epoch,
+as many as the budget holds beside the spool, are kept for every epoch. A
+progress artifact shows both sides.
 """
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.artifacts import artifact_key
 from flows.extract import default_dump_dir, extract_hidden_states, launch_task
 from flows.train import train_drafter
 from tasks.capture.config import CaptureConfig
@@ -29,17 +34,28 @@ from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 from tasks.train.stream import (StreamPlan, epoch_store, mark_capture, mark_trainer, plan_stream, read_position,
-                                spool_bytes, trainer_stopped)
+                                record_progress, spool_bytes, trainer_state, trainer_stopped, trainer_waiting)
+from tasks.train.stream_progress import describe_progress
 
 logger = logging.getLogger("eagle3.stream")
 
 WAIT_S = 0.5
 LOG_EVERY_S = 30.0
+PROGRESS_EVERY_S = 5.0
+# Both sides waiting on each other this long is a deadlock: the trainer
+# cannot step without its sample, nor free room without a step. Long enough
+# for any one step or checkpoint (the loader waits ahead of the step).
+DEADLOCK_S = 600.0
 
 
 class TrainerStopped(RuntimeError):
     """The trainer of a stream run stopped: the capture stops with it (a
     spooled one would otherwise wait for room for ever)."""
+
+
+class SpoolDeadlock(RuntimeError):
+    """The trainer waits for a sample the capture cannot store until the
+    trainer frees room: the spool is too small for this run."""
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
@@ -94,41 +110,60 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
         # flight): the spool holds little more than the trainer needs.
         # Without, larger parts: each costs a plan and a warm-up.
         size = (2 if spooled else 32) * capture.batch_size
+        cached = set(plan.cached)  # train.cache_epochs: captured once, into the store, with the held-out ones
+        room = (train.spool_bytes or 0) - plan.cached_bytes  # the spool's share of the budget
+        cache = f"; {len(cached)} samples ({plan.cached_bytes / 2**20:.1f} MiB) kept for every epoch" if cached else ""
         for e in range(first_epoch, len(plan.epochs)):
             rows = [r for b in plan.epochs[e][done if e == first_epoch else 0:] for r in b]
-            part = (store.model_copy(update={"path": str(epoch_store(root, e)), "ledger_url": None}) if spooled
-                    else store)
-            for k in range(0, len(rows), size):
-                piece = rows[k:k + size]
-                if trainer_stopped(root):
-                    raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, keeping "
-                                         f"what it stored: run the pipeline again and both resume")
-                if spooled:
-                    paused += _wait_for_room(root, plan.shard_bytes(piece, capture.batch_size), train.spool_bytes,
-                                             e)
-                extract_hidden_states(server=server, capture=capture, store=part, verify=False, rows=piece)
-                peak = max(peak, spool_bytes(root))
-                captured += sum(plan.tokens[r] for r in piece)
-                logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s%s", e + 1,
-                            len(plan.epochs), min(k + size, len(rows)), len(rows), f"{captured:,}",
-                            captured / max(1e-9, time.time() - started),
-                            f"; spool {spool_bytes(root) / 2**20:.1f} of {train.spool_bytes / 2**20:.1f} MiB (peak "
-                            f"{peak / 2**20:.1f})" if spooled else "")
+            spool = (store.model_copy(update={"path": str(epoch_store(root, e)), "ledger_url": None}) if spooled
+                     else store)
+            # The cached rows are a prefix of the first epoch's order: they come first.
+            segments = [(store, [r for r in rows if r in cached]), (spool, [r for r in rows if r not in cached])]
+            taken = 0
+            for into, segment in segments:
+                for k in range(0, len(segment), size):
+                    piece = segment[k:k + size]
+                    if trainer_stopped(root):
+                        raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, "
+                                             f"keeping what it stored: run the pipeline again and both resume")
+                    if spooled and into is spool:
+                        paused += wait_for_room(root, plan.shard_bytes(piece, capture.batch_size), room, e)
+                    extract_hidden_states(server=server, capture=capture, store=into, verify=False, rows=piece)
+                    peak = max(peak, spool_bytes(root))
+                    captured += sum(plan.tokens[r] for r in piece)
+                    taken += len(piece)
+                    record_progress(root, "captured", epoch=e, epochs=len(plan.epochs), samples=taken, of=len(rows),
+                                    tokens=captured, started=started, paused_s=paused)
+                    logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s%s", e + 1,
+                                len(plan.epochs), taken, len(rows), f"{captured:,}",
+                                captured / max(1e-9, time.time() - started),
+                                f"; spool {spool_bytes(root) / 2**20:.1f} of {room / 2**20:.1f} MiB (peak "
+                                f"{peak / 2**20:.1f}){cache}" if spooled else "")
     if spooled:
-        logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full",
-                    peak / 2**20, train.spool_bytes / 2**20, paused)
+        logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full%s",
+                    peak / 2**20, room / 2**20, paused, cache)
     return {"store": str(root), "tokens": captured, "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
-            "paused_s": paused}
+            "cached_bytes": plan.cached_bytes, "paused_s": paused}
 
 
-def _wait_for_room(root: Path, need: int, budget: int, epoch: int) -> float:
+def wait_for_room(root: Path, need: int, budget: int, epoch: int, deadlock_s: float = DEADLOCK_S) -> float:
     """Back-pressure: until the spool can take `need` more bytes (or is
-    empty: a part larger than the budget still goes, alone). Seconds waited."""
+    empty: a part larger than the budget still goes, alone). Seconds waited.
+    Refused (SpoolDeadlock) once the trainer has waited deadlock_s for a
+    sample while this waits: neither would ever move."""
     since, last = time.time(), 0.0
     while (held := spool_bytes(root)) and held + need > budget:
         if trainer_stopped(root):
             raise TrainerStopped(f"the stream trainer stopped, so the spool of {root} will not empty; the capture "
                                  f"stops too, keeping what it stored: run the pipeline again and both resume")
+        now = time.time()
+        stuck = [w for w in trainer_waiting(root) if now - max(w["since"], since) >= deadlock_s]
+        if stuck:
+            raise SpoolDeadlock(
+                f"the stream trainer has waited {now - stuck[0]['since']:.0f} s for {stuck[0]['waiting_for']} while "
+                f"the capture waits for room in the spool of {root} ({held:,} of {budget:,} bytes held, the next "
+                f"part needs {need:,}): the samples the trainer holds at once do not fit beside the next part. Run "
+                f"again with a larger train.spool_bytes; the checkpoint and what was captured are kept")
         if time.time() - last >= LOG_EVERY_S:
             last = time.time()
             logger.info("stream capture paused %.0f s before epoch %d's next part: spool %.1f of %.1f MiB, the part "
@@ -137,22 +172,50 @@ def _wait_for_room(root: Path, need: int, budget: int, epoch: int) -> float:
     return time.time() - since
 
 
+@task(name="stream-progress", cache_policy=NO_CACHE)
+def watch_task(store: str, spool_budget: int | None) -> str:
+    """The run's progress artifact, both sides in its description, every
+    PROGRESS_EVERY_S until the trainer ends; the last description."""
+    root, artifact = Path(store), None
+    while True:
+        ended = trainer_state(root) in ("stopped", "finished")
+        percent, text = describe_progress(root, spool_budget)
+        try:
+            if artifact is None:
+                artifact = create_progress_artifact(percent, key=artifact_key("stream-progress", root),
+                                                    description=text)
+            else:
+                update_progress_artifact(artifact, percent, description=text)
+        except Exception as e:  # noqa: BLE001 - the API blinked: the run goes on, the next update catches up
+            logger.warning("stream progress artifact not updated (%s: %s); trying again in %.0f s",
+                           type(e).__name__, e, PROGRESS_EVERY_S)
+        if ended:
+            return text
+        time.sleep(PROGRESS_EVERY_S)
+
+
 def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: StoreConfig,
                       train: TrainConfig) -> dict:
-    """Both sides of a stream run, inside the pipeline's flow; the
-    train_drafter result."""
+    """Both sides of a stream run, and a progress artifact showing both,
+    inside the pipeline's flow; the train_drafter result."""
     train = train.model_copy(update={"stream": True})
     plan = stream_plan_task(server.model, capture, train)
     mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan)
+    # The spool's share of the budget: what train.cache_epochs keeps is not in it.
+    room = None if train.spool_bytes is None else train.spool_bytes - plan.cached_bytes
+    watching = watch_task.submit(store.path, room)
     try:
         trained = train_drafter(store=store.path, train=train)
     except BaseException:
         mark_trainer(Path(store.path), "stopped")
         raise
+    else:
+        mark_trainer(Path(store.path), "finished")
     finally:
         # The trainer's failure first if both failed: the capture's is in
         # the trainer's message (it waited for a sample it did not store).
         captured.wait()
+        watching.wait()
     trained["capture"] = captured.result()
     return trained

@@ -44,6 +44,11 @@ def test_interface_round_trip(tmp_path, ledger_url, index_db):
     assert ledger.sample_index() == [(r["sample_id"], r["shard"], r["token_offset"], r["num_tokens"],
                                       r["num_loss_tokens"], r["source_row"], r["checksum"]) for r in expect]
     assert ledger.samples().to_dict("records") == expect
+    # One shard's rows by any of its samples (a stream reader's lookup), nothing for one not stored.
+    assert ledger.shard_index("s001") == ledger.shard_index("s000") == [
+        row for row in ledger.sample_index() if row[1] == a.name]
+    assert [row[0] for row in ledger.shard_index("s000")] == ["s000", "s001"]  # in position order
+    assert ledger.shard_index("s999") == []
     assert ledger.has_shard(a.name) and not ledger.has_shard("shard-none")
     assert ledger.canaries().drop(columns="at").to_dict("records") == canaries
     assert ledger.canaries(latest=1).drop(columns="at").to_dict("records") == canaries[1:]  # the newest only (ties: by sample id)

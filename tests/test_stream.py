@@ -1,38 +1,92 @@
 """Stream mode: the trainer trains while the capture runs, on the batches an
 offline run over the finished store forms, and ends with its weights."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from flows.artifacts import artifact_key
 from flows.extract import extract_hidden_states
-from flows.stream import TrainerStopped, capture_task
+from flows.stream import SpoolDeadlock, TrainerStopped, capture_task, wait_for_room
 from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store
 from tasks.target.architectures import load_tokenizer
 from tasks.train.config import TrainConfig, TrainingError
-from tasks.train.data import heldout_prompts
+from tasks.train.data import heldout_prompts, split
 from tasks.train.loop import train
 from tasks.store.handle import Store
 from tasks.store.reader import CorruptSample
-from tasks.train.stream import (SpoolTooSmall, mark_capture, mark_trainer, plan_stream, read_position,
-                                spool_bytes)
-from tests.conftest import attach, demo_rows, random_store, stored_samples, write_jsonl
+from tasks.train.stream import (SpoolTooSmall, StreamReader, epoch_store, mark_capture, mark_trainer, plan_stream,
+                                read_position, spool_bytes)
+from tests.conftest import attach, demo_rows, random_store, stored_samples, wait_for, write_jsonl
 
+REPO = Path(__file__).resolve().parent.parent
 ROWS = 40
-CRASH = 25
-
-
-class Stop(Exception):
-    """Ends an in-process training after a step, as a crash would."""
 
 
 def config(out_dir, **kw) -> TrainConfig:
     base = dict(out_dir=str(out_dir), draft_vocab_size=64, ttt_steps=1, epochs=2, tokens_per_batch=512,
                 heldout_fraction=0.1, eval_max_samples=2, vocab_positions=300, stream=True)
     return TrainConfig(**{**base, **kw})
+
+
+@dataclass
+class Offline:
+    """The spool tests' reference: a store of the data, captured offline,
+    and the steps an offline training over it takes."""
+    dataset: Path
+    store: Path
+    epoch_bytes: int
+    steps: list[dict]
+    result: object
+
+
+@pytest.fixture(scope="module")
+def offline(capture_server, prefect_api, tmp_path_factory) -> Offline:
+    d = tmp_path_factory.mktemp("offline")
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(ROWS))
+    extract_hidden_states(**attach(capture_server, store=d / "store", dataset=str(dataset), batch_size=4,
+                                   max_length=256))
+    steps = []
+    result = train(config(d / "train", stream=False), d / "store", on_step=steps.append)
+    return Offline(dataset, d / "store", Store.open(d / "store").ledger.summary()["bytes"], steps, result)
+
+
+def batches(steps: list[dict]) -> list[tuple]:
+    return [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in steps]
+
+
+def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_step):
+    """Both sides in this process, as capture_and_train runs them: the
+    training's result and the capture's report."""
+    reports, failures = [], []
+
+    def capture():
+        try:
+            reports.append(capture_task.fn(**params, train=cfg, plan=plan))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            failures.append(e)
+
+    mark_trainer(store, "running")
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        result = train(cfg, store, on_step=on_step)
+    finally:
+        thread.join()
+    assert not failures, failures
+    return result, reports[0]
 
 
 @pytest.mark.server
@@ -102,93 +156,175 @@ def test_a_capture_that_ended_without_a_sample_stops_the_trainer_naming_it(tiny_
     assert e.match("|".join(missing))
 
 
+def test_a_capture_waiting_for_room_stops_when_the_trainer_stops(tiny_model, tmp_path):
+    """A trainer that stops (an error, a cancel) will not empty the spool:
+    the capture waiting for room stops too, instead of waiting for ever."""
+    root = tmp_path / "root"
+    epoch_store(root, 0).parent.mkdir(parents=True)
+    epoch_store(root, 0).symlink_to(random_store(tmp_path, tiny_model, 4, max_length=64))  # a full spool
+    held = spool_bytes(root)
+    mark_trainer(root, "running")
+    stopping = threading.Timer(1.0, mark_trainer, (root, "stopped"))
+    stopping.start()
+    started = time.monotonic()
+    with pytest.raises(TrainerStopped, match=rf"the spool of {root} will not empty; the capture stops too"):
+        wait_for_room(root, need=1, budget=held, epoch=0)
+    assert 1.0 <= time.monotonic() - started < 10  # it waited for room, then saw the trainer stop
+
+
+def test_a_trainer_and_a_capture_waiting_on_each_other_stop_naming_the_sample(tiny_model, tmp_path):
+    """A spool too small for what the trainer holds at once: the trainer
+    waits for a sample the capture would store next, the capture waits for
+    room only a step would free. Past the deadlock time both stop, the
+    capture naming the sample and what to change, instead of waiting for
+    ever."""
+    for d in ("run", "full"):
+        (tmp_path / d).mkdir()
+    root = random_store(tmp_path / "run", tiny_model, 4, max_length=64)  # the held-out samples' store
+    write_jsonl(tmp_path / "run" / "data.jsonl", demo_rows(8))  # four rows still to capture
+    epoch_store(root, 0).parent.mkdir(parents=True)
+    epoch_store(root, 0).symlink_to(random_store(tmp_path / "full", tiny_model, 4, max_length=64))  # a full spool
+    mark_trainer(root, "running")
+    cfg = config(tmp_path / "train", spool_bytes=spool_bytes(root))
+    reader = StreamReader(root, cfg)
+    held = set(split(reader.sample_ids, cfg.heldout_fraction)[1])
+    waited = next(i for i in range(4, 8) if i not in held)  # a training sample: read from the spool
+    errors = []
+
+    def read():
+        try:
+            reader[waited]
+        except TrainingError as e:
+            errors.append(e)
+
+    trainer = threading.Thread(target=read)
+    trainer.start()
+    try:
+        with pytest.raises(SpoolDeadlock, match=rf"the stream trainer has waited \d+ s for sample "
+                                                rf"{reader.sample_ids[waited]} \(row \d\) in "
+                                                rf"{epoch_store(root, 0)} while the capture waits for room .* larger "
+                                                rf"train.spool_bytes"):
+            wait_for_room(root, need=1, budget=spool_bytes(root), epoch=0, deadlock_s=1.0)
+    finally:
+        mark_capture(root, "failed", "SpoolDeadlock")  # as capture_task records it: the trainer stops too
+        trainer.join(timeout=30)
+    assert errors and "ended (failed: SpoolDeadlock)" in str(errors[0])
+    assert not list(root.glob("stream-waiting-*.json"))  # it stopped waiting
+
+
 @pytest.mark.server
-def test_a_spooled_run_stays_within_its_disk_budget_and_trains_the_offline_batches(capture_server, prefect_api,
-                                                                                   tiny_model, tmp_path):
+def test_a_spooled_run_killed_mid_epoch_resumes_within_its_budget_on_the_offline_batches(capture_server, prefect_api,
+                                                                                         tiny_model, offline, tmp_path):
     """Each epoch captured again into the spool, each shard removed once
-    trained, the capture paused while the spool is full: the spool never
-    holds more than its budget, measured from the trainer's side after every
-    step, and well under one epoch of data; the trainer takes exactly the
-    batches, step by step, an offline run over a store of the same data
-    takes, also across a trainer that crashes in the second epoch (a step
-    after its checkpoint, whose shards were already removed) and a capture
-    started again with it from the checkpointed position. (Not the same
-    weights: each epoch is a capture of its own, and a request's states
-    change in their last bits with the requests it shares a forward with; on
-    the same bytes, the weights are equal: the test above.)"""
-    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
-    offline = attach(capture_server, store=tmp_path / "offline-store", dataset=str(dataset), batch_size=4,
-                     max_length=256)
-    extract_hidden_states(**offline)
-    epoch_bytes = Store.open(tmp_path / "offline-store").ledger.summary()["bytes"]
-    params = attach(capture_server, store=tmp_path / "store", dataset=str(dataset), batch_size=4, max_length=256)
-    budget = epoch_bytes * 7 // 10  # under one epoch: the data the run trains on is two
+    trained, the capture paused while the spool is full. The pipeline,
+    started from the command line, is SIGKILLed in the second epoch after a
+    checkpoint (trainer and capture at once, nothing marked, whatever it was
+    writing left half done); started again, both resume: the trainer from
+    its checkpoint, the capture from the checkpointed position (what was
+    trained since is captured again). The spool never holds more than its
+    budget, measured from the trainer's side after every step and well
+    under one epoch of data; the resumed trainer takes exactly the batches,
+    step by step, an offline run over a store of the same data takes. (Not
+    the same weights: each epoch is a capture of its own, and a request's
+    states change in their last bits with the requests it shares a forward
+    with; on the same bytes the weights are equal: the first test.)"""
+    params = attach(capture_server, store=tmp_path / "store", dataset=str(offline.dataset), batch_size=4,
+                    max_length=256)
+    budget = offline.epoch_bytes * 7 // 10  # under one epoch: the data the run trains on is two
     cfg = config(tmp_path / "stream", spool_bytes=budget, checkpoint_every=2)
     plan = plan_stream(str(tiny_model), params["capture"], cfg)
     assert len(plan.epochs) == 2
     with pytest.raises(SpoolTooSmall, match=r"train.spool_bytes 1,000 cannot hold .* bytes"):
         plan_stream(str(tiny_model), params["capture"], cfg.model_copy(update={"spool_bytes": 1000}))
-    held, failures, reports, crashed, resumed, offline_batches = [], [], [], [], [], []
 
-    def start_capture() -> threading.Thread:
-        def capture():
-            try:
-                reports.append(capture_task.fn(**params, train=cfg, plan=plan))
-            except BaseException as e:  # noqa: BLE001 - surfaced below
-                failures.append(e)
-        thread = threading.Thread(target=capture)
-        thread.start()
-        return thread
+    run = {"mode": "stream", **{k: v.model_dump(mode="json") for k, v in params.items()},
+           "train": cfg.model_dump(mode="json")}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--config", str(tmp_path / "run.json")],
+                            cwd=REPO, env={**os.environ, "PREFECT_API_URL": prefect_api}, start_new_session=True,
+                            stdout=open(tmp_path / "stdout", "w"), stderr=open(tmp_path / "stderr", "w"))
+    try:
+        wait_for(lambda: read_position(tmp_path / "store")[0] == 1 and read_position(tmp_path / "store")[1] > 0,
+                 proc, tmp_path / "stderr")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    epoch, kept = read_position(tmp_path / "store")  # the checkpoint's: a step or two may have come after it
+    assert epoch == 1 and kept > 0
+    # The run showed both sides in its progress artifact until it died.
+    artifact, = httpx.post(f"{prefect_api}/artifacts/filter", json={"artifacts": {"key": {"any_": [
+        artifact_key("stream-progress", tmp_path / "store")]}}}).raise_for_status().json()
+    training = ROWS - len(plan.heldout)
+    shown = re.fullmatch(rf"capture (?:running|completed): epoch [12]/2, \d+ of {training} samples, [\d,]+ tokens at "
+                         rf"[\d,]+ tok/s(?:, paused [\d,]+ s for room)?; trainer running: epoch [12]/2, step (\d+) of "
+                         rf"(\d+), [\d,]+ tokens at [\d,]+ tok/s, ETA \d+ min \d\d s; spool ([\d.]+) MiB of "
+                         rf"{budget / 2**20:.1f} MiB", artifact["description"])
+    assert shown, artifact["description"]
+    step, steps = int(shown[1]), int(shown[2])
+    assert 0 < step < steps and artifact["data"] == pytest.approx(100 * step / steps)
+    assert float(shown[3]) <= round(budget / 2**20, 1)
+    first_epoch = len(plan.epochs[0])  # one batch a step (one process, no accumulation)
 
-    def slow_start_then_crash(s):
+    held, resumed = [], []
+
+    def slow_start(s):
         held.append(spool_bytes(tmp_path / "store"))
-        crashed.append(s)
-        if s["step"] == 1:  # the capture runs ahead; without back-pressure it would take a whole epoch
+        resumed.append(s)
+        if len(resumed) == 1:  # the capture runs ahead; without back-pressure it would take the whole epoch
             time.sleep(8)
-        if s["step"] == CRASH:  # in the second epoch, a step after a checkpoint: its shards are gone already
-            raise Stop
 
-    mark_trainer(tmp_path / "store", "running")
-    thread = start_capture()
-    try:
-        with pytest.raises(Stop):
-            train(cfg, tmp_path / "store", on_step=slow_start_then_crash)
-    finally:
-        mark_trainer(tmp_path / "store", "stopped")  # as capture_and_train does when its trainer fails
-        thread.join()
-    # The capture either had stored all it could or stopped waiting for room.
-    assert all(isinstance(e, TrainerStopped) for e in failures), failures
-    first_epoch = sum(1 for r in crashed if r["epoch"] == 0)
-    assert first_epoch < CRASH - 1
-    kept = CRASH - 1 - first_epoch  # batches of the second epoch in the last checkpoint (every 2 steps)
-    assert read_position(tmp_path / "store") == (1, kept)
-    mark_trainer(tmp_path / "store", "running")
-    thread = start_capture()
-    try:
-        streamed = train(cfg, tmp_path / "store", on_step=lambda s: (held.append(spool_bytes(tmp_path / "store")),
-                                                                      resumed.append(s)))
-    finally:
-        thread.join()
-    assert streamed.resumed_from == {"epoch": 1, "batches_done": kept, "step": CRASH - 1}
-    assert not failures[1:] and len(reports) >= 1, failures
-    peak = max(r["spool_peak_bytes"] for r in reports)
-    assert 0 < max(held) <= budget and peak <= budget, (held, reports, budget)
-    assert sum(r["paused_s"] for r in reports) > 0, reports  # it did fill
+    # Started again, with an eye on each step.
+    streamed, report = train_beside_capture(params, cfg, plan, tmp_path / "store", slow_start)
+    assert streamed.resumed_from == {"epoch": 1, "batches_done": kept, "step": first_epoch + kept}
+    assert 0 < max(held) <= budget and report["spool_peak_bytes"] <= budget, (held, report, budget)
+    assert report["paused_s"] > 0, report  # it did fill
     assert not list((tmp_path / "store" / "spool").glob("epoch-*"))  # every epoch trained and gone
     assert stored_samples(tmp_path / "store") == len(plan.heldout)  # the held-out samples stay
     # and serve the evaluation the prompts an offline store gives (not the one a tiny store's split keeps)
     prompts = heldout_prompts(tmp_path / "store", cfg.heldout_fraction, 100)
     assert len(prompts) == len(plan.heldout) > 1
-    assert prompts == heldout_prompts(tmp_path / "offline-store", cfg.heldout_fraction, 100)
-    # What the crashed run checkpointed, then what the resumed one trained.
-    streamed_batches = [r for r in crashed if r["step"] < CRASH] + resumed
-    reference = train(cfg.model_copy(update={"stream": False, "spool_bytes": None,
-                                             "out_dir": str(tmp_path / "offline")}), tmp_path / "offline-store",
-                      on_step=offline_batches.append)
-    assert streamed.steps == reference.steps == len(streamed_batches) > CRASH
-    plan_of = [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in streamed_batches]
-    assert plan_of == [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in offline_batches]
-    assert streamed.history[0]["heldout_tokens"] == reference.history[0]["heldout_tokens"]  # the same held-out set
+    assert prompts == heldout_prompts(offline.store, cfg.heldout_fraction, 100)
+    assert streamed.steps == offline.result.steps == first_epoch + kept + len(resumed)
+    assert batches(resumed) == batches(offline.steps[first_epoch + kept:])
+    assert streamed.history[0]["heldout_tokens"] == offline.result.history[0]["heldout_tokens"]  # the same held-out set
+
+
+@pytest.mark.server
+def test_cached_epochs_capture_again_only_what_the_budget_could_not_keep(capture_server, prefect_api, tiny_model,
+                                                                         offline, tmp_path):
+    """train.cache_epochs with a budget of one epoch: the first epoch's
+    first samples, as many as fit beside the spool's working set, are kept
+    in the store and read there in the second epoch, which captures only
+    the others; the disk never holds more than the budget (the kept samples
+    and the spool, after every step); the trainer takes the offline run's
+    batches."""
+    store = tmp_path / "store"
+    params = attach(capture_server, store=store, dataset=str(offline.dataset), batch_size=4, max_length=256)
+    cfg = config(tmp_path / "stream", spool_bytes=offline.epoch_bytes, cache_epochs=True)
+    plan = plan_stream(str(tiny_model), params["capture"], cfg)
+    first, second = ([r for b in epoch for r in b] for epoch in plan.epochs)
+    assert 0 < len(plan.cached) < len(first) and plan.cached == first[:len(plan.cached)]
+    assert sorted(second) == sorted(set(first) - set(plan.cached))  # the second epoch captures only the others
+    held, steps = [], []
+
+    def kept_bytes() -> int:
+        """The store's training samples (not the held-out ones): the cache."""
+        ledger = Store.open(store).ledger
+        samples = ledger.samples()
+        cache = set(samples.shard[~samples.source_row.isin(plan.heldout)])
+        return int(ledger.shards().query("name in @cache").bytes.sum())
+
+    def on_step(s):
+        held.append(spool_bytes(store) + kept_bytes())
+        steps.append(s)
+
+    streamed, report = train_beside_capture(params, cfg, plan, store, on_step)
+    assert 0 < max(held) <= offline.epoch_bytes, (held, offline.epoch_bytes)
+    assert kept_bytes() <= report["cached_bytes"] == plan.cached_bytes  # the plan's bound holds
+    assert report["tokens"] == sum(plan.tokens[r] for r in first + second)  # a kept sample captured once
+    assert sorted(Store.open(store).ledger.samples().source_row) == sorted(plan.heldout + plan.cached)
+    assert not list((store / "spool").glob("epoch-*"))
+    assert batches(steps) == batches(offline.steps) and streamed.steps == offline.result.steps
 
 
 def test_a_byte_flipped_in_a_shard_stops_stream_training_naming_it(tiny_model, tmp_path):

@@ -29,15 +29,19 @@ class StoreReader:
     verification (a flipped bit, a copy gone wrong) stops a training run
     instead of training it silently; xxh3 costs ~1 s per 20 GB."""
 
-    def __init__(self, store: Path, *, max_open_shards: int = 64, verify_checksums: bool = False):
+    def __init__(self, store: Path, *, max_open_shards: int = 64, verify_checksums: bool = False,
+                 index: bool = True):
+        """index=False: no sample index (len 0); samples are read by their
+        ledger rows (`read_row`), looked up by the caller."""
         opened = Store.open(store)
-        self.store, self.manifest = opened.path, opened.manifest
-        rows = opened.ledger.sample_index()
+        self.store, self.manifest, self.ledger = opened.path, opened.manifest, opened.ledger
+        rows = opened.ledger.sample_index() if index else []
         self.sample_ids = [r[0] for r in rows]
         self._shards = [r[1] for r in rows]
         self._offsets = np.array([r[2] for r in rows], dtype=np.int64)
         self.num_tokens = np.array([r[3] for r in rows], dtype=np.int64)
         self.num_loss_tokens = np.array([r[4] for r in rows], dtype=np.int64)
+        self._verify = verify_checksums
         self._checksums = [r[6] for r in rows] if verify_checksums else None
         self._open: OrderedDict[str, object] = OrderedDict()
         self._max_open = max_open_shards
@@ -58,21 +62,27 @@ class StoreReader:
             return f
 
     def __getitem__(self, i: int) -> dict:
-        f = self._handle(self._shards[i])
-        a, b = int(self._offsets[i]), int(self._offsets[i] + self.num_tokens[i])
+        return self.read_row(self.sample_ids[i], self._shards[i], int(self._offsets[i]), int(self.num_tokens[i]),
+                             self._checksums[i] if self._checksums is not None else None)
+
+    def read_row(self, sample_id: str, shard: str, offset: int, num_tokens: int, checksum: str | None) -> dict:
+        """A sample by its ledger row; checked against `checksum` where the
+        reader verifies checksums."""
+        f = self._handle(shard)
+        a, b = offset, offset + num_tokens
         out = {
-            "sample_id": self.sample_ids[i],
+            "sample_id": sample_id,
             "input_ids": f.get_slice("input_ids")[a:b],
             "loss_mask": f.get_slice("loss_mask")[a:b],
             "aux_hidden_states": f.get_slice("aux_hidden_states")[a:b],
             "final_hidden_state": f.get_slice("final_hidden_state")[a:b],
         }
         scales = {n: f.get_slice(n)[a:b] for n in ("aux_scale", "final_scale")} if self._fp8 else {}
-        if self._checksums is not None:
+        if self._verify:
             stored = {k: v for k, v in out.items() if k != "sample_id"} | scales
-            if sample_checksum(stored) != self._checksums[i]:
+            if sample_checksum(stored) != checksum:
                 raise CorruptSample(
-                    f"sample {self.sample_ids[i]} in {shard_path(self.store, self._shards[i])}: its bytes no longer "
+                    f"sample {sample_id} in {shard_path(self.store, shard)}: its bytes no longer "
                     "match the checksum committed with it (the shard changed after it was written); run "
                     f"`python -m flows.verify --store {self.store}` to see what is damaged, then re-extract it")
         if self._fp8:

@@ -85,9 +85,13 @@ class TrainConfig(Section):
         "stream: the disk the captured training data may take. Each epoch is captured again into a spool and each "
         "shard removed once trained on (held-out samples are kept in the store); capture waits while the spool is "
         "full. None: keep every shard in the store, captured once"))
+    cache_epochs: bool = Field(False, description=(
+        "stream with spool_bytes: keep the first capture of as many training samples as the budget has room for "
+        "beside the spool's working set (the first ones of the first epoch's order), and capture only the others "
+        "again in later epochs: fewer target forwards for the same disk"))
 
     RESUMABLE: ClassVar[tuple[str, ...]] = (
-        "stream", "spool_bytes", "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
+        "stream", "spool_bytes", "cache_epochs", "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
         "max_nonfinite_steps", "on_store_change")
 
     @field_validator("*", mode="wrap")

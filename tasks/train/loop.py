@@ -221,7 +221,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
             lr = lr_at(int(batches_before[epoch]) + first, total, cfg)
             outs, grad_norm = steps.step(batches, lr, epoch, step + 1)
             step += 1
-            spool.consumed(plan[first:first + per_step])
+            spool.stepped(epoch, step, total_steps, plan[first:first + per_step])
             done = min(len(plan), first + per_step)
             if step % cfg.log_every == 0 and rank == 0:
                 steps.log_progress(epoch, step, total_steps, outs)

@@ -24,7 +24,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ logger = logging.getLogger("eagle3.training")
 
 CAPTURE_STATE = "stream-capture.json"
 TRAINER_STATE = "stream-trainer.json"
+WAITING = "stream-waiting"  # stream-waiting-<pid>.json: a trainer process waiting for a sample
 SPOOL = "spool"
 POSITION = "position.json"
 
@@ -79,6 +80,10 @@ class StreamPlan:
     epochs: list[list[list[int]]]
     tokens: dict[int, int]  # row -> tokens
     bytes_per_token: int
+    # Training rows captured once, into the store, and read there in every
+    # epoch (train.cache_epochs): a prefix of the first epoch's order.
+    cached: list[int] = field(default_factory=list)
+    cached_bytes: int = 0
 
     def shard_bytes(self, rows: list[int], batch_size: int) -> int:
         """At most what these rows take as shards of batch_size samples:
@@ -118,7 +123,25 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig) -> Strea
                 f"{need:,} bytes (the first train.vocab_positions {train.vocab_positions:,} loss positions count "
                 f"the draft vocabulary, then a step's batches and the loader's look-ahead): raise it, or lower "
                 f"train.vocab_positions")
+        if train.cache_epochs:
+            plan = cache_first_capture(plan, train.spool_bytes - need, capture.batch_size)
     return plan
+
+
+def cache_first_capture(plan: StreamPlan, room: int, batch_size: int) -> StreamPlan:
+    """The plan with the first epoch's first training rows kept for every
+    epoch, as many as `room` bytes hold (what the budget leaves beside the
+    spool's working set); later epochs capture only the others."""
+    cached, tokens = [], 0
+    for row in (r for b in plan.epochs[0] for r in b):
+        if plan.shard_bytes_of(tokens + plan.tokens[row], -(-(len(cached) + 1) // batch_size), batch_size) > room:
+            break
+        cached.append(row)
+        tokens += plan.tokens[row]
+    kept = set(cached)
+    later = [[[r for r in b if r not in kept] for b in epoch] for epoch in plan.epochs[1:]]
+    return replace(plan, epochs=plan.epochs[:1] + later, cached=cached,
+                               cached_bytes=plan.shard_bytes(cached, batch_size) if cached else 0)
 
 
 def spool_minimum(plan: StreamPlan, samples: list[Sample], capture: CaptureConfig, train: TrainConfig) -> int:
@@ -147,24 +170,67 @@ def mark_capture(store: Path, state: str, detail: str = "") -> None:
 
 
 def mark_trainer(store: Path, state: str) -> None:
-    """The training side's state for the capture: running or stopped (a
-    capture waiting for room in the spool would otherwise wait for ever)."""
+    """The training side's state for the capture: running, stopped (a
+    capture waiting for room in the spool would otherwise wait for ever) or
+    finished."""
     Path(store).mkdir(parents=True, exist_ok=True)
+    if state == "running":  # a trainer started again: what a killed one waited for is moot
+        for path in Path(store).glob(f"{WAITING}-*.json"):
+            path.unlink(missing_ok=True)
     write_json_atomic(Path(store) / TRAINER_STATE, {"state": state, "at": time.time()})
 
 
-def trainer_stopped(store: Path) -> bool:
-    try:
-        return json.loads((Path(store) / TRAINER_STATE).read_text())["state"] == "stopped"
-    except FileNotFoundError:
+def mark_waiting(store: Path, what: str | None) -> bool:
+    """This trainer process waits for `what` (a sample), or no longer
+    (None); whether it now waits."""
+    path = Path(store) / f"{WAITING}-{os.getpid()}.json"
+    if what is None:
+        path.unlink(missing_ok=True)
         return False
+    write_json_atomic(path, {"waiting_for": what, "since": time.time()})
+    return True
+
+
+def trainer_waiting(store: Path) -> list[dict]:
+    """What the stream trainer's processes wait for now, and since when."""
+    out = []
+    for path in Path(store).glob(f"{WAITING}-*.json"):
+        try:
+            out.append(json.loads(path.read_text()))
+        except FileNotFoundError:  # it stopped waiting
+            pass
+    return out
+
+
+def trainer_state(store: Path) -> str:
+    return _read_state(Path(store) / TRAINER_STATE).get("state", "not started")
+
+
+def trainer_stopped(store: Path) -> bool:
+    return trainer_state(store) == "stopped"
 
 
 def capture_state(store: Path) -> dict:
+    return _read_state(Path(store) / CAPTURE_STATE) or {"state": "not started", "detail": ""}
+
+
+def record_progress(store: Path, side: str, **counts) -> None:
+    """A side's counts (`side`: captured, by the capture after each part;
+    trained, by rank 0 after each step), for the run's progress artifact
+    (tasks/train/stream_progress.py)."""
+    write_json_atomic(Path(store) / f"stream-{side}.json", {**counts, "at": time.time()})
+
+
+def progress(store: Path, side: str) -> dict:
+    """What record_progress last wrote for `side` ({} before it did)."""
+    return _read_state(Path(store) / f"stream-{side}.json")
+
+
+def _read_state(path: Path) -> dict:
     try:
-        return json.loads((Path(store) / CAPTURE_STATE).read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
-        return {"state": "not started", "detail": ""}
+        return {}
 
 
 def epoch_store(store: Path, epoch: int) -> Path:
@@ -211,6 +277,10 @@ class StreamReader:
     def __init__(self, store: Path, cfg: TrainConfig, *, poll_s: float = 0.5, log_every_s: float = 30.0):
         self.store, self.poll_s, self.log_every_s = Path(store), poll_s, log_every_s
         self.spooled = cfg.spool_bytes is not None
+        # train.cache_epochs: a training sample is in the store (kept from
+        # the first capture) or in its epoch's spool store; which one, the
+        # capture's plan says, so both are looked in.
+        self.cached = self.spooled and cfg.cache_epochs
         self.manifest = self._wait_for_store().manifest
         tokenizer = load_tokenizer(self.manifest["target_path"])
         planned, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
@@ -221,7 +291,8 @@ class StreamReader:
         self.num_loss_tokens = np.array([int(s.loss_mask.sum()) for s in planned], dtype=np.int64)
         self._held = {self.sample_ids[i] for i in split(self.sample_ids, cfg.heldout_fraction)[1]}
         self.epoch = 0
-        self._readers: dict[Path, tuple[StoreReader, dict[str, int]]] = {}
+        self._readers: dict[Path, StoreReader] = {}
+        self._rows_of: dict[tuple[Path, str], tuple] = {}  # (home, sample id) -> its ledger row
         self._consumed: set[str] = set()
         self._lock = threading.Lock()
 
@@ -250,24 +321,41 @@ class StreamReader:
         sid = self.sample_ids[i]
         with self._lock:  # the loader thread and the evaluation share the reader
             home = self._home(sid)
+            homes = [self.store, home] if self.cached and home != self.store else [home]
             started = last_log = time.time()
-            while sid not in self._readers.get(home, (None, {}))[1]:
-                # Read before the index: a capture that says it ended had
-                # committed everything it stored by then.
-                state = capture_state(self.store)
-                if manifest_path(home).exists():
-                    reader = StoreReader(home, verify_checksums=True)
-                    self._readers[home] = reader, {s: k for k, s in enumerate(reader.sample_ids)}
-                    if sid in self._readers[home][1]:
+            waiting = False
+            try:
+                while not any((h, sid) in self._rows_of for h in homes):
+                    # Read before the index: a capture that says it ended had
+                    # committed everything it stored by then.
+                    state = capture_state(self.store)
+                    if any(self._look_up(h, sid) for h in homes):
                         break
-                self._check_capture(f"sample {sid} (row {self._rows[sid]}) in {home}", state)
-                if time.time() - last_log >= self.log_every_s:
-                    last_log = time.time()
-                    logger.info("stream: waiting %.0f s for sample %s (row %d) in %s", last_log - started, sid,
-                                self._rows[sid], home)
-                time.sleep(self.poll_s)
-            reader, where = self._readers[home]
-            return reader[where[sid]]
+                    what = f"sample {sid} (row {self._rows[sid]}) in {home}"
+                    self._check_capture(what, state)
+                    if not waiting:  # for the capture: waiting for room while this waits is a deadlock
+                        waiting = mark_waiting(self.store, what)
+                    if time.time() - last_log >= self.log_every_s:
+                        last_log = time.time()
+                        logger.info("stream: waiting %.0f s for %s", last_log - started, what)
+                    time.sleep(self.poll_s)
+            finally:
+                if waiting:
+                    mark_waiting(self.store, None)
+            home = next(h for h in homes if (h, sid) in self._rows_of)
+            sample_id, shard, offset, tokens, _, _, checksum = self._rows_of[home, sid]
+            return self._readers[home].read_row(sample_id, shard, offset, tokens, checksum)
+
+    def _look_up(self, home: Path, sid: str) -> bool:
+        """Whether `sid` is committed in `home`; if so, the rows of its
+        whole shard are kept (the next samples read are mostly its)."""
+        if home not in self._readers:
+            if not manifest_path(home).exists():  # the capture's first part creates it
+                return False
+            self._readers[home] = StoreReader(home, verify_checksums=True, index=False)
+        rows = self._readers[home].ledger.shard_index(sid)
+        self._rows_of.update(((home, r[0]), r) for r in rows)
+        return bool(rows)
 
     def start_epoch(self, epoch: int) -> None:
         """Read the training samples of `epoch` from now on; the spool's
@@ -276,8 +364,10 @@ class StreamReader:
             self.epoch, self._consumed = epoch, set()
             if self.spooled:
                 for e in range(epoch):
-                    shutil.rmtree(epoch_store(self.store, e), ignore_errors=True)
-                    self._readers.pop(epoch_store(self.store, e), None)
+                    home = epoch_store(self.store, e)
+                    shutil.rmtree(home, ignore_errors=True)
+                    self._readers.pop(home, None)
+                    self._rows_of = {k: r for k, r in self._rows_of.items() if k[0] != home}
 
     def consumed(self, sample_ids: list[str]) -> None:
         """These samples' steps are done on every rank (the step's gradients
@@ -301,23 +391,36 @@ class StreamReader:
 
 class Spool:
     """The trainer's side of a stream run: each epoch read from its own
-    store, and with a spool, on rank 0, the shards each step finished
-    removed and each checkpoint's position written for the capture side
-    (offline, it does nothing)."""
+    store; on rank 0, its progress written after every step for the run's
+    progress artifact (flows/stream.py) and, with a spool, the shards each
+    step finished removed and each checkpoint's position written for the
+    capture side (offline, it does nothing)."""
 
     def __init__(self, run, store: Path):
         cfg = run.cfg
-        self.stream = cfg.stream
-        self.active = cfg.stream and cfg.spool_bytes is not None and run.rank == 0
+        self.stream, self.epochs = cfg.stream, cfg.epochs
+        self.reporting = cfg.stream and run.rank == 0
+        self.active = self.reporting and cfg.spool_bytes is not None
         self.reader, self.store = run.reader, Path(store)
+        self.started, self.tokens, self.steps = time.time(), 0, 0
 
     def start_epoch(self, epoch: int, done: list[list[int]]) -> None:
         """Epoch `epoch`, whose batches `done` a checkpoint already holds."""
         if self.stream:
             self.reader.start_epoch(epoch)
-            self.consumed(done)
+            self._consumed(done)
 
-    def consumed(self, batches: list[list[int]]) -> None:
+    def stepped(self, epoch: int, step: int, total_steps: int, batches: list[list[int]]) -> None:
+        """A step over `batches` is done on every rank."""
+        if not self.reporting:
+            return
+        self._consumed(batches)
+        self.tokens += int(sum(self.reader.num_tokens[i] for b in batches for i in b))
+        self.steps += 1
+        record_progress(self.store, "trained", epoch=epoch, epochs=self.epochs, step=step, total_steps=total_steps,
+                        steps=self.steps, tokens=self.tokens, started=self.started)
+
+    def _consumed(self, batches: list[list[int]]) -> None:
         if self.active:
             self.reader.consumed([self.reader.sample_ids[i] for b in batches for i in b])
 

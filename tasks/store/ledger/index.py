@@ -98,3 +98,10 @@ class Ledger(abc.ABC):
         """(sample_id, shard, token_offset, num_tokens, num_loss_tokens,
         source_row, checksum) per sample, by shard and position: what a
         reader needs."""
+
+    @abc.abstractmethod
+    def shard_index(self, sample_id: str) -> list[tuple]:
+        """sample_index's rows of the shard holding `sample_id` ([] while it
+        is not stored): two indexed lookups, for a reader waiting on a
+        growing store (a stream trainer), where re-reading the whole index
+        per miss would cost O(store)."""

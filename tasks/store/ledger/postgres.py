@@ -236,3 +236,8 @@ class PostgresLedger(Ledger):
     def sample_index(self) -> list[tuple]:
         return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row, "
                           "checksum FROM samples ORDER BY shard COLLATE \"C\", position")
+
+    def shard_index(self, sample_id: str) -> list[tuple]:
+        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row, checksum "
+                          "FROM samples WHERE shard = (SELECT shard FROM samples WHERE sample_id = %s) "
+                          "ORDER BY position", (sample_id,))

@@ -21,6 +21,7 @@ CREATE TABLE IF NOT EXISTS samples(
     shard TEXT NOT NULL REFERENCES shards(name), position INTEGER NOT NULL,
     token_offset INTEGER NOT NULL, num_tokens INTEGER NOT NULL,
     num_loss_tokens INTEGER NOT NULL, checksum TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
 CREATE TABLE IF NOT EXISTS quarantine(
     source TEXT NOT NULL, source_row INTEGER NOT NULL, sample_id TEXT,
     reason TEXT NOT NULL, attempts INTEGER NOT NULL, at REAL NOT NULL,
@@ -142,3 +143,8 @@ class SqliteLedger(Ledger):
     def sample_index(self) -> list[tuple]:
         return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row, "
                           "checksum FROM samples ORDER BY shard, position")
+
+    def shard_index(self, sample_id: str) -> list[tuple]:
+        return self._rows("SELECT sample_id, shard, token_offset, num_tokens, num_loss_tokens, source_row, checksum "
+                          "FROM samples WHERE shard = (SELECT shard FROM samples WHERE sample_id = ?) "
+                          "ORDER BY position", (sample_id,))

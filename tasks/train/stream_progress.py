@@ -1,0 +1,46 @@
+"""A stream run's progress, both sides in one line, for the progress
+artifact the pipeline's run shows (flows/stream.py watch_task): read from
+the files each side writes beside the store (tasks/train/stream.py
+record_progress), so a trainer running as torchrun's ranks, which have no
+Prefect context, shows too."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.train.stream import capture_state, progress, spool_bytes, trainer_state
+
+
+def describe_progress(store: Path, spool_budget: int | None) -> tuple[float, str]:
+    """(percent of the training's steps done, what each side has done: its
+    samples or steps, tokens and tokens/s, the trainer's ETA, the spool's
+    fill)."""
+    cap, tr = progress(store, "captured"), progress(store, "trained")
+    line = [f"capture {capture_state(store)['state']}"]
+    if cap:
+        line[0] += (f": epoch {cap['epoch'] + 1}/{cap['epochs']}, {cap['samples']:,} of {cap['of']:,} samples, "
+                    f"{cap['tokens']:,} tokens at {_rate(cap['tokens'], cap):,.0f} tok/s")
+        if cap["paused_s"]:
+            line[0] += f", paused {cap['paused_s']:,.0f} s for room"
+    if tr:
+        eta = (tr["total_steps"] - tr["step"]) * (tr["at"] - tr["started"]) / max(1, tr["steps"])
+        line.append(f"trainer {trainer_state(store)}: epoch {tr['epoch'] + 1}/{tr['epochs']}, step {tr['step']:,} of "
+                    f"{tr['total_steps']:,}, {tr['tokens']:,} tokens at {_rate(tr['tokens'], tr):,.0f} tok/s, "
+                    f"ETA {_duration(eta)}")
+    else:
+        line.append(f"trainer {trainer_state(store)}: no step yet (held-out evaluation, draft vocabulary)")
+    if spool_budget is not None:
+        line.append(f"spool {_size(spool_bytes(store))} of {_size(spool_budget)}")
+    return (100.0 * tr["step"] / max(1, tr["total_steps"]) if tr else 0.0), "; ".join(line)
+
+
+def _rate(tokens: int, counts: dict) -> float:
+    return tokens / max(1e-9, counts["at"] - counts["started"])
+
+
+def _duration(seconds: float) -> str:
+    h, m = divmod(int(seconds) // 60, 60)
+    return f"{h} h {m:02d} min" if h else f"{m} min {int(seconds) % 60:02d} s"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
