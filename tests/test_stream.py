@@ -305,7 +305,7 @@ def test_cached_epochs_capture_again_only_what_the_budget_could_not_keep(capture
     first, second = ([r for b in epoch for r in b] for epoch in plan.epochs)
     assert 0 < len(plan.cached) < len(first) and plan.cached == first[:len(plan.cached)]
     assert sorted(second) == sorted(set(first) - set(plan.cached))  # the second epoch captures only the others
-    held, steps = [], []
+    held, steps, removed_but_mapped = [], [], []
 
     def kept_bytes() -> int:
         """The store's training samples (not the held-out ones): the cache."""
@@ -317,9 +317,13 @@ def test_cached_epochs_capture_again_only_what_the_budget_could_not_keep(capture
     def on_step(s):
         held.append(spool_bytes(store) + kept_bytes())
         steps.append(s)
+        # A removed shard still mapped keeps its blocks: the budget would not hold.
+        removed_but_mapped.extend(line for line in Path("/proc/self/maps").read_text().splitlines()
+                                  if str(store) in line and line.endswith("(deleted)"))
 
     streamed, report = train_beside_capture(params, cfg, plan, store, on_step)
     assert 0 < max(held) <= offline.epoch_bytes, (held, offline.epoch_bytes)
+    assert not removed_but_mapped, removed_but_mapped[:3]
     assert kept_bytes() <= report["cached_bytes"] == plan.cached_bytes  # the plan's bound holds
     assert report["tokens"] == sum(plan.tokens[r] for r in first + second)  # a kept sample captured once
     assert sorted(Store.open(store).ledger.samples().source_row) == sorted(plan.heldout + plan.cached)

@@ -61,6 +61,12 @@ class StoreReader:
             self._open[shard] = f
             return f
 
+    def close_shard(self, shard: str) -> None:
+        """Unmap `shard` (a removed file's blocks stay allocated while it is
+        mapped: a spool's budget counts them)."""
+        with self._lock:
+            self._open.pop(shard, None)
+
     def __getitem__(self, i: int) -> dict:
         return self.read_row(self.sample_ids[i], self._shards[i], int(self._offsets[i]), int(self.num_tokens[i]),
                              self._checksums[i] if self._checksums is not None else None)

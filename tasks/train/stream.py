@@ -380,13 +380,18 @@ class StreamReader:
             home = epoch_store(self.store, self.epoch)
             if not manifest_path(home).exists():
                 return
-            ledger = Store.open(home).ledger
+            reader = self._readers.get(home)
+            ledger = reader.ledger if reader is not None else Store.open(home).ledger
             for shard, ids in ledger.samples().groupby("shard").sample_id:
                 if self._consumed.issuperset(ids):
                     # The index first: a crash in between leaves an orphan
                     # file, never an entry without its data.
                     ledger.replace_shard(shard, None, [])
+                    if reader is not None:  # (an unindexed reader has len 0)
+                        reader.close_shard(shard)
                     shard_path(home, shard).unlink(missing_ok=True)
+                    for sid in ids:
+                        self._rows_of.pop((home, sid), None)
 
 
 class Spool:
