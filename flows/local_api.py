@@ -27,6 +27,8 @@ START_TIMEOUT_S = 60.0
 # What a run waits, at its end, for its last logs and events to reach the
 # API before the server goes: Prefect's workers otherwise wait unbounded.
 DRAIN_S = 5.0
+# What it then waits for the server to exit on SIGTERM before SIGKILL.
+API_STOP_S = 10.0
 
 
 def _free_port() -> int:
@@ -63,7 +65,7 @@ def local_prefect_api() -> Iterator[str | None]:
     finally:
         process.terminate()
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=API_STOP_S)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

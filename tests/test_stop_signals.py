@@ -1,6 +1,6 @@
 """A command-line run told to stop, as a terminal's Ctrl-C (SIGINT to its
 whole process group) or a scheduler's SIGTERM tells it: it exits within
-15 s, non-zero, with one line saying what it kept and how to resume; every
+its bounded waits (STOP_WITHIN_S), non-zero, with one line saying what it kept and how to resume; every
 process it started is gone (its SGLang server, its temporary Prefect
 server, torchrun's ranks); its locks are free; and an extraction's rerun
 (alone or a pipeline's stage) completes without losing or doubling
@@ -20,11 +20,20 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flows.local_api import API_STOP_S, DRAIN_S
+from tasks.server.launch import STOP_GRACE_S
+from tasks.server.processes import KILL_WAIT_S
 from tasks.store.lock import hold_lock
+from tasks.train.launch import RANKS_STOP_S
 from tests.conftest import demo_rows, rerun_completes, stored_samples, wait_for, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
-STOP_WITHIN_S = 15
+# Every wait on a run's way out is bounded; the stop takes at most their
+# sum (the server's or the ranks' stop, the SIGKILL after it, the log and
+# event drains, the temporary Prefect server's stop). Measured: 2-16 s; a
+# wait left unbounded (seen: Prefect's log workers, 110 s against a dead
+# API) exceeds it.
+STOP_WITHIN_S = max(STOP_GRACE_S, RANKS_STOP_S) + KILL_WAIT_S + 2 * DRAIN_S + API_STOP_S
 
 
 def start(argv: list[str], tmp_path: Path) -> subprocess.Popen:

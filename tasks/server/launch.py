@@ -45,6 +45,8 @@ logger = logging.getLogger("eagle3.server")
 HOOK_FACTORY = "tasks.capture.hook:make_capture_hook"
 BATCH_HOOK_FACTORY = "tasks.capture.hook:make_batch_hook"
 CAPTURE_HOOK_NAME = "eagle3_capture"
+# What a stop waits for SGLang to shut itself down on SIGTERM before SIGKILL.
+STOP_GRACE_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,7 @@ class ServerHandle:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         stop_server(self, grace_s)
 
     def __enter__(self) -> "ServerHandle":
@@ -351,7 +353,7 @@ def check_hook_attached(handle: ServerHandle, log_start: int) -> None:
             "LaunchSpec.capture_module.")
 
 
-def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
+def stop_server(handle: ServerHandle, grace_s: float = STOP_GRACE_S) -> None:
     """Stop the server's whole process group (processes.stop_group) and drop
     its pid record."""
     # start_new_session: the leader's pid is the group id

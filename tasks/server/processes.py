@@ -42,6 +42,10 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+# What stop_group waits after SIGKILL before it calls the group unkillable.
+KILL_WAIT_S = 10.0
+
+
 def stop_group(pgid: int, grace_s: float, reap=lambda: None) -> None:
     """Stop the process group led by `pgid` and return only once no process
     of it remains.
@@ -51,7 +55,7 @@ def stop_group(pgid: int, grace_s: float, reap=lambda: None) -> None:
     Whatever is left after `grace_s` gets SIGKILL, group-wide. `reap` is
     called while waiting (the leader's poll, when it is our child).
     """
-    steps = ((lambda: os.kill(pgid, signal.SIGTERM), grace_s), (lambda: os.killpg(pgid, signal.SIGKILL), 10.0))
+    steps = ((lambda: os.kill(pgid, signal.SIGTERM), grace_s), (lambda: os.killpg(pgid, signal.SIGKILL), KILL_WAIT_S))
     for send, wait_s in steps:
         try:
             send()

@@ -23,6 +23,8 @@ from tasks.train.config import TrainConfig, TrainingError, TrainResult
 from tasks.train.loop import RESULT, train
 
 logger = logging.getLogger("eagle3.training")
+# What a stopped run waits for torchrun's ranks to exit on SIGTERM before SIGKILL.
+RANKS_STOP_S = 15.0
 
 
 def torchrun_args(cfg: TrainConfig) -> list[str]:
@@ -78,7 +80,7 @@ def launch_distributed(cfg: TrainConfig, store: str | Path, log: logging.Logger 
     except BaseException:  # the run was stopped (Ctrl-C, SIGTERM, a cancel): its ranks stop with it
         proc.terminate()  # torchrun passes it to its ranks; their last checkpoint resumes the run
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=RANKS_STOP_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
