@@ -1,5 +1,5 @@
 """Our drafter inside SGLang's own `LlamaForCausalLMEagle3`, in a real
-speculative server (one launch per target and variant for the module): the
+speculative server (one launch per target, each with a variant, for the module): the
 parameters it loaded are ours, the aux states it is fed are the target's
 states of the layers the drafter was trained on (not SGLang's default ones),
 they are aligned as training assumes (aux state of token t with the embedding
@@ -9,7 +9,7 @@ hidden state (pre-norm for eagle3, normed for eagle3.1) and attend to the
 extend's keys plus the chain's own (the TTT unroll of tasks/train/ttt.py).
 The greedy output through the drafter is the target's own. The Llama
 target's store is captured by a real server with five layers and checked
-against HF before its two drafters train on two triples of it."""
+against HF before a drafter trains on a triple of it."""
 from __future__ import annotations
 
 import json
@@ -127,13 +127,15 @@ def test_the_captured_llama_store_holds_the_targets_five_layers(llama_store):
 
 
 # Kimi-K2.5: a wrapper target whose embedding sits under language_model.,
-# an MLA target on a CPU, and a YaRN rope the drafter takes over.
-@pytest.fixture(scope="module", params=[(TINY, "eagle3"), (TINY, "eagle3.1"), (TINY_KIMI_K25, "eagle3"),
-                                        (TINY_KIMI_K25, "eagle3.1")], ids=lambda p: "-".join(p))
+# an MLA target on a CPU, and a YaRN rope the drafter takes over. The
+# grid's diagonal: what a variant changes (fc norms, what is fed back) does
+# not depend on the target, nor what a target changes (embedding, rope,
+# attention) on the variant; each of the two triples is served once.
+@pytest.fixture(scope="module", params=[(TINY, "eagle3"), (TINY_KIMI_K25, "eagle3.1")], ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory) -> Served:
     """A drafter trained (briefly: what is checked is the path, not its
     quality) on its AUX_LAYER_IDS of a five-layer store (the Llama target's
-    captured, both variants from the one store; Kimi-K2.5's random states),
+    captured; Kimi-K2.5's random states),
     served with the probe, and one greedy request through it."""
     target, variant = request.param
     target_path = ensure_model(target)
