@@ -10,8 +10,13 @@ ways: (a) re-read the whole sample index, as a reader made for a finished
 store does (what the stream reader did on each miss, every 0.5 s while it
 waited); (b) `Ledger.shard_index`: the rows of the shard holding the sample,
 by two indexed lookups. Prints both per lookup and their ratio; at N the
-difference is what a waiting trainer loses per sample. Ratios are the
-result: machines differ.
+difference is what a waiting trainer loses per sample.
+
+Then what rank 0 pays after each step to find the spool's shards that step
+finished: (c) the epoch's whole sample table grouped by shard (what
+StreamReader.consumed did), against (d) `shard_index` once per shard the
+step's samples lie in (a step of --step-samples consecutive samples).
+Ratios are the result: machines differ.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=600_000)
     ap.add_argument("--per-shard", type=int, default=32)
+    ap.add_argument("--step-samples", type=int, default=256, help="samples a step trains (all ranks)")
     ap.add_argument("--url", default=None, help="a PostgreSQL URL (default: SQLite in a temporary directory)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,6 +74,20 @@ def main() -> None:
         print(f"(a) the whole index per lookup: {whole * 1e3:,.1f} ms")
         print(f"(b) shard_index per lookup:     {shard * 1e3:,.3f} ms (the {args.per_shard} rows of its shard)")
         print(f"(a)/(b): {whole / shard:,.0f}x")
+        step = ids[len(ids) // 2:len(ids) // 2 + args.step_samples]
+        grouped = per_call(lambda: dict(iter(ledger.samples().groupby("shard").sample_id)), 3)
+
+        def by_shard():
+            seen: set[str] = set()
+            for sid in step:
+                if sid not in seen:
+                    seen.update(r[0] for r in ledger.shard_index(sid))
+
+        looked = per_call(by_shard, 20)
+        print(f"(c) the whole table per step:   {grouped * 1e3:,.1f} ms")
+        print(f"(d) shard_index per step shard: {looked * 1e3:,.2f} ms ({-(-args.step_samples // args.per_shard)} "
+              f"shards of a {args.step_samples}-sample step)")
+        print(f"(c)/(d): {grouped / looked:,.0f}x")
 
 
 if __name__ == "__main__":

@@ -59,8 +59,8 @@ class SpoolDeadlock(RuntimeError):
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
-def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig) -> StreamPlan:
-    plan = plan_stream(model, capture, train)
+def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig, store: str) -> StreamPlan:
+    plan = plan_stream(model, capture, train, Path(store))
     logger.info("stream: %d held-out samples, then %d epoch(s) of %d batches captured in the order training reads "
                 "them%s", len(plan.heldout), len(plan.epochs), len(plan.epochs[0]),
                 f"; spool {train.spool_bytes / 2**30:.2f} GiB ({plan.bytes_per_token:,} bytes per token)"
@@ -199,7 +199,7 @@ def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: Store
     """Both sides of a stream run, and a progress artifact showing both,
     inside the pipeline's flow; the train_drafter result."""
     train = train.model_copy(update={"stream": True})
-    plan = stream_plan_task(server.model, capture, train)
+    plan = stream_plan_task(server.model, capture, train, store.path)
     mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan)
     # The spool's share of the budget: what train.cache_epochs keeps is not in it.

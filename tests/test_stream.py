@@ -96,7 +96,7 @@ def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(c
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS) + bad)
     params = attach(capture_server, store=tmp_path / "store", dataset=str(dataset), batch_size=4, max_length=256)
     cfg = config(tmp_path / "stream")
-    plan = plan_stream(str(tiny_model), params["capture"], cfg)
+    plan = plan_stream(str(tiny_model), params["capture"], cfg, tmp_path / "store")
     assert plan.rejected == [ROWS, ROWS + 1, ROWS + 2]
     rows = plan.heldout + [r for b in plan.epochs[0] for r in b]
     # The capture stops after the first third, as back-pressure would stop
@@ -140,6 +140,15 @@ def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(c
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
+    # The trainer read the plan's samples instead of tokenising again; they
+    # are what a tokenisation gives, and a source changed since is tokenised.
+    readers = [StreamReader(tmp_path / "store", cfg)]
+    os.utime(dataset, ns=(dataset.stat().st_atime_ns, dataset.stat().st_mtime_ns + 1))
+    readers.append(StreamReader(tmp_path / "store", cfg))
+    assert [r.planned_from for r in readers] == ["file", "tokenised"]
+    assert readers[0].sample_ids == readers[1].sample_ids and readers[0]._rows == readers[1]._rows
+    for counts in ("num_tokens", "num_loss_tokens"):
+        assert getattr(readers[0], counts).tolist() == getattr(readers[1], counts).tolist()
 
 
 def test_a_capture_that_ended_without_a_sample_stops_the_trainer_naming_it(tiny_model, tmp_path):

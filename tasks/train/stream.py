@@ -32,6 +32,7 @@ import numpy as np
 from tasks.capture.config import CaptureConfig
 from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.failures import Permanent
+from tasks.durable import replace_durably
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path, write_json_atomic
 from tasks.store.reader import StoreReader
@@ -49,6 +50,10 @@ TRAINER_STATE = "stream-trainer.json"
 WAITING = "stream-waiting"  # stream-waiting-<pid>.json: a trainer process waiting for a sample
 SPOOL = "spool"
 POSITION = "position.json"
+# The planned samples (id, row, token and loss-token counts), written by the
+# plan once: every trainer rank reads them instead of tokenising the
+# dataset again (600k samples: minutes of CPU per rank, 8 ranks a node).
+PLANNED = "stream-samples.parquet"
 
 
 def planned_samples(sources: list[str], tokenizer, *, max_length: int,
@@ -65,6 +70,47 @@ def planned_samples(sources: list[str], tokenizer, *, max_length: int,
                 seen.add(s.sample_id)
                 out.append(s)
     return out, rejected
+
+
+def _planned_key(sources: list[str], target_path: str, max_length: int, policy: str) -> str:
+    """What the planned samples depend on: the sources (by path, size and
+    mtime: one changed in place is planned again), the tokenizer's model and
+    the length policy."""
+    files = sorted(str(Path(s).resolve()) for s in sources)
+    return json.dumps({"sources": [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
+                       "target": str(Path(target_path).resolve()), "max_length": max_length, "policy": policy})
+
+
+def write_planned(store: Path, samples: list[Sample], sources: list[str], target_path: str, *, max_length: int,
+                  policy: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"sample_id": [s.sample_id for s in samples], "source_row": [s.source_row for s in samples],
+                      "num_tokens": [s.num_tokens for s in samples],
+                      "num_loss_tokens": [int(s.loss_mask.sum()) for s in samples]})
+    table = table.replace_schema_metadata({"eagle3_key": _planned_key(sources, target_path, max_length, policy)})
+    Path(store).mkdir(parents=True, exist_ok=True)
+    replace_durably(Path(store) / PLANNED, lambda tmp: pq.write_table(table, tmp))
+
+
+def read_planned(store: Path, manifest: dict):
+    """The planned samples the plan wrote for this store's manifest (a
+    DataFrame), or None: none written, or written for other sources, model
+    or length policy."""
+    import pyarrow.parquet as pq
+
+    path = Path(store) / PLANNED
+    try:
+        table = pq.read_table(path)
+        key = _planned_key(manifest["sources"], manifest["target_path"], manifest["max_length"],
+                           manifest["max_length_policy"])
+    except FileNotFoundError:
+        return None
+    if (table.schema.metadata or {}).get(b"eagle3_key", b"").decode() != key:
+        logger.info("stream: %s was planned from other sources or settings than the store's: tokenising", path)
+        return None
+    return table.to_pandas()
 
 
 class SpoolTooSmall(Permanent, ValueError):
@@ -94,13 +140,17 @@ class StreamPlan:
         return tokens * self.bytes_per_token + shards * (16384 + 80 * batch_size)
 
 
-def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig) -> StreamPlan:
+def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: Path | None = None) -> StreamPlan:
     """What a stream run captures, in the order training reads it (refused,
-    with a spool too small to reach the first step)."""
+    with a spool too small to reach the first step); with `store`, the
+    planned samples are written there for the trainer's ranks."""
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     dataset = str(Path(capture.dataset).resolve())
     samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
                                         policy=capture.max_length_policy)
+    if store is not None:
+        write_planned(store, samples, [dataset], target.path, max_length=capture.max_length,
+                      policy=capture.max_length_policy)
     ids = [s.sample_id for s in samples]
     train_idx, held_idx = split(ids, train.heldout_fraction)
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
@@ -282,18 +332,27 @@ class StreamReader:
         # capture's plan says, so both are looked in.
         self.cached = self.spooled and cfg.cache_epochs
         self.manifest = self._wait_for_store().manifest
-        tokenizer = load_tokenizer(self.manifest["target_path"])
-        planned, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
-                                     policy=self.manifest["max_length_policy"])
-        self.sample_ids = [s.sample_id for s in planned]
-        self._rows = {s.sample_id: s.source_row for s in planned}
-        self.num_tokens = np.array([s.num_tokens for s in planned], dtype=np.int64)
-        self.num_loss_tokens = np.array([int(s.loss_mask.sum()) for s in planned], dtype=np.int64)
+        planned = read_planned(self.store, self.manifest)
+        self.planned_from = "file" if planned is not None else "tokenised"
+        if planned is None:
+            tokenizer = load_tokenizer(self.manifest["target_path"])
+            samples, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
+                                         policy=self.manifest["max_length_policy"])
+            planned = {"sample_id": [s.sample_id for s in samples], "source_row": [s.source_row for s in samples],
+                       "num_tokens": [s.num_tokens for s in samples],
+                       "num_loss_tokens": [int(s.loss_mask.sum()) for s in samples]}
+        self.sample_ids = list(planned["sample_id"])
+        self._rows = dict(zip(self.sample_ids, (int(r) for r in planned["source_row"])))
+        self.num_tokens = np.asarray(planned["num_tokens"], dtype=np.int64)
+        self.num_loss_tokens = np.asarray(planned["num_loss_tokens"], dtype=np.int64)
         self._held = {self.sample_ids[i] for i in split(self.sample_ids, cfg.heldout_fraction)[1]}
         self.epoch = 0
         self._readers: dict[Path, StoreReader] = {}
         self._rows_of: dict[tuple[Path, str], tuple] = {}  # (home, sample id) -> its ledger row
         self._consumed: set[str] = set()
+        # The current epoch's spooled shards met in `consumed`: their samples.
+        self._shard_of: dict[str, str] = {}
+        self._members: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -361,7 +420,7 @@ class StreamReader:
         """Read the training samples of `epoch` from now on; the spool's
         earlier epochs, all trained, are removed."""
         with self._lock:
-            self.epoch, self._consumed = epoch, set()
+            self.epoch, self._consumed, self._shard_of, self._members = epoch, set(), {}, {}
             if self.spooled:
                 for e in range(epoch):
                     home = epoch_store(self.store, e)
@@ -382,14 +441,29 @@ class StreamReader:
                 return
             reader = self._readers.get(home)
             ledger = reader.ledger if reader is not None else Store.open(home).ledger
-            for shard, ids in ledger.samples().groupby("shard").sample_id:
-                if self._consumed.issuperset(ids):
+            # Only these samples' shards can have become fully trained: each
+            # looked up once (not the epoch's whole index every step, which
+            # at 300k samples an epoch is a second a step on PostgreSQL).
+            touched = set()
+            for sid in sample_ids:
+                if sid not in self._shard_of:
+                    rows = ledger.shard_index(sid)  # [] for a sample not spooled (held out, cached, removed)
+                    for r in rows:
+                        self._shard_of[r[0]] = r[1]
+                    if rows:
+                        self._members[rows[0][1]] = [r[0] for r in rows]
+                if sid in self._shard_of:
+                    touched.add(self._shard_of[sid])
+            for shard in sorted(touched):
+                ids = self._members.get(shard)
+                if ids is not None and self._consumed.issuperset(ids):
                     # The index first: a crash in between leaves an orphan
                     # file, never an entry without its data.
                     ledger.replace_shard(shard, None, [])
                     if reader is not None:  # (an unindexed reader has len 0)
                         reader.close_shard(shard)
                     shard_path(home, shard).unlink(missing_ok=True)
+                    del self._members[shard]
                     for sid in ids:
                         self._rows_of.pop((home, sid), None)
 
