@@ -111,7 +111,7 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
         # Without, larger parts: each costs a plan and a warm-up.
         size = (2 if spooled else 32) * capture.batch_size
         cached = set(plan.cached)  # train.cache_epochs: captured once, into the store, with the held-out ones
-        room = (train.spool_bytes or 0) - plan.cached_bytes  # the spool's share of the budget
+        room = plan.spool_room(train.spool_bytes or 0)
         cache = f"; {len(cached)} samples ({plan.cached_bytes / 2**20:.1f} MiB) kept for every epoch" if cached else ""
         for e in range(first_epoch, len(plan.epochs)):
             rows = [r for b in plan.epochs[e][done if e == first_epoch else 0:] for r in b]
@@ -202,8 +202,7 @@ def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: Store
     plan = stream_plan_task(server.model, capture, train, store.path)
     mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan)
-    # The spool's share of the budget: what train.cache_epochs keeps is not in it.
-    room = None if train.spool_bytes is None else train.spool_bytes - plan.cached_bytes
+    room = None if train.spool_bytes is None else plan.spool_room(train.spool_bytes)
     watching = watch_task.submit(store.path, room)
     try:
         trained = train_drafter(store=store.path, train=train)

@@ -165,6 +165,31 @@ def test_a_capture_that_ended_without_a_sample_stops_the_trainer_naming_it(tiny_
     assert e.match("|".join(missing))
 
 
+def test_a_sample_the_running_capture_quarantined_stops_the_trainer_naming_it(tiny_model, tmp_path):
+    """Quarantined while the capture still runs (it crashed the server): the
+    trainer stops within seconds with the reason, not at the capture's end
+    (here 60 s away, which would fail the match)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    store = random_store(d, tiny_model, 16, max_length=64)
+    write_jsonl(d / "data.jsonl", demo_rows(20))  # rows 16-19 not stored yet
+    bad = prepare_samples(d / "data.jsonl", load_tokenizer(tiny_model), max_length=64, rows=range(16, 20))[0]
+    Store.open(store).ledger.quarantine([{"source": str(d / "data.jsonl"), "source_row": s.source_row,
+                                          "sample_id": s.sample_id, "reason": "crashed the server 2 times"}
+                                         for s in bad])
+    mark_capture(store, "running")
+    ending = threading.Timer(60.0, mark_capture, (store, "completed"))
+    ending.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TrainingError, match=r"the capture quarantined sample (\w+) \(row (1[6-9])\) in .* "
+                                                r"\(crashed the server 2 times\)") as e:
+            train(config(tmp_path / "run", tokens_per_batch=128, vocab_positions=20), store)
+    finally:
+        ending.cancel()
+    assert e.match("|".join(s.sample_id for s in bad)) and time.monotonic() - started < 60
+
+
 def test_a_capture_waiting_for_room_stops_when_the_trainer_stops(tiny_model, tmp_path):
     """A trainer that stops (an error, a cancel) will not empty the spool:
     the capture waiting for room stops too, instead of waiting for ever."""

@@ -49,6 +49,7 @@ CAPTURE_STATE = "stream-capture.json"
 TRAINER_STATE = "stream-trainer.json"
 WAITING = "stream-waiting"  # stream-waiting-<pid>.json: a trainer process waiting for a sample
 SPOOL = "spool"
+QUARANTINE_CHECK_S = 2.0  # how often a trainer waiting for a sample looks for it among the quarantined
 POSITION = "position.json"
 # The planned samples (id, row, token and loss-token counts), written by the
 # plan once: every trainer rank reads them instead of tokenising the
@@ -130,6 +131,11 @@ class StreamPlan:
     # epoch (train.cache_epochs): a prefix of the first epoch's order.
     cached: list[int] = field(default_factory=list)
     cached_bytes: int = 0
+
+    def spool_room(self, spool_bytes: int) -> int:
+        """The spool's share of the budget: what train.cache_epochs keeps
+        in the store is not in it."""
+        return spool_bytes - self.cached_bytes
 
     def shard_bytes(self, rows: list[int], batch_size: int) -> int:
         """At most what these rows take as shards of batch_size samples:
@@ -373,6 +379,22 @@ class StreamReader:
                 f"kept: run the pipeline again (the capture takes only what is missing), or train offline on the "
                 f"store as it is")
 
+    def _check_quarantine(self, sid: str, homes: list[Path], what: str) -> None:
+        """A sample the capture quarantined (it crashed the server, or its
+        batch failed for good) will never be stored: the planned batches
+        cannot be formed, so the trainer stops now, naming it, instead of
+        waiting for the capture's end."""
+        for home in homes:
+            if not manifest_path(home).exists():
+                continue
+            q = Store.open(home).ledger.quarantined()
+            hit = q[q.sample_id == sid]
+            if len(hit):
+                raise TrainingError(
+                    f"stream training: the capture quarantined {what} ({hit.reason.iloc[0]}); the stream's planned "
+                    f"batches hold it, so the trainer stops (the checkpoint is kept). Train offline on the store "
+                    f"(its plan leaves quarantined samples out), or fix the row and run the pipeline again")
+
     def _home(self, sid: str) -> Path:
         return epoch_store(self.store, self.epoch) if self.spooled and sid not in self._held else self.store
 
@@ -382,6 +404,7 @@ class StreamReader:
             home = self._home(sid)
             homes = [self.store, home] if self.cached and home != self.store else [home]
             started = last_log = time.time()
+            last_quarantine_check = 0.0
             waiting = False
             try:
                 while not any((h, sid) in self._rows_of for h in homes):
@@ -392,6 +415,9 @@ class StreamReader:
                         break
                     what = f"sample {sid} (row {self._rows[sid]}) in {home}"
                     self._check_capture(what, state)
+                    if time.time() - last_quarantine_check >= QUARANTINE_CHECK_S:
+                        last_quarantine_check = time.time()
+                        self._check_quarantine(sid, homes, what)
                     if not waiting:  # for the capture: waiting for room while this waits is a deadlock
                         waiting = mark_waiting(self.store, what)
                     if time.time() - last_log >= self.log_every_s:
