@@ -31,8 +31,8 @@ import numpy as np
 
 from tasks.capture.config import CaptureConfig
 from tasks.data.dataset import Rejected, Sample, prepare_samples
-from tasks.failures import Permanent
 from tasks.durable import replace_durably
+from tasks.failures import Permanent
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path, write_json_atomic
 from tasks.store.reader import StoreReader
@@ -49,8 +49,8 @@ CAPTURE_STATE = "stream-capture.json"
 TRAINER_STATE = "stream-trainer.json"
 WAITING = "stream-waiting"  # stream-waiting-<pid>.json: a trainer process waiting for a sample
 SPOOL = "spool"
-QUARANTINE_CHECK_S = 2.0  # how often a trainer waiting for a sample looks for it among the quarantined
 POSITION = "position.json"
+QUARANTINE_CHECK_S = 2.0  # how often a trainer waiting for a sample looks for it among the quarantined
 # The planned samples (id, row, token and loss-token counts), written by the
 # plan once: every trainer rank reads them instead of tokenising the
 # dataset again (600k samples: minutes of CPU per rank, 8 ranks a node).
@@ -73,6 +73,13 @@ def planned_samples(sources: list[str], tokenizer, *, max_length: int,
     return out, rejected
 
 
+def planned_columns(samples: list[Sample]) -> dict[str, list]:
+    """What a trainer needs of each planned sample, as columns."""
+    return {"sample_id": [s.sample_id for s in samples], "source_row": [s.source_row for s in samples],
+            "num_tokens": [s.num_tokens for s in samples],
+            "num_loss_tokens": [int(s.loss_mask.sum()) for s in samples]}
+
+
 def _planned_key(sources: list[str], target_path: str, max_length: int, policy: str) -> str:
     """What the planned samples depend on: the sources (by path, size and
     mtime: one changed in place is planned again), the tokenizer's model and
@@ -87,10 +94,8 @@ def write_planned(store: Path, samples: list[Sample], sources: list[str], target
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"sample_id": [s.sample_id for s in samples], "source_row": [s.source_row for s in samples],
-                      "num_tokens": [s.num_tokens for s in samples],
-                      "num_loss_tokens": [int(s.loss_mask.sum()) for s in samples]})
-    table = table.replace_schema_metadata({"eagle3_key": _planned_key(sources, target_path, max_length, policy)})
+    table = pa.table(planned_columns(samples)).replace_schema_metadata(
+        {"eagle3_key": _planned_key(sources, target_path, max_length, policy)})
     Path(store).mkdir(parents=True, exist_ok=True)
     replace_durably(Path(store) / PLANNED, lambda tmp: pq.write_table(table, tmp))
 
@@ -344,9 +349,7 @@ class StreamReader:
             tokenizer = load_tokenizer(self.manifest["target_path"])
             samples, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
                                          policy=self.manifest["max_length_policy"])
-            planned = {"sample_id": [s.sample_id for s in samples], "source_row": [s.source_row for s in samples],
-                       "num_tokens": [s.num_tokens for s in samples],
-                       "num_loss_tokens": [int(s.loss_mask.sum()) for s in samples]}
+            planned = planned_columns(samples)
         self.sample_ids = list(planned["sample_id"])
         self._rows = dict(zip(self.sample_ids, (int(r) for r in planned["source_row"])))
         self.num_tokens = np.asarray(planned["num_tokens"], dtype=np.int64)
@@ -379,6 +382,11 @@ class StreamReader:
                 f"kept: run the pipeline again (the capture takes only what is missing), or train offline on the "
                 f"store as it is")
 
+    def _ledger(self, home: Path):
+        """`home`'s index, through its open reader where there is one."""
+        reader = self._readers.get(home)
+        return reader.ledger if reader is not None else Store.open(home).ledger
+
     def _check_quarantine(self, sid: str, homes: list[Path], what: str) -> None:
         """A sample the capture quarantined (it crashed the server, or its
         batch failed for good) will never be stored: the planned batches
@@ -387,7 +395,7 @@ class StreamReader:
         for home in homes:
             if not manifest_path(home).exists():
                 continue
-            q = Store.open(home).ledger.quarantined()
+            q = self._ledger(home).quarantined()
             hit = q[q.sample_id == sid]
             if len(hit):
                 raise TrainingError(
@@ -465,8 +473,7 @@ class StreamReader:
             home = epoch_store(self.store, self.epoch)
             if not manifest_path(home).exists():
                 return
-            reader = self._readers.get(home)
-            ledger = reader.ledger if reader is not None else Store.open(home).ledger
+            reader, ledger = self._readers.get(home), self._ledger(home)
             # Only these samples' shards can have become fully trained: each
             # looked up once (not the epoch's whole index every step, which
             # at 300k samples an epoch is a second a step on PostgreSQL).
