@@ -49,16 +49,22 @@ class Planned:
     store: Store
 
 
+def create_store(target: Target, tokenizer, capture: CaptureConfig, store: StoreConfig) -> Store:
+    """The store this capture writes: created, or checked to have been made
+    the same way (tasks/store/manifest.py)."""
+    manifest = build_manifest(target.path, tokenizer, target.layers, target.arch, max_length=capture.max_length,
+                              policy=capture.max_length_policy, sources=[str(Path(capture.dataset).resolve())],
+                              dtype=store.dtype)
+    return Store.create(Path(store.path), manifest, store.ledger_url)
+
+
 @task(name="plan", cache_policy=NO_CACHE)
 def plan_task(model: str, capture: CaptureConfig, store: StoreConfig, rows: Optional[list[int]] = None,
               owner: bool = True) -> Planned:
     log = get_run_logger()
     target = Target.load(model, capture.aux_layer_ids)
     tokenizer = target.tokenizer()
-    manifest = build_manifest(target.path, tokenizer, target.layers, target.arch, max_length=capture.max_length,
-                              policy=capture.max_length_policy, sources=[str(Path(capture.dataset).resolve())],
-                              dtype=store.dtype)
-    opened = Store.create(Path(store.path), manifest, store.ledger_url)
+    opened = create_store(target, tokenizer, capture, store)
     if owner:  # the run holds the store's lock: nobody is writing a temp (a child's siblings may be)
         leaked = remove_leaked_temps(opened.path)
         if leaked:

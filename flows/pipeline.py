@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.cli import described
@@ -79,10 +80,17 @@ def eagle3_pipeline(
     mode: Annotated[Literal["offline", "stream"], Field(description=(
         "offline: capture everything, verify, then train; stream: train while the capture runs (the same "
         "batches and weights; wall time the longer side, not the sum)"))] = "offline",
+    capture_nodes: Annotated[list[str], Field(description=(
+        "stream mode: the work queues of capture nodes (python -m flows.node, one capture server each) that "
+        "capture for the trainer instead of the server section's server; the store's index must be in "
+        "PostgreSQL (store.ledger_url)"), max_length=64)] = [],
 ) -> dict:
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, evaluate."""
     log = get_run_logger()
     baseline_server(server, evaluate)  # refused now, not after the training
+    if mode == "offline" and capture_nodes:
+        raise ValueError(f"capture_nodes {capture_nodes} capture for a stream run: set mode stream, or capture "
+                         f"offline on many nodes with python -m flows.extract_nodes")
     if mode == "offline" and train.spool_bytes is not None:
         raise ValueError(f"train.spool_bytes {train.spool_bytes:,} bounds a stream run's disk: set mode stream, or "
                          f"leave it unset (an offline run keeps every shard in the store)")
@@ -92,7 +100,8 @@ def eagle3_pipeline(
     # The run holds its store and train dir throughout, so no other run
     # writes them between extraction, verification and training; the
     # extract and train subflows re-enter these locks.
-    with hold_lock(store_dir, "eagle3_pipeline"), hold_lock(train_dir, "eagle3_pipeline"):
+    # The store's lock names this run: capture nodes write under it.
+    with hold_lock(store_dir, "eagle3_pipeline", run=flow_run.get_id()), hold_lock(train_dir, "eagle3_pipeline"):
         keep_run_config(store_dir / "runs", "eagle3_pipeline", store_dir)
         if regenerate.enabled:
             regenerated = regenerate_task(server.model_copy(update={"url": None, "api_key": None,
@@ -100,7 +109,7 @@ def eagle3_pipeline(
                                           capture.dataset, str(store_dir), regenerate)
             capture = capture.model_copy(update={"dataset": regenerated})
         if mode == "stream":
-            trained = capture_and_train(server, capture, store, train)
+            trained = capture_and_train(server, capture, store, train, tuple(capture_nodes))
             verify_store(store=str(store_dir))  # the whole store, as offline, before it is served
         else:
             extract_hidden_states(server=server, capture=capture, store=store, verify=False)

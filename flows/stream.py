@@ -1,6 +1,7 @@
 """The pipeline's `mode: stream`: capture and training at once, in one run.
 
-    plan the training order -> capture in that order (a submitted task)
+    plan the training order -> capture in that order (a submitted task: on the
+                               server, or by capture nodes leasing its parts)
                             || train_drafter with train.stream
                             || the progress artifact (a submitted task) -> all done
 
@@ -15,31 +16,42 @@ progress artifact shows both sides.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
+import threading
 import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 
 from flows.artifacts import artifact_key
-from flows.extract import default_dump_dir, extract_hidden_states, launch_task
+from flows.extract import create_store, default_dump_dir, extract_hidden_states, launch_task
 from flows.train import train_drafter
 from tasks.capture.config import CaptureConfig
+from tasks.capture.nodes import run_on_node
 from tasks.server.config import ServerConfig
 from tasks.store.config import StoreConfig
+from tasks.store.lock import hold_lock
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
-from tasks.train.stream import (StreamPlan, epoch_store, mark_capture, mark_trainer, plan_stream, read_position,
+from tasks.train.stream import (StreamPlan, mark_capture, mark_trainer, plan_stream, read_position,
                                 record_progress, spool_bytes, trainer_state, trainer_stopped, trainer_waiting)
+from tasks.train.stream_parts import HELD_OUT, Part, PartQueue, cut_parts
 from tasks.train.stream_progress import describe_progress
 
 logger = logging.getLogger("eagle3.stream")
 
 WAIT_S = 0.5
+NODES_POLL_S = 2.0
+# The capture nodes' loops (flows/stream_node.py), one child run per node.
+STREAM_NODE = "stream_capture_node/stream-node"
+START_TIMEOUT_S = 600.0  # a node loop no worker starts within this is cancelled: its node is gone
 LOG_EVERY_S = 30.0
 PROGRESS_EVERY_S = 5.0
 # Both sides waiting on each other this long is a deadlock: the trainer
@@ -70,12 +82,14 @@ def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig, sto
 
 @task(name="capture-for-training", cache_policy=NO_CACHE)
 def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
-                 plan: StreamPlan) -> dict:
-    """Capture in the plan's order; its end (completed or failed) is
-    recorded for the trainer, which otherwise waits for what it needs."""
+                 plan: StreamPlan, nodes: tuple[str, ...] = ()) -> dict:
+    """Capture in the plan's order, on the server section's server or on
+    capture nodes; its end (completed or failed) is recorded for the
+    trainer, which otherwise waits for what it needs."""
     mark_capture(Path(store.path), "running")
     try:
-        result = capture_in_order(server, capture, store, train, plan)
+        result = (capture_on_nodes(list(nodes), server.model, capture, store, train, plan) if nodes
+                  else capture_in_order(server, capture, store, train, plan))
     except BaseException as e:
         mark_capture(Path(store.path), "failed", f"{type(e).__name__}: {e}"[:500])
         raise
@@ -85,14 +99,16 @@ def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfi
 
 def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
                      plan: StreamPlan) -> dict:
-    """Held-out samples (and the rows to quarantine) into the store, then the
-    training samples in parts, in training order: without a spool the first
-    epoch's into the store; with one, every epoch's into its spool store,
-    each part once the spool has room for it, from the trainer's last
-    checkpointed position on (what it trained since is captured again).
-    Between parts, a trainer that stopped stops the capture. One server for
-    all of it, launched here or attached."""
+    """The plan's parts (tasks/train/stream_parts.py) in order: held-out
+    samples (and the rows to quarantine) into the store, then the training
+    samples in training order: without a spool the first epoch's into the
+    store; with one, every epoch's into its spool store, each part once the
+    spool has room for it, from the trainer's last checkpointed position on
+    (what it trained since is captured again). Between parts, a trainer
+    that stopped stops the capture. One server for all of it, launched here
+    or attached."""
     root, spooled = Path(store.path), train.spool_bytes is not None
+    parts = cut_parts(plan, capture.batch_size, spooled, read_position(root) if spooled else (0, 0))
     with ExitStack() as stack:
         if not server.url:  # launch once; each part of the capture attaches to it
             dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(root)
@@ -102,74 +118,148 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
             server = server.model_copy(update={"url": live.url, "api_key": live.api_key,
                                                "rid_prefix": live.rid_prefix})
             capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
-        extract_hidden_states(server=server, capture=capture, store=store, verify=False,
-                              rows=plan.heldout + plan.rejected)
-        first_epoch, done = read_position(root) if spooled else (0, 0)
         peak, captured, paused, started = spool_bytes(root), 0, 0.0, time.time()
-        # With a spool, two batches a part (as many as one extraction has in
-        # flight): the spool holds little more than the trainer needs.
-        # Without, larger parts: each costs a plan and a warm-up.
-        size = (2 if spooled else 32) * capture.batch_size
-        cached = set(plan.cached)  # train.cache_epochs: captured once, into the store, with the held-out ones
         room = plan.spool_room(train.spool_bytes or 0)
-        cache = f"; {len(cached)} samples ({plan.cached_bytes / 2**20:.1f} MiB) kept for every epoch" if cached else ""
-        for e in range(first_epoch, len(plan.epochs)):
-            rows = [r for b in plan.epochs[e][done if e == first_epoch else 0:] for r in b]
-            spool = (store.model_copy(update={"path": str(epoch_store(root, e)), "ledger_url": None}) if spooled
-                     else store)
-            # The cached rows are a prefix of the first epoch's order: they come first.
-            segments = [(store, [r for r in rows if r in cached]), (spool, [r for r in rows if r not in cached])]
-            taken = 0
-            for into, segment in segments:
-                for k in range(0, len(segment), size):
-                    piece = segment[k:k + size]
-                    if trainer_stopped(root):
-                        raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, "
-                                             f"keeping what it stored: run the pipeline again and both resume")
-                    if spooled and into is spool:
-                        paused += wait_for_room(root, plan.shard_bytes(piece, capture.batch_size), room, e)
-                    extract_hidden_states(server=server, capture=capture, store=into, verify=False, rows=piece)
-                    peak = max(peak, spool_bytes(root))
-                    captured += sum(plan.tokens[r] for r in piece)
-                    taken += len(piece)
-                    record_progress(root, "captured", epoch=e, epochs=len(plan.epochs), samples=taken, of=len(rows),
-                                    tokens=captured, started=started, paused_s=paused)
-                    logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s%s", e + 1,
-                                len(plan.epochs), taken, len(rows), f"{captured:,}",
-                                captured / max(1e-9, time.time() - started),
-                                f"; spool {spool_bytes(root) / 2**20:.1f} of {room / 2**20:.1f} MiB (peak "
-                                f"{peak / 2**20:.1f}){cache}" if spooled else "")
+        for part in parts:
+            if trainer_stopped(root):
+                raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, keeping what "
+                                     f"it stored: run the pipeline again and both resume")
+            if part.need:
+                paused += wait_for_room(root, part.need, room, part.epoch)
+            # A spool store's index is beside it, in SQLite: one machine writes it.
+            into = store.model_copy(update={"path": str(part.store(root)), "ledger_url": None}) if part.into else store
+            extract_hidden_states(server=server, capture=capture, store=into, verify=False, rows=list(part.rows))
+            if part.epoch != HELD_OUT:
+                peak, captured = max(peak, spool_bytes(root)), captured + part.tokens
+                log_captured(root, plan, part, captured, started, paused, peak, room if spooled else None)
     if spooled:
         logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full%s",
-                    peak / 2**20, room / 2**20, paused, cache)
+                    peak / 2**20, room / 2**20, paused, cached_note(plan))
     return {"store": str(root), "tokens": captured, "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
             "cached_bytes": plan.cached_bytes, "paused_s": paused}
 
 
+def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
+                     plan: StreamPlan) -> dict:
+    """The plan's parts captured by capture nodes (`python -m flows.node`),
+    each running one stream_capture_node child run on its work queue that
+    leases the parts in order from the store's index
+    (tasks/train/stream_parts.py). This run holds the store and its spool
+    stores (the children write under its lock), creates them (their
+    indexes in PostgreSQL, which every node reaches), shows the capture's
+    progress, and returns once every part is done: a node that dies leaves
+    its part to the others once its lease runs out."""
+    if not store.ledger_url:
+        raise ValueError("capture nodes write the store's index from their own hosts: set store.ledger_url to a "
+                         "PostgreSQL URL (or 'env' for $EAGLE3_LEDGER_URL)")
+    root, spooled = Path(store.path), train.spool_bytes is not None
+    parts = cut_parts(plan, capture.batch_size, spooled, read_position(root) if spooled else (0, 0))
+    target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
+    tokenizer = target.tokenizer()
+    with ExitStack() as stack:
+        run = stack.enter_context(hold_lock(root, f"stream capture of {capture.dataset}",
+                                            run=flow_run.get_id() or f"local-{uuid.uuid4().hex}")).get("run")
+        if run is None:
+            raise RuntimeError(f"{root} is held by this run without its flow run id, which the capture nodes check: "
+                               f"hold it with hold_lock(..., run=flow_run.get_id())")
+        queue = PartQueue(create_store(target, tokenizer, capture, store).ledger)
+        for into in sorted({p.into for p in parts if p.into}):
+            stack.enter_context(hold_lock(root / into, f"stream capture of {capture.dataset}", run=run))
+            create_store(target, tokenizer, capture, store.model_copy(update={"path": str(root / into)}))
+        queue.plan(parts)
+        room = plan.spool_room(train.spool_bytes) if spooled else None
+        child = {"model": model, "capture": capture.model_dump(mode="json"), "store": store.model_dump(mode="json"),
+                 "parent_run": run, "room": room}
+        ended: dict[str, str] = {}
+
+        def watch(queue_name: str) -> None:
+            try:
+                child_run = run_on_node(STREAM_NODE, {**child, "node": queue_name}, queue_name,
+                                        start_timeout_s=START_TIMEOUT_S, name=f"{queue_name}-stream",
+                                        idempotency_key=f"{run}-{flow_run.run_count}-{queue_name}-stream")
+                ended[queue_name] = f"{child_run.name} ended {child_run.state.name}: {child_run.state.message}"
+            except Exception as e:  # noqa: BLE001 - reported below, with the parts left
+                ended[queue_name] = f"watching its run failed: {type(e).__name__}: {e}"
+
+        # Each thread in a copy of this context: the Prefect client settings and run travel with it.
+        for q in nodes:
+            threading.Thread(target=contextvars.copy_context().run, args=(watch, q), name=f"stream-{q}",
+                             daemon=True).start()
+        logger.info("stream capture on %d nodes (%s): %d parts, leased in order from the index of %s", len(nodes),
+                    ", ".join(nodes), len(parts), root)
+        peak, started, logged = spool_bytes(root), time.time(), 0
+        while True:
+            now = queue.progress()
+            peak = max(peak, spool_bytes(root))
+            if now["last"] is not None and now["done"] > logged:
+                logged = now["done"]
+                log_captured(root, plan, parts[now["last"]], now["tokens"], started, 0.0, peak, room)
+            if now["done"] == now["parts"]:
+                break
+            if trainer_stopped(root):
+                raise TrainerStopped(f"the stream trainer stopped; the capture nodes' runs stop too, keeping what "
+                                     f"they stored: run the pipeline again and both resume")
+            # (Read again: the last node may have ended just after its last part.)
+            if len(ended) == len(nodes) and (now := queue.progress())["done"] < now["parts"]:
+                raise RuntimeError(f"every capture node's run ended with {now['parts'] - now['done']} of "
+                                   f"{now['parts']} parts not captured "
+                                   f"({'; '.join(f'{q}: {why}' for q, why in ended.items())}): run the pipeline "
+                                   f"again; what was stored is kept")
+            time.sleep(NODES_POLL_S)
+        by_node = queue.done_by_node()
+    logger.info("stream capture done on %d nodes: parts per node %s; spool peak %.1f MiB (sampled)", len(nodes),
+                by_node, peak / 2**20)
+    return {"store": str(root), "tokens": now["tokens"], "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
+            "cached_bytes": plan.cached_bytes, "paused_s": 0.0, "parts_by_node": by_node}
+
+
+def log_captured(root: Path, plan: StreamPlan, part: Part, captured: int, started: float, paused: float, peak: int,
+                 room: int | None) -> None:
+    """The capture's progress once `part` is stored: for the progress
+    artifact and the log."""
+    record_progress(root, "captured", epoch=part.epoch, epochs=len(plan.epochs), samples=part.taken, of=part.of,
+                    tokens=captured, started=started, paused_s=paused)
+    logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s%s", part.epoch + 1,
+                len(plan.epochs), part.taken, part.of, f"{captured:,}", captured / max(1e-9, time.time() - started),
+                f"; spool {spool_bytes(root) / 2**20:.1f} of {room / 2**20:.1f} MiB (peak {peak / 2**20:.1f})"
+                f"{cached_note(plan)}" if room is not None else "")
+
+
+def cached_note(plan: StreamPlan) -> str:
+    return (f"; {len(plan.cached)} samples ({plan.cached_bytes / 2**20:.1f} MiB) kept for every epoch"
+            if plan.cached else "")
+
+
 def wait_for_room(root: Path, need: int, budget: int, epoch: int, deadlock_s: float = DEADLOCK_S) -> float:
     """Back-pressure: until the spool can take `need` more bytes (or is
-    empty: a part larger than the budget still goes, alone). Seconds waited.
-    Refused (SpoolDeadlock) once the trainer has waited deadlock_s for a
-    sample while this waits: neither would ever move."""
+    empty: a part larger than the budget still goes, alone). Seconds waited."""
     since, last = time.time(), 0.0
     while (held := spool_bytes(root)) and held + need > budget:
-        if trainer_stopped(root):
-            raise TrainerStopped(f"the stream trainer stopped, so the spool of {root} will not empty; the capture "
-                                 f"stops too, keeping what it stored: run the pipeline again and both resume")
-        now = time.time()
-        stuck = [w for w in trainer_waiting(root) if now - max(w["since"], since) >= deadlock_s]
-        if stuck:
-            raise SpoolDeadlock(
-                f"the stream trainer has waited {now - stuck[0]['since']:.0f} s for {stuck[0]['waiting_for']} while "
-                f"the capture waits for room in the spool of {root} ({held:,} of {budget:,} bytes held, the next "
-                f"part needs {need:,}): the samples the trainer holds at once do not fit beside the next part. Run "
-                f"again with a larger train.spool_bytes; the checkpoint and what was captured are kept")
+        refuse_if_stuck(root, since, f"{held:,} of {budget:,} bytes held, the next part needs {need:,}", deadlock_s)
         if time.time() - last >= LOG_EVERY_S:
             last = time.time()
             logger.info("stream capture paused %.0f s before epoch %d's next part: spool %.1f of %.1f MiB, the part "
-                     "needs %.1f", last - since, epoch + 1, held / 2**20, budget / 2**20, need / 2**20)
+                        "needs %.1f", last - since, epoch + 1, held / 2**20, budget / 2**20, need / 2**20)
         time.sleep(WAIT_S)
     return time.time() - since
+
+
+def refuse_if_stuck(root: Path, since: float, room: str, deadlock_s: float = DEADLOCK_S) -> None:
+    """For a capture waiting for room in the spool since `since`: refused
+    (TrainerStopped) once the trainer stopped, since the spool will not
+    empty; refused (SpoolDeadlock) once the trainer has waited deadlock_s
+    for a sample meanwhile, since neither would ever move."""
+    if trainer_stopped(root):
+        raise TrainerStopped(f"the stream trainer stopped, so the spool of {root} will not empty; the capture "
+                             f"stops too, keeping what it stored: run the pipeline again and both resume")
+    now = time.time()
+    stuck = [w for w in trainer_waiting(root) if now - max(w["since"], since) >= deadlock_s]
+    if stuck:
+        raise SpoolDeadlock(
+            f"the stream trainer has waited {now - stuck[0]['since']:.0f} s for {stuck[0]['waiting_for']} while "
+            f"the capture waits for room in the spool of {root} ({room}): the samples the trainer holds at once do "
+            f"not fit beside the next part. Run again with a larger train.spool_bytes; the checkpoint and what was "
+            f"captured are kept")
 
 
 @task(name="stream-progress", cache_policy=NO_CACHE)
@@ -194,14 +284,15 @@ def watch_task(store: str, spool_budget: int | None) -> str:
         time.sleep(PROGRESS_EVERY_S)
 
 
-def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: StoreConfig,
-                      train: TrainConfig) -> dict:
-    """Both sides of a stream run, and a progress artifact showing both,
-    inside the pipeline's flow; the train_drafter result."""
+def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
+                      nodes: tuple[str, ...] = ()) -> dict:
+    """Both sides of a stream run (the capture on the server section's
+    server, or on the capture `nodes`), and a progress artifact showing
+    both, inside the pipeline's flow; the train_drafter result."""
     train = train.model_copy(update={"stream": True})
     plan = stream_plan_task(server.model, capture, train, store.path)
     mark_trainer(Path(store.path), "running")
-    captured = capture_task.submit(server, capture, store, train, plan)
+    captured = capture_task.submit(server, capture, store, train, plan, tuple(nodes))
     room = None if train.spool_bytes is None else plan.spool_room(train.spool_bytes)
     watching = watch_task.submit(store.path, room)
     try:

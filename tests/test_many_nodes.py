@@ -6,6 +6,8 @@ runs from the command line, as `python -m flows.extract_nodes`.
 
 The tests, in order (each fault injected for real):
 - a dataset over both nodes, node-a's server SIGKILLed under a share;
+- a stream run's capture on both nodes feeding one trainer, node-a's loop
+  SIGKILLed in the middle of a part;
 - both nodes silent at once under a share: node-b killed (server, worker,
   its child's process), node-a's child SIGSTOPped, then SIGCONTed;
 - the parent retried by Prefect after a failed first attempt;
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +48,7 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
     nodes = {}
     try:
         cli(["work-pool", "create", "eagle3", "--type", "process"], env)
-        cli(["--no-prompt", "deploy", "--name", "extract-node"], env)
+        cli(["--no-prompt", "deploy", "--name", "extract-node", "--name", "stream-node"], env)
         done = subprocess.run([sys.executable, "-c", "from tasks.capture.nodes import ensure_zombie_automation as z; "
                                f"print(z({ZOMBIE_AFTER_S}))"], cwd=REPO, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
@@ -161,6 +164,117 @@ def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_
     # No capture left behind in a node's (RAM-backed, in production) dump dir, not even the one of the
     # request node-a's server died under: each failure path discards its request's dumps.
     assert not [p.name for q in QUEUES for p in (LOGS / f"dumps-{q}").glob("*.safetensors")]
+
+
+def test_two_capture_nodes_feed_one_stream_trainer_through_postgres(stack, tiny_model, tmp_path, monkeypatch):
+    """A spooled stream run whose capture runs on both nodes, each a loop
+    leasing parts in training order from the store's PostgreSQL index; the
+    trainer (here, this process) reads them through it. Node-a's loop is
+    SIGKILLed in the middle of a part, once it has stored one (its processes
+    stopped first, so the part is seen leased to it; node-b's worker is
+    held until then, so node-a surely has): its lease runs out, node-b
+    captures the part,
+    and the trainer still takes every planned batch, in order, within the
+    spool's budget. The spool's indexes (PostgreSQL schemas) go with it."""
+    import psycopg
+    import pandas as pd
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.stream import capture_task
+    from tasks.capture.config import CaptureConfig
+    from tasks.server.config import ServerConfig
+    from tasks.store.config import StoreConfig
+    from tasks.store.handle import Store
+    from tasks.train.config import TrainConfig
+    from tasks.train.loop import train
+    from tasks.train.stream import PLANNED, mark_trainer, plan_stream, spool_bytes
+    from tasks.train.stream_parts import PartQueue
+
+    url = stack["env"]["EAGLE3_LEDGER_URL"]
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", url)
+    root = tmp_path / "store"
+    capture = CaptureConfig(dataset=str(write_jsonl(tmp_path / "data.jsonl", demo_rows(40))), batch_size=4,
+                            max_length=256)
+    store = StoreConfig(path=str(root), ledger_url="env")
+    cfg = TrainConfig(out_dir=str(tmp_path / "train"), draft_vocab_size=64, ttt_steps=1, epochs=2,
+                      tokens_per_batch=512, heldout_fraction=0.1, eval_max_samples=2, vocab_positions=300,
+                      stream=True)
+    whole = plan_stream(stack["model"], capture, cfg)
+    budget = whole.shard_bytes([r for b in whole.epochs[0] for r in b], capture.batch_size)  # of two epochs' data
+    cfg = cfg.model_copy(update={"spool_bytes": budget})
+    plan = plan_stream(stack["model"], capture, cfg, root)
+
+    def schemas() -> int:
+        with psycopg.connect(url) as db:
+            return db.execute("SELECT count(*) FROM information_schema.schemata WHERE schema_name LIKE "
+                              "'eagle3_%'").fetchone()[0]
+
+    before = schemas()
+    reports, failures, steps, held, killed = [], [], [], [], {}
+
+    def capture_side() -> None:
+        try:
+            with temporary_settings({PREFECT_API_URL: stack["api"].url}):
+                reports.append(capture_task.fn(ServerConfig(model=stack["model"]), capture, store, cfg, plan,
+                                               nodes=QUEUES))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            failures.append(e)
+
+    def kill_node_a_mid_part() -> None:
+        try:
+            api, queue = stack["api"], None
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not killed:
+                time.sleep(0.5)
+                child = running_child(api, str(root), "node-a")
+                if child is None or not (root / "manifest.json").exists():
+                    continue
+                queue = queue or PartQueue(Store.open(root).ledger)
+                pids = pids_of_run(child["id"])
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                parts = queue.parts()
+                mine = parts[parts.node == "node-a"]
+                leased = mine[(mine.state == "leased") & (mine.epoch >= 0)]
+                if len(leased) and (mine.state == "done").any():  # once it has stored a part
+                    killed.update(seq=int(leased.seq.iloc[0]), run=child["id"])
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL if killed else signal.SIGCONT)
+            os.kill(stack["nodes"]["node-b"]["worker_pid"], signal.SIGCONT)
+            # As the heartbeat automation would, 45 s on (the two-silent-nodes test shows it does).
+            api.call("POST", f"/flow_runs/{killed['run']}/set_state",
+                     {"state": {"type": "CRASHED", "message": "killed by the test"}, "force": True})
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            failures.append(e)
+            os.kill(stack["nodes"]["node-b"]["worker_pid"], signal.SIGCONT)
+
+    # Node-b's worker held until node-a is killed: node-a alone stores the first parts.
+    os.kill(stack["nodes"]["node-b"]["worker_pid"], signal.SIGSTOP)
+    mark_trainer(root, "running")
+    sides = [threading.Thread(target=capture_side), threading.Thread(target=kill_node_a_mid_part)]
+    for side in sides:
+        side.start()
+    try:
+        result = train(cfg, root, on_step=lambda s: (steps.append(s), held.append(spool_bytes(root))))
+    finally:
+        os.kill(stack["nodes"]["node-b"]["worker_pid"], signal.SIGCONT)
+        mark_trainer(root, "finished")
+        for side in sides:
+            side.join()
+    assert not failures, failures
+    report, = reports
+
+    ids = dict(zip(*pd.read_parquet(root / PLANNED, columns=["source_row", "sample_id"]).to_dict("list").values()))
+    assert [s["sample_ids"] for s in steps] == [[ids[r] for r in b] for epoch in plan.epochs for b in epoch]
+    assert result.steps == len(steps)
+    parts = PartQueue(Store.open(root).ledger).parts()
+    assert set(parts.state) == {"done"}
+    assert parts.set_index("seq").node[killed["seq"]] == "node-b"  # the part node-a died under
+    assert report["parts_by_node"].keys() == set(QUEUES)  # both captured
+    assert 0 < max(held) <= budget and report["spool_peak_bytes"] <= budget, (held, report, budget)
+    stored_ids = stored(root)
+    assert len(stored_ids) == len(set(stored_ids)) == len(plan.heldout)  # the held-out samples stay, once each
+    assert not list((root / "spool").glob("epoch-*")) and schemas() == before + 1  # the store's own schema
 
 
 def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_path, monkeypatch):

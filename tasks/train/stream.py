@@ -34,7 +34,7 @@ from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.store.handle import Store
-from tasks.store.manifest import manifest_path, write_json_atomic
+from tasks.store.manifest import StoreError, manifest_path, write_json_atomic
 from tasks.store.reader import StoreReader
 from tasks.store.shards import bytes_per_token, shard_path
 from tasks.target.architectures import load_tokenizer
@@ -305,8 +305,11 @@ def spool_bytes(store: Path) -> int:
     not a directory listing: a shard is in the spool once committed)."""
     total = 0
     for d in sorted((Path(store) / SPOOL).glob("epoch-*")):
-        if manifest_path(d).exists():
+        try:
             total += Store.open(d).ledger.summary()["bytes"]
+        except (StoreError, OSError):
+            if manifest_path(d).exists():  # not one being removed (all trained) or made now: a real failure
+                raise
     return total
 
 
@@ -458,7 +461,12 @@ class StreamReader:
             if self.spooled:
                 for e in range(epoch):
                     home = epoch_store(self.store, e)
+                    ledger = self._ledger(home) if manifest_path(home).exists() else None
+                    # The files first: a store found without its index is
+                    # refused (PostgreSQL), never read as empty.
                     shutil.rmtree(home, ignore_errors=True)
+                    if ledger is not None:
+                        ledger.drop()
                     self._readers.pop(home, None)
                     self._rows_of = {k: r for k, r in self._rows_of.items() if k[0] != home}
 

@@ -93,6 +93,10 @@ class Ledger(abc.ABC):
         """One row per canary of a committed sample (CANARY_COLUMNS), oldest
         first; only the `latest` ones if given."""
 
+    def drop(self) -> None:
+        """Remove the index, its store being removed (a spool's epoch store,
+        all trained). A file beside the store (SQLite) goes with it."""
+
     @abc.abstractmethod
     def sample_index(self) -> list[tuple]:
         """(sample_id, shard, token_offset, num_tokens, num_loss_tokens,

@@ -34,7 +34,7 @@ def open_ledger(store: Path) -> Ledger:
     if record["backend"] == "sqlite":
         return SqliteLedger(store)
     if record["backend"] == "postgres":
-        return PostgresLedger(store, resolve_url(record["url"]), record["schema"])
+        return PostgresLedger(store, resolve_url(record["url"]), record["schema"], create=False)
     raise StoreError(f"{store}/{LEDGER_JSON} names ledger backend {record['backend']!r}; this version knows "
                      f"sqlite and postgres")
 
@@ -49,9 +49,13 @@ def open_store(store: Path, manifest: dict, ledger_url: str | None = None) -> Le
     existing store already uses."""
     store = Path(store)
     existed = (store / "manifest.json").exists()
-    create_or_check(store, manifest)
     if ledger_url is not None:
+        # Before the manifest: whoever sees a new store's manifest finds its
+        # ledger.json too (a reader of a growing store would otherwise take
+        # it for a SQLite one, and wait on an empty index for good).
+        store.mkdir(parents=True, exist_ok=True)
         choose_postgres(store, ledger_url, existed)
+    create_or_check(store, manifest)
     return open_ledger(store)
 
 

@@ -104,7 +104,7 @@ class PostgresLedger(Ledger):
     dies holds nothing open. Connecting to a local server costs a few ms,
     small next to writing a shard."""
 
-    def __init__(self, store: Path, url: str, schema: str):
+    def __init__(self, store: Path, url: str, schema: str, create: bool = True):
         if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
             raise StoreError(f"ledger schema {schema!r} in {store}/ledger.json is not a plain lower-case "
                              f"identifier; fix ledger.json")
@@ -118,6 +118,10 @@ class PostgresLedger(Ledger):
             # holds up, commits in flight.
             if db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.canaries",)).fetchone()[0]:
                 return
+            if not create:  # an existing store: an empty index made now would say "nothing stored"
+                raise StoreError(f"the index of {store} ({self.where}) is gone: its schema was dropped, or the URL "
+                                 f"names another database than the one the store was made on; point "
+                                 f"${URL_ENV} at that database (the store's files are kept)")
             # Two processes creating the same schema at once would race on
             # the catalogue; a transaction-scoped advisory lock serialises them.
             db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (schema,))
@@ -140,6 +144,12 @@ class PostgresLedger(Ledger):
                              f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}. "
                              f"Start the server or fix the URL (${URL_ENV}, or {self.store}/ledger.json; "
                              f"the password comes from ${URL_ENV}, PGPASSWORD or ~/.pgpass)") from None
+
+    def drop(self) -> None:
+        with self._connect(search_path=False) as db:
+            from psycopg import sql
+
+            db.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(self.schema)))
 
     def _rows(self, query: str, args=()) -> list[tuple]:
         with self._connect() as db:

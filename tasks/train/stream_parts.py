@@ -1,0 +1,174 @@
+"""The stream capture's parts: what it captures, cut from the plan in the
+order training reads it, and (capture nodes) the queue in the store's
+PostgreSQL index the nodes lease them from.
+
+One capture server captures the parts in order itself (flows/stream.py).
+Many nodes each run a loop (flows/stream_node.py) that leases the next part,
+captures it on its own server and marks it done. A lease lasts LEASE_S and
+is renewed while its node captures: a node that dies stops renewing, and
+another node takes the part once the lease has run out; the samples the
+dead node had committed are skipped by that node's extraction plan (stored
+ids), so nothing is captured twice into the index.
+
+Leases are taken one at a time (a transaction-scoped advisory lock), not
+with FOR UPDATE SKIP LOCKED: a part into the spool is leased only if the
+spool has room for it beside the parts other nodes are capturing, and that
+check must see every lease. A lease is a few milliseconds; nodes take a
+part every few seconds each, far from contention at tens of nodes. And
+parts are leased strictly in order: one skipped for lack of room would let
+later ones fill the spool before the part the trainer waits for.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.train.stream import StreamPlan, epoch_store
+
+LEASE_S = 30.0  # renewed every LEASE_S / 3 while its node captures
+HELD_OUT = -1  # the epoch of the first part: held-out and unusable rows, into the store
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows captured together into one store (`into`, relative to the run's
+    store: "" for the store itself, or an epoch's spool store)."""
+    seq: int
+    epoch: int
+    into: str
+    rows: tuple[int, ...]
+    need: int  # bytes it may add to the spool (0: into the store)
+    tokens: int
+    taken: int  # samples of its epoch captured once it is, of
+    of: int
+
+    def store(self, root: Path) -> Path:
+        return Path(root) / self.into if self.into else Path(root)
+
+
+def cut_parts(plan: StreamPlan, batch_size: int, spooled: bool, position: tuple[int, int] = (0, 0)) -> list[Part]:
+    """Every part of a capture started at the trainer's checkpointed
+    `position` (epoch, batches done): the held-out and unusable rows first,
+    then each epoch's training rows in training order; with a spool, two
+    batches a part (as many as one extraction has in flight: the spool holds
+    little more than the trainer needs), each into its epoch's spool store,
+    except the rows train.cache_epochs keeps in the store; without, larger
+    parts (each costs a plan and a warm-up)."""
+    first = tuple(plan.heldout + plan.rejected)
+    parts = [Part(0, HELD_OUT, "", first, 0, sum(plan.tokens[r] for r in plan.heldout), 0, 0)] if first else []
+    size = (2 if spooled else 32) * batch_size
+    cached = set(plan.cached)
+    first_epoch, done = position if spooled else (0, 0)
+    for e in range(first_epoch, len(plan.epochs)):
+        rows = [r for b in plan.epochs[e][done if e == first_epoch else 0:] for r in b]
+        spool = str(epoch_store(Path(), e)) if spooled else ""
+        # The cached rows are a prefix of the first epoch's order: they come first.
+        taken = 0
+        for into, segment in (("", [r for r in rows if r in cached]), (spool, [r for r in rows if r not in cached])):
+            for k in range(0, len(segment), size):
+                piece = tuple(segment[k:k + size])
+                taken += len(piece)
+                parts.append(Part(len(parts), e, into, piece, plan.shard_bytes(list(piece), batch_size) if into else 0,
+                                  sum(plan.tokens[r] for r in piece), taken, len(rows)))
+    return parts
+
+
+TABLE = """
+CREATE TABLE IF NOT EXISTS stream_parts(
+    seq BIGINT PRIMARY KEY, epoch BIGINT NOT NULL, into_store TEXT NOT NULL, rows TEXT NOT NULL,
+    need BIGINT NOT NULL, tokens BIGINT NOT NULL, taken BIGINT NOT NULL, of BIGINT NOT NULL,
+    state TEXT NOT NULL, node TEXT, leased_until DOUBLE PRECISION, failures BIGINT NOT NULL DEFAULT 0,
+    error TEXT, done_at DOUBLE PRECISION);
+CREATE INDEX IF NOT EXISTS stream_parts_open ON stream_parts(seq) WHERE state <> 'done'
+"""
+
+
+class PartQueue:
+    """The parts of a stream capture on many nodes, in the store's own
+    PostgreSQL schema (`ledger`: the store's PostgresLedger)."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+        with ledger._connect() as db:
+            db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{ledger.schema}.stream_parts",))
+            for statement in filter(str.strip, TABLE.split(";")):
+                db.execute(statement)
+
+    def plan(self, parts: list[Part]) -> None:
+        """These parts, replacing any an earlier run left: a capture started
+        again is cut again from the trainer's position (and what it
+        stored is skipped by each part's own extraction plan)."""
+        with self.ledger._connect() as db, db.cursor() as cur:
+            cur.execute("DELETE FROM stream_parts")
+            cur.executemany("INSERT INTO stream_parts VALUES (%s,%s,%s,%s,%s,%s,%s,%s,'todo',NULL,NULL,0,NULL,NULL)",
+                            [(p.seq, p.epoch, p.into, json.dumps(p.rows), p.need, p.tokens, p.taken, p.of)
+                             for p in parts])
+
+    def lease(self, node: str, room: int | None, spooled_bytes) -> Part | str | None:
+        """The next part for `node`, leased to it; "wait" while the parts
+        left are leased by live nodes; "full" while the next one (into the
+        spool) does not fit in `room` beside what `spooled_bytes()` holds
+        and the parts in flight may add; None once every part is done. A
+        part larger than the room still goes when the spool is empty and
+        nothing else is in flight."""
+        now = time.time()
+        with self.ledger._connect() as db:
+            db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{self.ledger.schema}.stream_parts",))
+            row = db.execute("SELECT seq, epoch, into_store, rows, need, tokens, taken, of FROM stream_parts WHERE "
+                             "state <> 'done' AND (state = 'todo' OR leased_until < %s) ORDER BY seq LIMIT 1",
+                             (now,)).fetchone()
+            if row is None:
+                left = db.execute("SELECT count(*) FROM stream_parts WHERE state <> 'done'").fetchone()[0]
+                return "wait" if left else None
+            part = Part(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5], row[6], row[7])
+            if part.need and room is not None:
+                in_flight = db.execute("SELECT coalesce(sum(need), 0) FROM stream_parts WHERE state = 'leased' AND "
+                                       "leased_until >= %s", (now,)).fetchone()[0]
+                held = spooled_bytes()
+                if (held or in_flight) and held + in_flight + part.need > room:
+                    return "full"
+            db.execute("UPDATE stream_parts SET state = 'leased', node = %s, leased_until = %s WHERE seq = %s",
+                       (node, now + LEASE_S, part.seq))
+            return part
+
+    def renew(self, part: Part, node: str) -> bool:
+        """Extend `node`'s lease of `part`; False if it is no longer its."""
+        with self.ledger._connect() as db:
+            cur = db.execute("UPDATE stream_parts SET leased_until = %s WHERE seq = %s AND node = %s AND "
+                             "state = 'leased'", (time.time() + LEASE_S, part.seq, node))
+            return cur.rowcount == 1
+
+    def done(self, part: Part, node: str) -> None:
+        with self.ledger._connect() as db:
+            db.execute("UPDATE stream_parts SET state = 'done', node = %s, done_at = %s, error = NULL WHERE seq = %s",
+                       (node, time.time(), part.seq))
+
+    def release(self, part: Part, node: str, error: str) -> None:
+        """`node` failed `part`: back in line for any node, first."""
+        with self.ledger._connect() as db:
+            db.execute("UPDATE stream_parts SET state = 'todo', leased_until = NULL, failures = failures + 1, "
+                       "error = %s WHERE seq = %s AND node = %s AND state = 'leased'", (error[:500], part.seq, node))
+
+    def progress(self) -> dict:
+        """Parts in all and done, the training tokens done, and the last
+        training part done (its seq, or None): a few aggregates, polled
+        while the nodes run (a run of 600k samples has ~100k parts)."""
+        total, done, tokens, last = self.ledger._rows(
+            "SELECT count(*), count(*) FILTER (WHERE state = 'done'), coalesce(sum(tokens) FILTER (WHERE state = "
+            "'done' AND epoch >= 0), 0), max(seq) FILTER (WHERE state = 'done' AND epoch >= 0) FROM stream_parts")[0]
+        return {"parts": total, "done": done, "tokens": int(tokens), "last": last}
+
+    def done_by_node(self) -> dict[str, int]:
+        return dict(self.ledger._rows("SELECT node, count(*) FROM stream_parts WHERE state = 'done' GROUP BY node "
+                                      "ORDER BY node"))
+
+    def parts(self):
+        """Every part's state, node and failures (a DataFrame, by seq)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.ledger._rows("SELECT seq, epoch, into_store, state, node, failures, error, tokens, "
+                                              "taken, of, done_at FROM stream_parts ORDER BY seq"),
+                            columns=["seq", "epoch", "into", "state", "node", "failures", "error", "tokens", "taken",
+                                     "of", "done_at"])
