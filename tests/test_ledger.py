@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tasks.store.ledger.open import open_ledger, open_store
@@ -204,6 +205,21 @@ def test_two_stores_share_a_database_but_not_tables(tmp_path, postgres_url, monk
     one.commit_shard(*write_shard(tmp_path / "a", [item(0, 5)], source="d"))
     two.commit_shard(*write_shard(tmp_path / "b", [item(0, 5)], source="d"))  # same sample id, another store
     assert one.schema != two.schema and one.stored_ids() == two.stored_ids() == {"s000"}
+
+
+def test_a_dropped_index_is_refused_not_made_again_empty(tmp_path, postgres_url, monkeypatch):
+    """A store whose schema was dropped (a spool's epoch store, trained and
+    removed) reads as gone, never as an empty store: a capture would take
+    that for nothing stored, a trainer wait on it for good."""
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
+    ledger = open_store(tmp_path / "pg", MANIFEST, postgres_url)
+    ledger.commit_shard(*write_shard(tmp_path / "pg", [item(0, 5)], source="d"))
+    ledger.drop()
+    with pytest.raises(StoreError, match=rf"the index of {tmp_path / 'pg'} \(PostgreSQL .*, schema "
+                                         rf"{ledger.schema}\) is gone"):
+        open_ledger(tmp_path / "pg")
+    with psycopg.connect(postgres_url) as db:
+        assert db.execute("SELECT to_regclass(%s)", (f"{ledger.schema}.samples",)).fetchone()[0] is None
 
 
 def test_a_ledger_does_not_move_between_backends_or_servers(tmp_path, postgres_url, monkeypatch):
