@@ -86,6 +86,34 @@ def attach(server, *, store, **capture) -> dict:
             "store": StoreConfig(path=str(store))}
 
 
+def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_step):
+    """Both sides in this process, as capture_and_train runs them: the
+    training's result and the capture's report."""
+    import threading
+
+    from flows.stream import capture_task
+    from tasks.train.loop import train
+    from tasks.train.stream import mark_trainer
+
+    reports, failures = [], []
+
+    def capture():
+        try:
+            reports.append(capture_task.fn(**params, train=cfg, plan=plan))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            failures.append(e)
+
+    mark_trainer(store, "running")
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        result = train(cfg, store, on_step=on_step)
+    finally:
+        thread.join()
+    assert not failures, failures
+    return result, reports[0]
+
+
 def wait_for(condition, proc, stderr: Path, timeout_s: float = 600):
     """What `condition()` returns once it is truthy; fail, quoting
     `stderr`'s tail, if the process `proc` exits first or `timeout_s`

@@ -322,3 +322,64 @@ def test_a_run_cancelled_like_the_ui_stops_its_server_and_keeps_what_it_stored(p
         pass  # free
 
     rerun_completes(capture_server, store, dataset, rows)
+
+
+def test_a_stream_pipeline_cancelled_like_the_ui_stops_both_sides_and_resumes(prefect_stack, deployment, capture_server,
+                                                                             tiny_model, tmp_path):
+    """The pipeline deployment in mode stream, spooled, cancelled from the
+    UI once the trainer has checkpointed: the run ends Cancelled with no
+    process of it left (the trainer and the capture ran in it), the
+    trainer is marked stopped (what a capture node's loop stops on), and
+    both sides started again resume: the trainer from its checkpoint, on
+    the planned batches from there, the capture from the checkpoint's
+    position."""
+    import pandas as pd
+
+    from tasks.train.config import TrainConfig
+    from tasks.train.stream import PLANNED, plan_stream, read_position, trainer_state
+    from tests.conftest import train_beside_capture
+
+    api, store = prefect_stack["api"], tmp_path / "store"
+    params = attach(capture_server, store=store, dataset=str(write_jsonl(tmp_path / "data.jsonl", demo_rows(40))),
+                    batch_size=4, max_length=256)
+    cfg = TrainConfig(out_dir=str(tmp_path / "train"), draft_vocab_size=64, ttt_steps=1, epochs=2,
+                      tokens_per_batch=512, heldout_fraction=0.1, eval_max_samples=2, vocab_positions=300,
+                      checkpoint_every=2, stream=True)
+    whole = plan_stream(str(tiny_model), params["capture"], cfg)
+    cfg = cfg.model_copy(update={"spool_bytes": whole.shard_bytes([r for b in whole.epochs[0] for r in b], 4)})
+    pipeline = api.deployment("eagle3_pipeline/pipeline")
+    run = api.create_flow_run(pipeline["id"], {"parameters": {
+        **as_record(params), "train": as_record({"t": cfg})["t"], "mode": "stream"}})
+    deadline = time.monotonic() + 600
+    while read_position(store) == (0, 0):
+        assert api.flow_run(run["id"])["state_type"] in ("SCHEDULED", "PENDING", "RUNNING"), api.flow_run(run["id"])
+        assert time.monotonic() < deadline, "no checkpoint in 600 s"
+        time.sleep(0.5)
+    api.cancel_like_the_ui(run["id"])
+    run = api.wait_terminal(run["id"], 120, logs=prefect_stack["log_files"])
+    assert run["state_type"] == "CANCELLED", (run["state"], api.flow_run_states(run["id"]))
+    assert not processes_running(run["id"]), "the cancelled run left a process"
+    assert trainer_state(store) == "stopped"
+    position = read_position(store)
+
+    steps = []
+    plan = plan_stream(str(tiny_model), params["capture"], cfg, store)
+    streamed, _ = train_beside_capture(params, cfg, plan, store, steps.append)
+    assert streamed.resumed_from is not None and streamed.resumed_from["epoch"] == position[0]
+    ids = dict(zip(*pd.read_parquet(store / PLANNED, columns=["source_row", "sample_id"]).to_dict("list").values()))
+    planned = [[ids[r] for r in b] for epoch in plan.epochs for b in epoch]
+    assert [s["sample_ids"] for s in steps] == planned[streamed.resumed_from["step"]:]
+
+
+def processes_running(run_id: str) -> list[int]:
+    """The processes running flow run `run_id` (a worker starts each flow
+    run in a process of its own, with the run's id in its environment)."""
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
+

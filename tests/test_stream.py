@@ -28,8 +28,10 @@ from tasks.train.loop import train
 from tasks.store.handle import Store
 from tasks.store.reader import CorruptSample
 from tasks.train.stream import (SpoolTooSmall, StreamReader, epoch_store, mark_capture, mark_trainer, plan_stream,
-                                read_position, spool_bytes)
-from tests.conftest import attach, demo_rows, random_store, stored_samples, wait_for, write_jsonl
+                                read_position, record_progress, spool_bytes)
+from tasks.train.stream_progress import describe_progress
+from tests.conftest import (attach, demo_rows, random_store, stored_samples, train_beside_capture, wait_for,
+                            write_jsonl)
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 40
@@ -65,28 +67,6 @@ def offline(capture_server, prefect_api, tmp_path_factory) -> Offline:
 
 def batches(steps: list[dict]) -> list[tuple]:
     return [(s["epoch"], s["step"], s["batch"], s["sample_ids"], s["weight"]) for s in steps]
-
-
-def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_step):
-    """Both sides in this process, as capture_and_train runs them: the
-    training's result and the capture's report."""
-    reports, failures = [], []
-
-    def capture():
-        try:
-            reports.append(capture_task.fn(**params, train=cfg, plan=plan))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            failures.append(e)
-
-    mark_trainer(store, "running")
-    thread = threading.Thread(target=capture)
-    thread.start()
-    try:
-        result = train(cfg, store, on_step=on_step)
-    finally:
-        thread.join()
-    assert not failures, failures
-    return result, reports[0]
 
 
 @pytest.mark.server
@@ -373,3 +353,21 @@ def test_a_byte_flipped_in_a_shard_stops_stream_training_naming_it(tiny_model, t
     shard.write_bytes(bytes(data))
     with pytest.raises(CorruptSample, match=rf"in {shard}: its bytes no longer match"):
         train(config(tmp_path / "run", tokens_per_batch=128, vocab_positions=20), store)
+
+
+def test_the_progress_shows_recent_rates_not_means_since_the_start(tmp_path):
+    """A capture that resumed past stored parts in its first 100 s (100k
+    tokens), then crawls (1k tokens in 60 s), and a trainer that slowed
+    likewise: the artifact's rates and ETA are the last minute's."""
+    mark_capture(tmp_path, "running")
+    mark_trainer(tmp_path, "running")
+    for at, tokens in ((0, 0), (100, 100_000), (130, 100_500), (160, 101_000)):
+        record_progress(tmp_path, "captured", now=at, epoch=0, epochs=1, samples=0, of=10, tokens=tokens, started=0,
+                        paused_s=0)
+    for at, steps in ((0, 0), (100, 100), (160, 106)):  # 6 steps in the last 60 s: 0.1 a second
+        record_progress(tmp_path, "trained", now=at, epoch=0, epochs=1, step=steps, total_steps=166, steps=steps,
+                        tokens=steps * 100, started=0)
+    _, text = describe_progress(tmp_path, None)
+    assert text == ("capture running: epoch 1/1, 0 of 10 samples, 101,000 tokens at 17 tok/s; trainer running: "
+                    "epoch 1/1, step 106 of 166, 10,600 tokens at 10 tok/s, ETA 10 min 00 s")
+

@@ -50,6 +50,7 @@ TRAINER_STATE = "stream-trainer.json"
 WAITING = "stream-waiting"  # stream-waiting-<pid>.json: a trainer process waiting for a sample
 SPOOL = "spool"
 POSITION = "position.json"
+RATE_WINDOW_S = 60.0  # the progress artifact's rates are over this much of the recent past
 QUARANTINE_CHECK_S = 2.0  # how often a trainer waiting for a sample looks for it among the quarantined
 # The planned samples (id, row, token and loss-token counts), written by the
 # plan once: every trainer rank reads them instead of tokenising the
@@ -275,11 +276,21 @@ def capture_state(store: Path) -> dict:
     return _read_state(Path(store) / CAPTURE_STATE) or {"state": "not started", "detail": ""}
 
 
-def record_progress(store: Path, side: str, **counts) -> None:
+def record_progress(store: Path, side: str, *, now: float | None = None, **counts) -> None:
     """A side's counts (`side`: captured, by the capture after each part;
     trained, by rank 0 after each step), for the run's progress artifact
-    (tasks/train/stream_progress.py)."""
-    write_json_atomic(Path(store) / f"stream-{side}.json", {**counts, "at": time.time()})
+    (tasks/train/stream_progress.py), with the (time, tokens, steps) of its
+    records of the last RATE_WINDOW_S: the rates shown are recent ones, not
+    means since the start (a capture paused for room, or one that resumed
+    past stored parts in seconds, would skew a mean for hours)."""
+    now = time.time() if now is None else now
+    last = progress(store, side)
+    window = last.get("window", []) if last.get("started") == counts.get("started") else []
+    window = [w for w in window if now - w[0] <= RATE_WINDOW_S]
+    if window and now - window[-1][0] < 1.0:  # one record a second at most: a fast trainer writes a small file
+        window.pop()
+    window.append([now, counts.get("tokens", 0), counts.get("steps", 0)])
+    write_json_atomic(Path(store) / f"stream-{side}.json", {**counts, "at": now, "window": window})
 
 
 def progress(store: Path, side: str) -> dict:

@@ -22,7 +22,7 @@ def describe_progress(store: Path, spool_budget: int | None) -> tuple[float, str
         if cap["paused_s"]:
             line[0] += f", paused {cap['paused_s']:,.0f} s for room"
     if tr:
-        eta = (tr["total_steps"] - tr["step"]) * (tr["at"] - tr["started"]) / max(1, tr["steps"])
+        eta = (tr["total_steps"] - tr["step"]) / max(1e-9, _rate(tr["steps"], tr, 2))
         line.append(f"trainer {trainer_state(store)}: epoch {tr['epoch'] + 1}/{tr['epochs']}, step {tr['step']:,} of "
                     f"{tr['total_steps']:,}, {tr['tokens']:,} tokens at {_rate(tr['tokens'], tr):,.0f} tok/s, "
                     f"ETA {_duration(eta)}")
@@ -33,8 +33,13 @@ def describe_progress(store: Path, spool_budget: int | None) -> tuple[float, str
     return (100.0 * tr["step"] / max(1, tr["total_steps"]) if tr else 0.0), "; ".join(line)
 
 
-def _rate(tokens: int, counts: dict) -> float:
-    return tokens / max(1e-9, counts["at"] - counts["started"])
+def _rate(count: int, counts: dict, column: int = 1) -> float:
+    """Per second over the records of the last RATE_WINDOW_S (tokens, or
+    with column 2 steps), or since the start while there is one record."""
+    window = counts.get("window", [])
+    if len(window) >= 2 and counts["at"] > window[0][0]:
+        return (count - window[0][column]) / (counts["at"] - window[0][0])
+    return count / max(1e-9, counts["at"] - counts["started"])
 
 
 def _duration(seconds: float) -> str:
