@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from flows.artifacts import artifact_key
 from flows.extract import extract_hidden_states
+from tasks.capture.config import CaptureConfig
 from flows.stream import SpoolDeadlock, TrainerStopped, capture_task, wait_for_room
 from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store
@@ -27,8 +28,8 @@ from tasks.train.data import heldout_prompts, split
 from tasks.train.loop import train
 from tasks.store.handle import Store
 from tasks.store.reader import CorruptSample
-from tasks.train.stream import (SpoolTooSmall, StreamReader, epoch_store, mark_capture, mark_trainer, plan_stream,
-                                read_position, record_progress, spool_bytes)
+from tasks.train.stream import (PLANNED, SpoolTooSmall, StreamReader, epoch_store, mark_capture, mark_trainer,
+                                plan_stream, read_position, record_progress, spool_bytes, trainer_waiting)
 from tasks.train.stream_progress import describe_progress
 from tests.conftest import (attach, demo_rows, random_store, stored_samples, train_beside_capture, wait_for,
                             write_jsonl)
@@ -154,12 +155,18 @@ def test_a_sample_the_running_capture_quarantined_stops_the_trainer_naming_it(ti
     store = random_store(d, tiny_model, 16, max_length=64)
     write_jsonl(d / "data.jsonl", demo_rows(20))  # rows 16-19 not stored yet
     bad = prepare_samples(d / "data.jsonl", load_tokenizer(tiny_model), max_length=64, rows=range(16, 20))[0]
-    Store.open(store).ledger.quarantine([{"source": str(d / "data.jsonl"), "source_row": s.source_row,
-                                          "sample_id": s.sample_id, "reason": "crashed the server 2 times"}
-                                         for s in bad])
+
+    def quarantine_once_the_trainer_waits() -> None:  # it has planned them by then
+        while not trainer_waiting(store):
+            time.sleep(0.1)
+        Store.open(store).ledger.quarantine([{"source": str(d / "data.jsonl"), "source_row": s.source_row,
+                                              "sample_id": s.sample_id, "reason": "crashed the server 2 times"}
+                                             for s in bad])
+
     mark_capture(store, "running")
     ending = threading.Timer(60.0, mark_capture, (store, "completed"))
     ending.start()
+    threading.Thread(target=quarantine_once_the_trainer_waits, daemon=True).start()
     started = time.monotonic()
     try:
         with pytest.raises(TrainingError, match=r"the capture quarantined sample (\w+) \(row (1[6-9])\) in .* "
@@ -168,6 +175,27 @@ def test_a_sample_the_running_capture_quarantined_stops_the_trainer_naming_it(ti
     finally:
         ending.cancel()
     assert e.match("|".join(s.sample_id for s in bad)) and time.monotonic() - started < 60
+
+    # Run again (the capture stored the rest and ended): the plan and the
+    # trainer leave the quarantined samples out, as offline, and the run
+    # takes the offline batches over the same bytes, to the same weights.
+    capture = CaptureConfig(dataset=str(d / "data.jsonl"), max_length=64)
+    cfg = config(tmp_path / "again", tokens_per_batch=128, vocab_positions=20)
+    plan = plan_stream(str(tiny_model), capture, cfg, store)
+    planned = set(plan.heldout) | {r for b in plan.epochs[0] for r in b}
+    assert planned == set(Store.open(store).ledger.samples().source_row) and not planned & {s.source_row for s in bad}
+    readers = [StreamReader(store, cfg)]
+    (store / PLANNED).unlink()  # a rank without the plan's file tokenises, and leaves them out too
+    readers.append(StreamReader(store, cfg))
+    assert [r.planned_from for r in readers] == ["file", "tokenised"] and readers[0].sample_ids == readers[1].sample_ids
+    mark_capture(store, "completed")
+    streamed, offline = [], []
+    train(cfg, store, on_step=streamed.append)
+    train(cfg.model_copy(update={"stream": False, "out_dir": str(tmp_path / "offline")}), store,
+          on_step=offline.append)
+    assert batches(streamed) == batches(offline) and len(streamed) > 0
+    weights = [load_file(tmp_path / run / "drafter" / "model.safetensors") for run in ("again", "offline")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
 
 
 def test_a_capture_waiting_for_room_stops_when_the_trainer_stops(tiny_model, tmp_path):

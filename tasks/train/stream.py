@@ -74,6 +74,22 @@ def planned_samples(sources: list[str], tokenizer, *, max_length: int,
     return out, rejected
 
 
+def without_quarantined(samples: list[Sample], store: Path) -> list[Sample]:
+    """The samples, less those the store has quarantined (an earlier run's
+    capture failed them for good): they are left out of a stream run's plan
+    as an offline run over the store leaves them out, so a run started
+    again trains on the offline batches (its trainer's checkpoint, cut from
+    the old split, is refused unless train.on_store_change is replan)."""
+    if not manifest_path(store).exists():
+        return samples
+    gone = set(Store.open(store).ledger.quarantined().sample_id.dropna())
+    kept = [s for s in samples if s.sample_id not in gone]
+    if len(kept) < len(samples):
+        logger.info("stream: %d samples %s quarantined are left out of the plan, as offline", len(samples) - len(kept),
+                    store)
+    return kept
+
+
 def planned_columns(samples: list[Sample]) -> dict[str, list]:
     """What a trainer needs of each planned sample, as columns."""
     return {"sample_id": [s.sample_id for s in samples], "source_row": [s.source_row for s in samples],
@@ -161,6 +177,7 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
     samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
                                         policy=capture.max_length_policy)
     if store is not None:
+        samples = without_quarantined(samples, Path(store))
         write_planned(store, samples, [dataset], target.path, max_length=capture.max_length,
                       policy=capture.max_length_policy)
     ids = [s.sample_id for s in samples]
@@ -363,7 +380,7 @@ class StreamReader:
             tokenizer = load_tokenizer(self.manifest["target_path"])
             samples, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
                                          policy=self.manifest["max_length_policy"])
-            planned = planned_columns(samples)
+            planned = planned_columns(without_quarantined(samples, self.store))
         self.sample_ids = list(planned["sample_id"])
         self._rows = dict(zip(self.sample_ids, (int(r) for r in planned["source_row"])))
         self.num_tokens = np.asarray(planned["num_tokens"], dtype=np.int64)
@@ -414,8 +431,10 @@ class StreamReader:
             if len(hit):
                 raise TrainingError(
                     f"stream training: the capture quarantined {what} ({hit.reason.iloc[0]}); the stream's planned "
-                    f"batches hold it, so the trainer stops (the checkpoint is kept). Train offline on the store "
-                    f"(its plan leaves quarantined samples out), or fix the row and run the pipeline again")
+                    f"batches hold it, so the trainer stops. Run the pipeline again: its plan leaves the store's "
+                    f"quarantined samples out, as offline (this run's checkpoint, cut from the old split, is refused "
+                    f"unless train.on_store_change is replan, which starts its epoch again); or train offline on "
+                    f"the store")
 
     def _home(self, sid: str) -> Path:
         return epoch_store(self.store, self.epoch) if self.spooled and sid not in self._held else self.store
