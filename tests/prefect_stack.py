@@ -59,6 +59,19 @@ def stop_node(node: dict) -> None:
             pass
 
 
+def run_processes(run_id: str) -> list[int]:
+    """The processes running flow run `run_id` (a worker starts each flow
+    run in a process of its own, with the run's id in its environment)."""
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
+
+
 def cli(args: list[str], env: dict, timeout_s: float = 180.0) -> str:
     done = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:

@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, wait_for, write_jsonl
-from tests.prefect_stack import (REPO, cli, log_tail, prefect_database, prefect_server, start_node, start_prefect_server,
-                                 stop, stop_node, wait_node)
+from tests.prefect_stack import (REPO, cli, log_tail, prefect_database, prefect_server, run_processes, start_node,
+                                 start_prefect_server, stop, stop_node, wait_node)
 
 pytestmark = pytest.mark.server
 LOGS = ARTIFACTS / "many-nodes"
@@ -105,15 +105,7 @@ def running_child(api, store: str, queue: str, beating: bool = False) -> dict | 
 
 
 def pids_of_run(run_id: str) -> list[int]:
-    """The processes running flow run `run_id` (the worker starts each flow
-    run in a process of its own)."""
-    pids = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
-                pids.append(int(environ.parent.name))
-        except (OSError, ProcessLookupError):
-            continue
+    pids = run_processes(run_id)
     assert pids, f"no process runs flow run {run_id}"
     return pids
 

@@ -18,7 +18,7 @@ import pytest
 
 from flows.config import as_record
 from tests.conftest import ARTIFACTS, attach, demo_rows, rerun_completes, stored_samples, write_jsonl
-from tests.prefect_stack import PREFECT, REPO, Api, cli, log_tail, prefect_server, start, stop
+from tests.prefect_stack import PREFECT, REPO, Api, cli, log_tail, prefect_server, run_processes, start, stop
 
 pytestmark = pytest.mark.server
 CHROMIUM = "/usr/bin/chromium"
@@ -358,7 +358,7 @@ def test_a_stream_pipeline_cancelled_like_the_ui_stops_both_sides_and_resumes(pr
     api.cancel_like_the_ui(run["id"])
     run = api.wait_terminal(run["id"], 120, logs=prefect_stack["log_files"])
     assert run["state_type"] == "CANCELLED", (run["state"], api.flow_run_states(run["id"]))
-    assert not processes_running(run["id"]), "the cancelled run left a process"
+    assert not run_processes(run["id"]), "the cancelled run left a process"
     assert trainer_state(store) == "stopped"
     position = read_position(store)
 
@@ -369,17 +369,4 @@ def test_a_stream_pipeline_cancelled_like_the_ui_stops_both_sides_and_resumes(pr
     ids = dict(zip(*pd.read_parquet(store / PLANNED, columns=["source_row", "sample_id"]).to_dict("list").values()))
     planned = [[ids[r] for r in b] for epoch in plan.epochs for b in epoch]
     assert [s["sample_ids"] for s in steps] == planned[streamed.resumed_from["step"]:]
-
-
-def processes_running(run_id: str) -> list[int]:
-    """The processes running flow run `run_id` (a worker starts each flow
-    run in a process of its own, with the run's id in its environment)."""
-    pids = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
-                pids.append(int(environ.parent.name))
-        except (OSError, ProcessLookupError):
-            continue
-    return pids
 
