@@ -48,6 +48,26 @@ def test_a_huge_line_is_refused_unread_and_rows_after_it_keep_their_numbers(toke
     assert rows[2][1] == {"messages": CHAT}
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_asked_for_rows_read_as_the_whole_file_reads_them(tmp_path, suffix):
+    """A part of a stream run reads only its rows (a JSONL line not asked
+    for is not decoded): each one, good or bad, as a whole read gives it,
+    with its own number, and nothing else."""
+    path = tmp_path / f"d{suffix}"
+    if suffix == ".jsonl":
+        path.write_bytes(GOOD + b"{broken\n" + b'{"text": "' + b"x" * 5000 + b'"}\n' + b"\n" + GOOD + b"\xe9\n" + GOOD)
+    elif suffix == ".json":
+        path.write_text(json.dumps([{"messages": CHAT}, {"text": "a"}, 12345, {"messages": CHAT}, {"text": "b"}]))
+    else:
+        import pandas as pd
+
+        pd.DataFrame({"text": [f"row {i}" for i in range(3000)]}).to_parquet(path)
+    whole = list(read_rows(path, max_row_bytes=1000))
+    for asked in ({0}, {1, 2, 3, 5}, [6, 4, 1], range(len(whole)), {len(whole) - 1, len(whole) + 5}, set(), {2999}):
+        got = list(read_rows(path, max_row_bytes=1000, rows=asked))
+        assert [(i, repr(r)) for i, r in got] == [(i, repr(r)) for i, r in whole if i in set(asked)], asked
+
+
 def test_a_json_array_is_streamed_row_by_row(tokenizer, tmp_path):
     path = tmp_path / "d.json"
     rows = [{"messages": CHAT}, {"text": "é" * 3000}, 12345, {"messages": CHAT}]

@@ -64,28 +64,45 @@ MAX_ROW_BYTES = 64 << 20
 _CHUNK = 1 << 20
 
 
-def read_rows(path: Path, *, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, dict | Rejected]]:
+def read_rows(path: Path, *, max_row_bytes: int = MAX_ROW_BYTES,
+              rows: Collection[int] | None = None) -> Iterator[tuple[int, dict | Rejected]]:
     """(row index, row) pairs, streamed; a line that cannot be a row (not
     UTF-8, not JSON, nested too deeply, over `max_row_bytes`) is yielded as
-    Rejected with the reason and reading goes on."""
+    Rejected with the reason and reading goes on. With `rows`, only those
+    rows, and reading stops after the last: a JSONL line not asked for is
+    counted, not decoded (a stream run captures a large dataset a few
+    dozen rows at a time, and each part reads it)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset {path} does not exist")
+    if rows is not None and not isinstance(rows, (set, frozenset, range)):
+        rows = frozenset(rows)  # looked up once a line
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        i = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield i, row
-                i += 1
+        def parquet_rows():
+            i = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    yield i, row
+                    i += 1
+        found = parquet_rows()
     elif suffix == ".json":
-        yield from _json_array_rows(path, max_row_bytes)
+        found = _json_array_rows(path, max_row_bytes)
     elif suffix in (".jsonl", ".ndjson"):
-        yield from _jsonl_rows(path, max_row_bytes)
+        found = _jsonl_rows(path, max_row_bytes, rows)
     else:
         raise ValueError(f"{path}: unknown dataset format {suffix!r}; use .jsonl, .json or .parquet")
+    if rows is None:
+        yield from found
+        return
+    last = max(rows, default=-1)
+    for i, row in found:
+        if i > last:
+            return
+        if i in rows:
+            yield i, row
 
 
 def _parse(text: str, where: str):
@@ -97,7 +114,8 @@ def _parse(text: str, where: str):
         return f"JSON nested too deeply {where}"
 
 
-def _jsonl_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, dict | Rejected]]:
+def _jsonl_rows(path: Path, max_row_bytes: int,
+                rows: Collection[int] | None = None) -> Iterator[tuple[int, dict | Rejected]]:
     with open(path, "rb") as f:
         i = 0
         while True:
@@ -109,6 +127,8 @@ def _jsonl_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, dict | Re
                 while raw and not raw.endswith(b"\n"):  # skip the rest of the line, unread
                     raw = f.readline(_CHUNK)
                 yield i, Rejected(i, f"line {i + 1} is longer than {max_row_bytes:,} bytes; not read")
+            elif rows is not None and i not in rows:
+                pass  # counted, not decoded
             else:
                 try:
                     text = raw.decode("utf-8")
@@ -303,9 +323,7 @@ def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "tr
     if policy not in MAX_LENGTH_POLICIES:
         raise ValueError(f"max-length policy must be one of {MAX_LENGTH_POLICIES}, got {policy!r}")
     samples, rejected = [], []
-    for i, row in read_rows(path):
-        if rows is not None and i not in rows:
-            continue
+    for i, row in read_rows(path, rows=rows):
         if isinstance(row, Rejected):
             rejected.append(row)
             continue
