@@ -108,7 +108,8 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
     that stopped stops the capture. One server for all of it, launched here
     or attached."""
     root, spooled = Path(store.path), train.spool_bytes is not None
-    parts = cut_parts(plan, capture.batch_size, spooled, read_position(root) if spooled else (0, 0))
+    parts = cut_parts(plan, capture.batch_size, plan.spool_room(train.spool_bytes) if spooled else None,
+                      read_position(root) if spooled else (0, 0))
     with ExitStack() as stack:
         if not server.url:  # launch once; each part of the capture attaches to it
             dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(root)
@@ -153,7 +154,8 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
         raise ValueError("capture nodes write the store's index from their own hosts: set store.ledger_url to a "
                          "PostgreSQL URL (or 'env' for $EAGLE3_LEDGER_URL)")
     root, spooled = Path(store.path), train.spool_bytes is not None
-    parts = cut_parts(plan, capture.batch_size, spooled, read_position(root) if spooled else (0, 0))
+    parts = cut_parts(plan, capture.batch_size, plan.spool_room(train.spool_bytes) if spooled else None,
+                      read_position(root) if spooled else (0, 0))
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     tokenizer = target.tokenizer()
     with ExitStack() as stack:

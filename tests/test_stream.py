@@ -28,8 +28,10 @@ from tasks.train.data import heldout_prompts, split
 from tasks.train.loop import train
 from tasks.store.handle import Store
 from tasks.store.reader import CorruptSample
-from tasks.train.stream import (PLANNED, SpoolTooSmall, StreamReader, epoch_store, mark_capture, mark_trainer,
-                                plan_stream, read_position, record_progress, spool_bytes, trainer_waiting)
+from tasks.train.stream import (PLANNED, SpoolTooSmall, StreamPlan, StreamReader, epoch_store, mark_capture,
+                                mark_trainer, plan_stream, read_position, record_progress, spool_bytes,
+                                trainer_waiting)
+from tasks.train.stream_parts import cut_parts, part_samples
 from tasks.train.stream_progress import describe_progress
 from tests.conftest import (attach, demo_rows, random_store, stored_samples, train_beside_capture, wait_for,
                             write_jsonl)
@@ -398,4 +400,26 @@ def test_the_progress_shows_recent_rates_not_means_since_the_start(tmp_path):
     _, text = describe_progress(tmp_path, None)
     assert text == ("capture running: epoch 1/1, 0 of 10 samples, 101,000 tokens at 17 tok/s; trainer running: "
                     "epoch 1/1, step 106 of 166, 10,600 tokens at 10 tok/s, ETA 10 min 00 s")
+
+
+def test_spooled_parts_grow_with_the_room_the_trainer_leaves():
+    """Parts are two capture batches while the spool is near its minimum
+    (as in the tests above) and grow, in whole batches, to a quarter of what
+    the trainer's minimum leaves (a Kimi-size spool pays an extraction run
+    per part); either way every row once, in training order."""
+    rows = list(range(4000))
+    plan = StreamPlan(heldout=[9000, 9001], rejected=[9002], epochs=[[rows[k:k + 4] for k in range(0, 4000, 4)]] * 2,
+                      tokens={r: 2000 for r in rows + [9000, 9001]}, bytes_per_token=57_344, minimum=40 * 2**30)
+    sample, two = plan.shard_bytes(rows, 8) / len(rows), plan.shard_bytes(rows[:16], 8)  # two batches: in the minimum
+    for room, size in ((plan.minimum, 16), (plan.minimum + 100 * 2**30, 8 * int(100 * 2**30 / 4 / sample / 8))):
+        parts = cut_parts(plan, 8, room)
+        assert part_samples(plan, 8, room) == size and size % 8 == 0
+        assert parts[0].rows == (9000, 9001, 9002) and parts[0].into == ""
+        for e in (0, 1):
+            mine = [p for p in parts if p.epoch == e]
+            assert [r for p in mine for r in p.rows] == rows and {len(p.rows) for p in mine[:-1]} == {size}
+            assert {p.into for p in mine} == {f"spool/epoch-000{e}"} and all(p.need <= max(two, (room - plan.minimum) / 4) for p in mine)
+    assert size > 16
+    resumed = cut_parts(plan, 8, plan.minimum, position=(1, 10))  # epoch 2, 10 batches (40 rows) trained
+    assert [r for p in resumed[1:] for r in p.rows] == rows[40:] and {p.epoch for p in resumed[1:]} == {1}
 

@@ -153,6 +153,7 @@ class StreamPlan:
     # epoch (train.cache_epochs): a prefix of the first epoch's order.
     cached: list[int] = field(default_factory=list)
     cached_bytes: int = 0
+    minimum: int = 0  # bytes the spool must hold at once (spool_minimum)
 
     def spool_room(self, spool_bytes: int) -> int:
         """The spool's share of the budget: what train.cache_epochs keeps
@@ -196,6 +197,7 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
         bytes_per_token=bytes_per_token(target.hidden_size, len(target.layers.sglang_ids)))
     if train.spool_bytes is not None:
         need = spool_minimum(plan, samples, capture, train)
+        plan = replace(plan, minimum=need)
         if train.spool_bytes < need:
             raise SpoolTooSmall(
                 f"train.spool_bytes {train.spool_bytes:,} cannot hold what training reads before its first steps: "

@@ -48,17 +48,18 @@ class Part:
         return Path(root) / self.into if self.into else Path(root)
 
 
-def cut_parts(plan: StreamPlan, batch_size: int, spooled: bool, position: tuple[int, int] = (0, 0)) -> list[Part]:
+def cut_parts(plan: StreamPlan, batch_size: int, room: int | None = None,
+              position: tuple[int, int] = (0, 0)) -> list[Part]:
     """Every part of a capture started at the trainer's checkpointed
     `position` (epoch, batches done): the held-out and unusable rows first,
-    then each epoch's training rows in training order; with a spool, two
-    batches a part (as many as one extraction has in flight: the spool holds
-    little more than the trainer needs), each into its epoch's spool store,
-    except the rows train.cache_epochs keeps in the store; without, larger
-    parts (each costs a plan and a warm-up)."""
+    then each epoch's training rows in training order. With a spool of
+    `room` bytes, each into its epoch's spool store (except the rows
+    train.cache_epochs keeps in the store), in parts of part_samples; without
+    one, 32 batches a part."""
+    spooled = room is not None
     first = tuple(plan.heldout + plan.rejected)
     parts = [Part(0, HELD_OUT, "", first, 0, sum(plan.tokens[r] for r in plan.heldout), 0, 0)] if first else []
-    size = (2 if spooled else 32) * batch_size
+    size = part_samples(plan, batch_size, room) if spooled else 32 * batch_size
     cached = set(plan.cached)
     first_epoch, done = position if spooled else (0, 0)
     for e in range(first_epoch, len(plan.epochs)):
@@ -73,6 +74,22 @@ def cut_parts(plan: StreamPlan, batch_size: int, spooled: bool, position: tuple[
                 parts.append(Part(len(parts), e, into, piece, plan.shard_bytes(list(piece), batch_size) if into else 0,
                                   sum(plan.tokens[r] for r in piece), taken, len(rows)))
     return parts
+
+
+def part_samples(plan: StreamPlan, batch_size: int, room: int) -> int:
+    """Samples a spooled part takes: whole capture batches, two at least (as
+    many as one extraction has in flight, so the spool holds little more
+    than the trainer needs), and more while a part of them averages within a
+    quarter of the room the trainer's own minimum leaves: each part costs an
+    extraction run (a plan, a warm-up, its task runs in Prefect), which at
+    a Kimi-size spool (~370 GB) would otherwise be paid every few MB. A
+    part, or one per capture node, then fits beside what the trainer holds."""
+    rows = [r for b in plan.epochs[0] for r in b] if plan.epochs else []
+    if not rows:
+        return 2 * batch_size
+    per_sample = plan.shard_bytes(rows, batch_size) / len(rows)
+    fits = int((room - plan.minimum) / 4 / per_sample) // batch_size * batch_size
+    return max(2 * batch_size, fits)
 
 
 TABLE = """
