@@ -141,6 +141,8 @@ class PartQueue:
                 return "wait" if left else None
             part = Part(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5], row[6], row[7])
             if part.need and room is not None:
+                # What a part in flight has committed is counted twice (held
+                # and its need): a node may wait a little early, never overfill.
                 in_flight = db.execute("SELECT coalesce(sum(need), 0) FROM stream_parts WHERE state = 'leased' AND "
                                        "leased_until >= %s", (now,)).fetchone()[0]
                 held = spooled_bytes()
@@ -158,6 +160,10 @@ class PartQueue:
             return cur.rowcount == 1
 
     def done(self, part: Part, node: str) -> None:
+        """`node` stored `part`. Whoever finishes first: a node whose lease
+        ran out while it still captured (the index blinked) may end after
+        the one that took the part over; both stored from the same plan,
+        and the index refused any sample twice."""
         with self.ledger._connect() as db:
             db.execute("UPDATE stream_parts SET state = 'done', node = %s, done_at = %s, error = NULL WHERE seq = %s",
                        (node, time.time(), part.seq))
