@@ -20,6 +20,7 @@ from typing import Annotated, Optional
 from prefect import flow, get_run_logger
 from pydantic import Field
 
+from flows.cli import described
 from flows.extract import extract_hidden_states
 from flows.stream import LOG_EVERY_S, WAIT_S, TrainerStopped, refuse_if_stuck
 from tasks.capture.config import CaptureConfig
@@ -31,6 +32,7 @@ from tasks.train.stream import spool_bytes, trainer_stopped
 from tasks.train.stream_parts import LEASE_S, Part, PartQueue
 
 MAX_FAILURES = 2
+SERVER_MODEL = ServerConfig.model_fields["model"]  # the target: the node's server serves it
 
 
 @contextmanager
@@ -57,8 +59,9 @@ def renewing(queue: PartQueue, part: Part, node: str):
 
 
 @flow(name="stream_capture_node")
+@described
 def stream_capture_node(
-    model: str,
+    model: Annotated[str, SERVER_MODEL],
     capture: CaptureConfig,
     store: StoreConfig,
     parent_run: Annotated[str, Field(description="the stream run holding the store: this run writes under its lock")],
