@@ -85,8 +85,8 @@ def without_quarantined(samples: list[Sample], store: Path) -> list[Sample]:
     gone = set(Store.open(store).ledger.quarantined().sample_id.dropna())
     kept = [s for s in samples if s.sample_id not in gone]
     if len(kept) < len(samples):
-        logger.info("stream: %d samples %s quarantined are left out of the plan, as offline", len(samples) - len(kept),
-                    store)
+        logger.info("stream: %d samples the store %s quarantined are left out of the plan, as offline",
+                    len(samples) - len(kept), store)
     return kept
 
 
