@@ -107,9 +107,8 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
     (what it trained since is captured again). Between parts, a trainer
     that stopped stops the capture. One server for all of it, launched here
     or attached."""
-    root, spooled = Path(store.path), train.spool_bytes is not None
-    parts = cut_parts(plan, capture.batch_size, plan.spool_room(train.spool_bytes) if spooled else None,
-                      read_position(root) if spooled else (0, 0))
+    root = Path(store.path)
+    parts, room = capture_parts(plan, capture, train, root)
     with ExitStack() as stack:
         if not server.url:  # launch once; each part of the capture attaches to it
             dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(root)
@@ -120,7 +119,6 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
                                                "rid_prefix": live.rid_prefix})
             capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
         peak, captured, paused, started = spool_bytes(root), 0, 0.0, time.time()
-        room = plan.spool_room(train.spool_bytes or 0)
         for part in parts:
             if trainer_stopped(root):
                 raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, keeping what "
@@ -132,8 +130,8 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
             extract_hidden_states(server=server, capture=capture, store=into, verify=False, rows=list(part.rows))
             if part.epoch != HELD_OUT:
                 peak, captured = max(peak, spool_bytes(root)), captured + part.tokens
-                log_captured(root, plan, part, captured, started, paused, peak, room if spooled else None)
-    if spooled:
+                log_captured(root, plan, part, captured, started, paused, peak, room)
+    if room is not None:
         logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full%s",
                     peak / 2**20, room / 2**20, paused, cached_note(plan))
     return {"store": str(root), "tokens": captured, "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
@@ -153,9 +151,8 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
     if not store.ledger_url:
         raise ValueError("capture nodes write the store's index from their own hosts: set store.ledger_url to a "
                          "PostgreSQL URL (or 'env' for $EAGLE3_LEDGER_URL)")
-    root, spooled = Path(store.path), train.spool_bytes is not None
-    parts = cut_parts(plan, capture.batch_size, plan.spool_room(train.spool_bytes) if spooled else None,
-                      read_position(root) if spooled else (0, 0))
+    root = Path(store.path)
+    parts, room = capture_parts(plan, capture, train, root)
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     tokenizer = target.tokenizer()
     with ExitStack() as stack:
@@ -169,7 +166,6 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
             stack.enter_context(hold_lock(root / into, f"stream capture of {capture.dataset}", run=run))
             create_store(target, tokenizer, capture, store.model_copy(update={"path": str(root / into)}))
         queue.plan(parts)
-        room = plan.spool_room(train.spool_bytes) if spooled else None
         child = {"model": model, "capture": capture.model_dump(mode="json"), "store": store.model_dump(mode="json"),
                  "parent_run": run, "room": room}
         ended: dict[str, str] = {}
@@ -213,6 +209,14 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
                 by_node, peak / 2**20)
     return {"store": str(root), "tokens": now["tokens"], "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
             "cached_bytes": plan.cached_bytes, "paused_s": 0.0, "parts_by_node": by_node}
+
+
+def capture_parts(plan: StreamPlan, capture: CaptureConfig, train: TrainConfig,
+                  root: Path) -> tuple[list[Part], int | None]:
+    """The capture's parts, from the trainer's checkpointed position with a
+    spool, and the spool's room (None: no spool)."""
+    room = plan.spool_room(train.spool_bytes)
+    return cut_parts(plan, capture.batch_size, room, read_position(root) if room is not None else (0, 0)), room
 
 
 def log_captured(root: Path, plan: StreamPlan, part: Part, captured: int, started: float, paused: float, peak: int,
@@ -295,7 +299,7 @@ def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: Store
     plan = stream_plan_task(server.model, capture, train, store.path)
     mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan, tuple(nodes))
-    room = None if train.spool_bytes is None else plan.spool_room(train.spool_bytes)
+    room = plan.spool_room(train.spool_bytes)
     watching = watch_task.submit(store.path, room)
     try:
         trained = train_drafter(store=store.path, train=train)

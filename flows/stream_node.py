@@ -87,7 +87,7 @@ def stream_capture_node(
         if part in ("wait", "full"):
             waiting = waiting or time.time()
             if part == "full":
-                refuse_if_stuck(root, waiting, f"{spool_bytes(root):,} of {room:,} bytes held or in flight")
+                refuse_if_stuck(root, waiting, f"{room:,} bytes held or in flight")
             if time.time() - (last_log or waiting) >= LOG_EVERY_S:
                 last_log = time.time()
                 log.info("%s waiting %.0f s: %s", node, last_log - waiting,

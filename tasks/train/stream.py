@@ -155,10 +155,10 @@ class StreamPlan:
     cached_bytes: int = 0
     minimum: int = 0  # bytes the spool must hold at once (spool_minimum)
 
-    def spool_room(self, spool_bytes: int) -> int:
-        """The spool's share of the budget: what train.cache_epochs keeps
-        in the store is not in it."""
-        return spool_bytes - self.cached_bytes
+    def spool_room(self, spool_bytes: int | None) -> int | None:
+        """The spool's share of the budget (None: no spool): what
+        train.cache_epochs keeps in the store is not in it."""
+        return None if spool_bytes is None else spool_bytes - self.cached_bytes
 
     def shard_bytes(self, rows: list[int], batch_size: int) -> int:
         """At most what these rows take as shards of batch_size samples:

@@ -109,9 +109,14 @@ class PartQueue:
     def __init__(self, ledger):
         self.ledger = ledger
         with ledger._connect() as db:
-            db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{ledger.schema}.stream_parts",))
+            self._serialise(db)
             for statement in filter(str.strip, TABLE.split(";")):
                 db.execute(statement)
+
+    def _serialise(self, db) -> None:
+        """Until `db`'s transaction ends, no other creates the table or
+        leases a part."""
+        db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{self.ledger.schema}.stream_parts",))
 
     def plan(self, parts: list[Part]) -> None:
         """These parts, replacing any an earlier run left: a capture started
@@ -132,7 +137,7 @@ class PartQueue:
         nothing else is in flight."""
         now = time.time()
         with self.ledger._connect() as db:
-            db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{self.ledger.schema}.stream_parts",))
+            self._serialise(db)
             row = db.execute("SELECT seq, epoch, into_store, rows, need, tokens, taken, of FROM stream_parts WHERE "
                              "state <> 'done' AND (state = 'todo' OR leased_until < %s) ORDER BY seq LIMIT 1",
                              (now,)).fetchone()
