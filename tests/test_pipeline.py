@@ -1,6 +1,7 @@
 """The whole pipeline on the tiny Llama: extract (resumed: the store exists)
--> verify -> train -> export -> evaluate, served in SGLang speculatively.
-The other architectures' pipelines: tests/test_architectures.py."""
+-> verify -> train -> export -> evaluate, served in SGLang speculatively
+(the run: conftest's `tiny_pipeline`, whose training tests/test_training.py
+checks too). The other architectures' pipelines: tests/test_architectures.py."""
 from __future__ import annotations
 
 import json
@@ -8,22 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import eagle3_pipeline
-from tasks.serve.config import EvaluateConfig
-from tasks.train.config import TrainConfig
-from tests.conftest import attach
-
 pytestmark = pytest.mark.server
 
 
-def test_pipeline_trains_a_drafter_sglang_accepts(capture_server, tiny_store, prefect_api):
-    run_dir = Path(tiny_store).parent
-    summary = eagle3_pipeline(
-        **attach(capture_server, store=tiny_store, dataset=str(run_dir / "data.jsonl"), max_length=512,
-                 batch_size=32),
-        train=TrainConfig(out_dir=str(run_dir / "train"), draft_vocab_size=512, ttt_steps=3, epochs=8, lr=5e-3,
-                          tokens_per_batch=2048, serve_steps=3),
-        evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, concurrency=[1], min_verify_steps=16))
+def test_pipeline_trains_a_drafter_sglang_accepts(tiny_pipeline, tiny_store):
+    summary, run_dir = tiny_pipeline, Path(tiny_store).parent
     assert summary["store"] == str(tiny_store)
     assert summary["outputs_equal"] is True and summary["prompt_set"] == "heldout"
     evaluation = json.loads((run_dir / "train" / "evaluation" / "evaluation.json").read_text())
