@@ -179,20 +179,22 @@ def tiny_train_config(out_dir, **kw) -> TrainConfig:
 
 
 @pytest.fixture(scope="session")
-def tiny_pipeline(capture_server, tiny_store, prefect_api) -> dict:
+def tiny_pipeline(capture_server, tiny_store, prefect_api) -> tuple[dict, TrainConfig]:
     """The whole pipeline on the tiny store (its extraction finds every
-    sample stored), trained with `tiny_train_config`: one training that
-    tests/test_pipeline.py checks as a run and tests/test_training.py as a
-    training (a minute's training: it is done once)."""
+    sample stored), trained with `tiny_train_config`: its summary and that
+    config. One training that tests/test_pipeline.py checks as a run and
+    tests/test_training.py as a training (a minute's training: it is done
+    once)."""
     from flows.pipeline import eagle3_pipeline
     from tasks.serve.config import EvaluateConfig
 
     run_dir = Path(tiny_store).parent
-    return eagle3_pipeline(
+    cfg = tiny_train_config(run_dir / "train")
+    summary = eagle3_pipeline(
         **attach(capture_server, store=tiny_store, dataset=str(run_dir / "data.jsonl"), max_length=512,
                  batch_size=32),
-        train=tiny_train_config(run_dir / "train"),
-        evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, concurrency=[1], min_verify_steps=16))
+        train=cfg, evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, concurrency=[1], min_verify_steps=16))
+    return summary, cfg
 
 
 def demo_rows(n: int) -> list[dict]:

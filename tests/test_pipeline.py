@@ -13,10 +13,10 @@ pytestmark = pytest.mark.server
 
 
 def test_pipeline_trains_a_drafter_sglang_accepts(tiny_pipeline, tiny_store):
-    summary, run_dir = tiny_pipeline, Path(tiny_store).parent
+    summary, cfg = tiny_pipeline
     assert summary["store"] == str(tiny_store)
     assert summary["outputs_equal"] is True and summary["prompt_set"] == "heldout"
-    evaluation = json.loads((run_dir / "train" / "evaluation" / "evaluation.json").read_text())
+    evaluation = json.loads((Path(cfg.out_dir) / "evaluation" / "evaluation.json").read_text())
     assert evaluation["baseline"] == "launched"  # the default: a plain float32 server of the target
     assert evaluation["prompt_sets"] == {"heldout": 4} and summary["streams"] == 1
     # Training's held-out tau beside what SGLang accepted, for the same drafter.

@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_pipeline, tiny_store):
+def trained(tiny_pipeline):
     """The training the pipeline test's run did (conftest's `tiny_pipeline`),
     read back as its rank 0 recorded it."""
-    cfg = config(Path(tiny_store).parent / "train")
+    _, cfg = tiny_pipeline
     return cfg, result_from_dir(Path(cfg.out_dir))
 
 
