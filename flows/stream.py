@@ -41,7 +41,8 @@ from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 from tasks.train.stream import (StreamPlan, mark_capture, mark_trainer, plan_stream, read_position,
-                                record_progress, spool_bytes, trainer_state, trainer_stopped, trainer_waiting)
+                                record_progress, spool_bytes, trainer_state, trainer_stopped, trainer_waiting,
+                                trim_spool)
 from tasks.train.stream_parts import HELD_OUT, Part, PartQueue, cut_parts
 from tasks.train.stream_progress import describe_progress
 
@@ -73,6 +74,10 @@ class SpoolDeadlock(RuntimeError):
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
 def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig, store: str) -> StreamPlan:
     plan = plan_stream(model, capture, train, Path(store))
+    if train.spool_bytes is not None and (trimmed := trim_spool(Path(store), plan)):
+        epoch, done = read_position(Path(store))
+        logger.info("stream: resuming at epoch %d, batch %d: %.1f MiB spooled after the first sample missing from "
+                    "there removed, to be captured again in its turn", epoch + 1, done, trimmed / 2**20)
     logger.info("stream: %d held-out samples, then %d epoch(s) of %d batches captured in the order training reads "
                 "them%s", len(plan.heldout), len(plan.epochs), len(plan.epochs[0]),
                 f"; spool {train.spool_bytes / 2**30:.2f} GiB ({plan.bytes_per_token:,} bytes per token)"

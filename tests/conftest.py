@@ -88,14 +88,17 @@ def attach(server, *, store, **capture) -> dict:
 
 
 def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_step):
-    """Both sides in this process, as capture_and_train runs them: the
-    training's result and the capture's report."""
+    """Both sides in this process, as capture_and_train runs them (a
+    resumed spool cut back first): the training's result and the capture's
+    report."""
     import threading
 
     from flows.stream import capture_task
     from tasks.train.loop import train
-    from tasks.train.stream import mark_trainer
+    from tasks.train.stream import mark_trainer, trim_spool
 
+    if cfg.spool_bytes is not None:
+        trim_spool(store, plan)
     reports, failures = [], []
 
     def capture():

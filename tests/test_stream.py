@@ -256,6 +256,67 @@ def test_a_trainer_and_a_capture_waiting_on_each_other_stop_naming_the_sample(ti
     assert not list(root.glob("stream-waiting-*.json"))  # it stopped waiting
 
 
+def test_a_resumed_spool_keeps_what_the_trainer_reads_first_and_room_for_what_it_waits_for(tiny_model, tmp_path):
+    """Seen (the UI-cancel test, once): a stream run stopped just after a
+    step past its checkpoint, the capture ahead in the next epoch, the spool
+    full. Started again, the trainer waited for the batch it had trained
+    after the checkpoint (its shards removed), the capture for room that
+    later parts held, until the deadlock check stopped both. Here the
+    capture nodes' variant of it: one part still in flight (missing) with
+    later ones stored. Before either side starts, the spool keeps what the
+    trainer reads in order from the checkpoint up to the first sample
+    missing, and nothing after it; the part the trainer waits for fits."""
+    from tasks.store.ledger.open import open_store
+    from tasks.store.manifest import build_manifest
+    from tasks.store.shards import write_shard
+    from tasks.target.architectures import architecture_at
+    from tasks.target.layers import AuxLayers
+    from tasks.train.drafter import target_sizes
+    from tasks.train.stream import trim_spool, write_position
+
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
+    capture = CaptureConfig(dataset=str(dataset), batch_size=4, max_length=256)
+    plan = plan_stream(str(tiny_model), capture, config(tmp_path / "train", spool_bytes=10**9))
+    tokenizer = load_tokenizer(tiny_model)
+    samples = {s.source_row: s for s in prepare_samples(dataset, tokenizer, max_length=256)[0]}
+    layers, hidden = AuxLayers.for_model(8), target_sizes(tiny_model)["hidden_size"]
+    manifest = build_manifest(tiny_model, tokenizer, layers, architecture_at(tiny_model), max_length=256,
+                              policy="truncate", sources=[str(dataset)])
+    root, g = tmp_path / "store", torch.Generator().manual_seed(0)
+    epoch_store(root, 0).parent.mkdir(parents=True)
+    write_position(root, 0, 2)  # checkpointed after two batches of epoch 0
+    order = [(e, r) for e in (0, 1) for b in plan.epochs[e][2 if e == 0 else 0:] for r in b]
+    chunks = [order[k:k + 4] for k in range(0, len(order), 4)]  # the capture's batches, each a shard
+    shards = {}
+    for k, chunk in enumerate(chunks[:8]):
+        if k == 1:
+            continue  # in flight when the run stopped
+        for epoch in sorted({e for e, _ in chunk}):  # a batch across the epochs' border: a shard in each
+            home = epoch_store(root, epoch)
+            items = [{"sample_id": samples[r].sample_id, "source_row": r, "input_ids": samples[r].input_ids,
+                      "loss_mask": samples[r].loss_mask,
+                      "aux_hidden_states": torch.randn(samples[r].num_tokens, 3, hidden, generator=g),
+                      "final_hidden_state": torch.randn(samples[r].num_tokens, hidden, generator=g)}
+                     for e, r in chunk if e == epoch]
+            ledger = open_store(home, manifest)
+            info, rows = write_shard(home, items, source=str(dataset))
+            ledger.commit_shard(info, rows)
+            shards[k, epoch] = info.name
+    assert {e for _, e in shards} == {0, 1}  # the stored parts reach into the next epoch
+    full = spool_bytes(root)
+    room = full  # the spool was full
+    first = next(p for p in cut_parts(plan, 4, room, read_position(root)) if p.need)
+    assert full + first.need > room  # as it was, the capture could never store what the trainer waits for
+
+    removed = trim_spool(root, plan)
+    kept = {e: set(Store.open(epoch_store(root, e)).ledger.shards().name) for e in (0, 1)}
+    assert kept == {0: {shards[0, 0]}, 1: set()}  # up to the part in flight, nothing after it
+    assert {f.stem for f in epoch_store(root, 0).glob("shards/*.safetensors")} == {shards[0, 0]}
+    assert removed == full - spool_bytes(root) > 0
+    assert spool_bytes(root) + first.need <= room
+    assert trim_spool(root, plan) == 0  # what is left is what the trainer reads first
+
+
 @pytest.mark.server
 def test_a_spooled_run_killed_mid_epoch_resumes_within_its_budget_on_the_offline_batches(capture_server, prefect_api,
                                                                                          tiny_model, offline, tmp_path):

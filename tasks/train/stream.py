@@ -357,6 +357,35 @@ def read_position(store: Path) -> tuple[int, int]:
     return p["epoch"], p["batches_done"]
 
 
+def trim_spool(store: Path, plan: StreamPlan) -> int:
+    """A spooled run started again, before either side starts: its spool
+    cut back to what the trainer reads first, in order, from its
+    checkpointed position, up to the first sample missing (trained after
+    the checkpoint, so removed, or not yet captured when the run stopped).
+    Every shard spooled after that is removed, to be captured again in its
+    turn: each was let in while the parts before it were held, and kept it
+    could fill the room those need now, each side then waiting on the
+    other. Bytes removed."""
+    epoch, done = read_position(store)
+    cached = set(plan.cached)  # into the store, not the spool
+    order = [(e, r) for e in range(epoch, len(plan.epochs))
+             for b in plan.epochs[e][done if e == epoch else 0:] for r in b if r not in cached]
+    homes = {e: epoch_store(store, e) for e in range(epoch, len(plan.epochs))}
+    ledgers = {e: Store.open(home).ledger for e, home in homes.items() if manifest_path(home).exists()}
+    shard_of = {(e, int(row)): shard for e, ledger in ledgers.items()
+                for row, shard in ledger.samples()[["source_row", "shard"]].itertuples(index=False)}
+    before, later = spool_bytes(store), True
+    while later:  # a shard holding samples on both sides of the cut moves the cut before it
+        cut = next((k for k, key in enumerate(order) if key not in shard_of), len(order))
+        later = {(key[0], shard_of[key]) for key in order[cut:] if key in shard_of}
+        for e, shard in sorted(later):
+            # The index first: a crash in between leaves an orphan file, never an entry without its data.
+            ledgers[e].replace_shard(shard, None, [])
+            shard_path(homes[e], shard).unlink(missing_ok=True)
+        shard_of = {key: shard for key, shard in shard_of.items() if (key[0], shard) not in later}
+    return before - spool_bytes(store)
+
+
 class StreamReader:
     """A StoreReader's interface over the samples a capture will store,
     before they are stored: `sample_ids` and `num_tokens` come from the
