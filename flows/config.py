@@ -162,9 +162,9 @@ def section_fields(annotation) -> dict:
 
 
 # Never written into a kept config, an artifact or a printout: an attached
-# server's API key; a ledger URL's password (given in $EAGLE3_LEDGER_URL,
+# or baseline server's API key; a ledger URL's password (given in $EAGLE3_LEDGER_URL,
 # PGPASSWORD or ~/.pgpass instead, tasks/store/ledger/).
-SECRET_FIELDS = {"api_key"}
+SECRET_FIELDS = {"api_key", "baseline_api_key"}
 _URL_PASSWORD = re.compile(r"(://[^:/@]*):[^@/]*@")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
@@ -33,12 +34,17 @@ from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 
+BASELINE_API_KEY_ENV = "EAGLE3_BASELINE_API_KEY"
+
 
 def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerConfig | None:
-    """The running server whose outputs are the baseline (evaluate.baseline: attached), or None for a
-    launched one; refused up front when the run names no server to attach to."""
+    """The running server whose outputs are the baseline (evaluate.baseline: attached, or a URL), or None
+    for a launched one; refused up front when the run names no server to attach to."""
     if evaluate.baseline == "launch":
         return None
+    if evaluate.baseline != "attached":
+        return ServerConfig(model=server.model, url=evaluate.baseline,
+                            api_key=evaluate.baseline_api_key or os.environ.get(BASELINE_API_KEY_ENV))
     if not server.url:
         raise ValueError("evaluate.baseline is 'attached' but server.url is not set: give the running server of "
                          "the target to compare against, or use evaluate.baseline: launch")

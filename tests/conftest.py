@@ -35,33 +35,57 @@ def tiny_layers(tiny_model) -> AuxLayers:
     return AuxLayers.for_model(n)
 
 
-@pytest.fixture(scope="session")
-def capture_server(tiny_model, tmp_path_factory):
-    dump_dir = tmp_path_factory.mktemp("dumps")
-    spec = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=16384, chunked_prefill_size=CHUNKED_PREFILL),
-                      dump_dir=dump_dir)
-    with launch_server(spec, ARTIFACTS / "capture-server.log", timeout_s=600) as server:
-        yield server
-
-
 # Five layers, not the default three: a store of any layer set.
 FIVE_LAYER_IDS = (1, 2, 4, 5, 6)
 
 
 @pytest.fixture(scope="session")
-def float32_server(tiny_model, tmp_path_factory):
+def session_servers(tiny_model, tmp_path_factory) -> dict:
+    """The session's two servers of the tiny model, started at once: a
+    launch is mostly one process importing on one core at a time, so on two
+    cores both serve in about the time of one (the suite needs both)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import ExitStack
+
+    from tasks.target.architectures import LLAMA
+
+    specs = {
+        "capture": LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=16384,
+                                           chunked_prefill_size=CHUNKED_PREFILL),
+                              dump_dir=tmp_path_factory.mktemp("dumps")),
+        "float32": LaunchSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
+                              dump_dir=tmp_path_factory.mktemp("float32-dumps"),
+                              aux_layer_ids=LLAMA.sglang_layer_ids(FIVE_LAYER_IDS)),
+    }
+    with ExitStack() as running, ThreadPoolExecutor(len(specs)) as pool:
+        started = {name: pool.submit(launch_server, spec, ARTIFACTS / f"{name}-server.log", timeout_s=600)
+                   for name, spec in specs.items()}
+        servers, failed = {}, []
+        for name, future in started.items():  # each started one is stopped, whichever failed
+            try:
+                servers[name] = running.enter_context(future.result())
+            except Exception as e:  # noqa: BLE001 - raised below, once both are settled
+                failed.append(e)
+        if failed:
+            raise failed[0]
+        yield servers
+
+
+@pytest.fixture(scope="session")
+def capture_server(session_servers):
+    """The tiny model in its own dtype, capturing the default layers, its
+    prefill chunked (CHUNKED_PREFILL)."""
+    return session_servers["capture"]
+
+
+@pytest.fixture(scope="session")
+def float32_server(session_servers):
     """The tiny model served in float32, capturing FIVE_LAYER_IDS: for tests
     that compare with HF token for token or to float32's precision (the
     target's greedy answers, the five-layer store), where the capture
     server's bf16 would flip near ties. Requests without its rid prefix
     (regeneration's) are served and not captured."""
-    from tasks.target.architectures import LLAMA
-
-    spec = LaunchSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
-                      dump_dir=tmp_path_factory.mktemp("float32-dumps"),
-                      aux_layer_ids=LLAMA.sglang_layer_ids(FIVE_LAYER_IDS))
-    with launch_server(spec, ARTIFACTS / "float32-server.log", timeout_s=600) as server:
-        yield server
+    return session_servers["float32"]
 
 
 @pytest.fixture(scope="session")
@@ -182,12 +206,13 @@ def tiny_train_config(out_dir, **kw) -> TrainConfig:
 
 
 @pytest.fixture(scope="session")
-def tiny_pipeline(capture_server, tiny_store, prefect_api) -> tuple[dict, TrainConfig]:
+def tiny_pipeline(capture_server, float32_server, tiny_store, prefect_api) -> tuple[dict, TrainConfig]:
     """The whole pipeline on the tiny store (its extraction finds every
     sample stored), trained with `tiny_train_config`: its summary and that
     config. One training that tests/test_pipeline.py checks as a run and
     tests/test_training.py as a training (a minute's training: it is done
-    once)."""
+    once). The plain outputs come from the session's float32 server, by
+    URL (a launched baseline: tests/test_serving.py)."""
     from flows.pipeline import eagle3_pipeline
     from tasks.serve.config import EvaluateConfig
 
@@ -196,7 +221,8 @@ def tiny_pipeline(capture_server, tiny_store, prefect_api) -> tuple[dict, TrainC
     summary = eagle3_pipeline(
         **attach(capture_server, store=tiny_store, dataset=str(run_dir / "data.jsonl"), max_length=512,
                  batch_size=32),
-        train=cfg, evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, concurrency=[1], min_verify_steps=16))
+        train=cfg, evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, concurrency=[1], min_verify_steps=16,
+                                           baseline=float32_server.url, baseline_api_key=float32_server.api_key))
     return summary, cfg
 
 

@@ -12,12 +12,17 @@ import pytest
 pytestmark = pytest.mark.server
 
 
-def test_pipeline_trains_a_drafter_sglang_accepts(tiny_pipeline, tiny_store):
+def test_pipeline_trains_a_drafter_sglang_accepts(tiny_pipeline, tiny_store, float32_server):
     summary, cfg = tiny_pipeline
     assert summary["store"] == str(tiny_store)
     assert summary["outputs_equal"] is True and summary["prompt_set"] == "heldout"
     evaluation = json.loads((Path(cfg.out_dir) / "evaluation" / "evaluation.json").read_text())
-    assert evaluation["baseline"] == "launched"  # the default: a plain float32 server of the target
+    assert evaluation["baseline"] == float32_server.url  # evaluate.baseline: a running server's URL
+    assert evaluation["settings"]["dtype"] == "float32"  # the speculative server took the baseline's
+    # Its key is kept neither in the report nor in the run's recorded config.
+    kept = [Path(cfg.out_dir) / "evaluation" / "evaluation.json",
+            *(Path(summary["store"]) / "runs").glob("*-eagle3_pipeline-config.yaml")]
+    assert len(kept) > 1 and not [p for p in kept if float32_server.api_key in p.read_text()]
     assert evaluation["prompt_sets"] == {"heldout": 4} and summary["streams"] == 1
     # Training's held-out tau beside what SGLang accepted, for the same drafter.
     assert {row["heldout_tau"] for row in evaluation["acceptance"]} == {summary["heldout_tau"]}  # greedy and sampled

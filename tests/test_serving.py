@@ -88,6 +88,13 @@ def test_a_running_baseline_sets_the_dtype_and_a_different_one_is_refused(captur
     attached = ServerConfig(model=model, url=url)
     assert baseline_server(attached, EvaluateConfig()) is None
     assert baseline_server(attached, EvaluateConfig(baseline="attached")) is attached
+    # Another running server of the target, by URL, with its own key (or none).
+    elsewhere = baseline_server(attached, EvaluateConfig(baseline="http://deploy:30000", baseline_api_key="k"))
+    assert (elsewhere.url, elsewhere.api_key, elsewhere.model) == ("http://deploy:30000", "k", model)
+    with pytest.raises(ValueError, match="give 'launch', 'attached' or the http"):
+        EvaluateConfig(baseline="plain")
+    with pytest.raises(ValueError, match="baseline_api_key is for a baseline server at a URL"):
+        EvaluateConfig(baseline="attached", baseline_api_key="k")
 
 
 def test_speculative_server_command(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.config import Section
 
@@ -30,16 +30,31 @@ class EvaluateConfig(Section):
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description=(
         "compute dtype of every server (default float32, which makes greedy comparable; bf16 for a target "
         "SGLang runs in bf16 only)"))
-    baseline: Literal["launch", "attached"] = Field("launch", description=(
-        "where the plain target's outputs and speeds come from: 'launch' a plain server of it (default), or the "
-        "'attached' server (server.url, with server.api_key): a running server of the same target, whose "
-        "dtype the speculative servers then take, so the target is not launched twice. Its tokens/s are "
-        "that server's as it runs (a capture server's include the hook)"))
+    baseline: str = Field("launch", description=(
+        "where the plain target's outputs and speeds come from: 'launch' a plain server of it (default); the "
+        "'attached' server (server.url, with server.api_key); or the http(s) URL of another running server of "
+        "the same target (its key in baseline_api_key), e.g. the deployment the drafter is for. A running "
+        "baseline's dtype is the speculative servers' too, so the target is not launched twice. Its tokens/s "
+        "are that server's as it runs (a capture server's include the hook)"))
+    baseline_api_key: Optional[str] = Field(None, repr=False, description=(
+        "the --api-key of the baseline server at a URL (evaluate.baseline), if it has one (default: "
+        "$EAGLE3_BASELINE_API_KEY if set); never kept with a run's recorded config"))
     num_steps: Optional[int] = Field(None, ge=1, description=(
         "--speculative-num-steps for every drafter (default: each drafter's own serve_steps)"))
 
+    @field_validator("baseline")
+    @classmethod
+    def _baseline(cls, baseline: str) -> str:
+        if baseline in ("launch", "attached") or baseline.startswith(("http://", "https://")):
+            return baseline
+        raise ValueError(f"evaluate.baseline {baseline!r}: give 'launch', 'attached' or the http(s):// URL of a "
+                         "running server of the target")
+
     @model_validator(mode="after")
     def _sweep(self):
+        if self.baseline_api_key is not None and self.baseline in ("launch", "attached"):
+            raise ValueError(f"evaluate.baseline_api_key is for a baseline server at a URL, not "
+                             f"{self.baseline!r} (an attached server's key is server.api_key)")
         if any(c < 1 for c in self.concurrency) or len(set(self.concurrency)) != len(self.concurrency):
             raise ValueError(f"concurrency {self.concurrency}: give distinct stream counts >= 1")
         return self
