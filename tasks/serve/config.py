@@ -51,7 +51,7 @@ class EvaluateConfig(Section):
                          "running server of the target")
 
     @model_validator(mode="after")
-    def _sweep(self):
+    def _consistent(self):
         if self.baseline_api_key is not None and self.baseline in ("launch", "attached"):
             raise ValueError(f"evaluate.baseline_api_key is for a baseline server at a URL, not "
                              f"{self.baseline!r} (an attached server's key is server.api_key)")
