@@ -183,7 +183,14 @@ def test_a_run_started_from_the_ui_shows_its_tasks_logs_and_verification(prefect
     assert run["deployment_id"] == deployment["id"]
     # The page polls the API: it shows the end state without a reload.
     expect(page.get_by_text("Completed", exact=True).first).to_be_visible(timeout=60_000)
-    expect(page.get_by_text(re.compile(r"plan: 8 rows -> 8 to capture"))).to_be_visible()
+    # Its logs as a user finds them once the run has ended: the run's
+    # process ships logs in batches, some after its end state, and the page
+    # shows what it had loaded by then (seen: up to "Beginning flow run").
+    # So the server's record first, then the page opened again.
+    plan_line = re.compile(r"plan: 8 rows -> 8 to capture")
+    assert any(plan_line.search(m) for m in api.logs_once(run_id, lambda logs: any(map(plan_line.search, logs))))
+    page.reload()
+    expect(page.get_by_text(plan_line)).to_be_visible(timeout=30_000)
     shot(page, "3-flow-run-logs")
 
     page.get_by_role("tab", name="Task Runs").click()
