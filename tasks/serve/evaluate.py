@@ -160,8 +160,8 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         "drafters": [{"name": d.name, "path": str(d.path), "num_steps": d.num_steps, "heldout_tau": d.heldout_tau}
                      for d in drafters],
         "prompt_sets": {s.name: len(s.prompts) for s in sets},
-        "settings": {**cfg.model_dump(exclude={"baseline_api_key"}), "dtype": dtype, "sglang": version("sglang"), "commands": commands,
-                     "device": "gpu" if gpu_present() else "cpu"},
+        "settings": {**cfg.model_dump(exclude={"baseline_api_key"}), "dtype": dtype, "sglang": version("sglang"),
+                     "commands": commands, "device": "gpu" if gpu_present() else "cpu"},
         "speeds_note": None if gpu_present() else CPU_SPEEDS,
         "acceptance": rows, "sweep": sweep_rows, "greedy_changed": changed,
     }

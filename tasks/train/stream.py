@@ -357,6 +357,13 @@ def read_position(store: Path) -> tuple[int, int]:
     return p["epoch"], p["batches_done"]
 
 
+def drop_spooled_shard(ledger, home: Path, shard: str) -> None:
+    """Remove a shard from a spool store: the index first, so a crash in
+    between leaves an orphan file, never an entry without its data."""
+    ledger.replace_shard(shard, None, [])
+    shard_path(home, shard).unlink(missing_ok=True)
+
+
 def trim_spool(store: Path, plan: StreamPlan) -> int:
     """A spooled run started again, before either side starts: its spool
     cut back to what the trainer reads first, in order, from its
@@ -379,9 +386,7 @@ def trim_spool(store: Path, plan: StreamPlan) -> int:
         cut = next((k for k, key in enumerate(order) if key not in shard_of), len(order))
         later = {(key[0], shard_of[key]) for key in order[cut:] if key in shard_of}
         for e, shard in sorted(later):
-            # The index first: a crash in between leaves an orphan file, never an entry without its data.
-            ledgers[e].replace_shard(shard, None, [])
-            shard_path(homes[e], shard).unlink(missing_ok=True)
+            drop_spooled_shard(ledgers[e], homes[e], shard)
         shard_of = {key: shard for key, shard in shard_of.items() if (key[0], shard) not in later}
     return before - spool_bytes(store)
 
@@ -559,12 +564,9 @@ class StreamReader:
             for shard in sorted(touched):
                 ids = self._members.get(shard)
                 if ids is not None and self._consumed.issuperset(ids):
-                    # The index first: a crash in between leaves an orphan
-                    # file, never an entry without its data.
-                    ledger.replace_shard(shard, None, [])
                     if reader is not None:  # (an unindexed reader has len 0)
                         reader.close_shard(shard)
-                    shard_path(home, shard).unlink(missing_ok=True)
+                    drop_spooled_shard(ledger, home, shard)
                     del self._members[shard]
                     for sid in ids:
                         self._rows_of.pop((home, sid), None)
