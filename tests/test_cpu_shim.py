@@ -85,3 +85,31 @@ def test_a_cpu_server_reads_its_sigterm_at_once_then_runs_sglangs_own_stop():
         TokenizerManager.sigterm_watchdog = original
     # SGLang's own stop ran once, with the flag already set: its 5 s poll loop is skipped.
     assert seen == [True]
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_a_cpu_servers_workers_are_forked_from_its_launcher(capture_server):
+    def auxv(pid: int) -> bytes:
+        return Path(f"/proc/{pid}/auxv").read_bytes()
+
+    launcher = capture_server.process.pid
+    workers = children(launcher)
+    assert len(workers) >= 2, workers  # a scheduler and the detokenizer
+    # SGLang renames its workers' command lines, so the proof is the kernel's
+    # auxiliary vector: copied by fork, made anew (stack and vDSO addresses
+    # randomised, randomize_va_space > 0) by the exec of a spawned worker.
+    assert Path("/proc/sys/kernel/randomize_va_space").read_text().strip() != "0"
+    assert all(auxv(w) == auxv(launcher) for w in workers)
+    # and the session's captures come from these forked schedulers.
+    assert capture_server.alive()

@@ -1,9 +1,10 @@
 """Imported by every Python process whose PYTHONPATH holds this folder (the
-SGLang server and the workers it spawns); see tasks/server/cpu/shim.py,
+SGLang server and the Python processes it starts); see tasks/server/cpu/shim.py,
 which puts it there on a machine without a GPU only.
 
 In the server's main process it makes a SIGTERM stop start at once
-(tasks/server/cpu/shutdown.py). With EAGLE3_CPU_OPS=1 it adds the CPU
+(tasks/server/cpu/shutdown.py) and its workers start by fork
+(tasks/server/cpu/workers.py). With EAGLE3_CPU_OPS=1 it adds the CPU
 operators SGLang's intel_amx backend calls, keeps that backend, and lets
 tensor-parallel groups start on a CPU (tasks/server/cpu/spec_ops.py).
 """
@@ -35,8 +36,11 @@ if not gpu_present():
             _fail("EAGLE3_CPU_OPS=1 but tasks.server.cpu.spec_ops.install()")
     try:
         from tasks.server.cpu.shutdown import is_server_process, poll_sigterm_quickly
+        from tasks.server.cpu.workers import WORKERS_SWITCH, start_workers_by_fork
 
         if is_server_process(sys.orig_argv):
             poll_sigterm_quickly()
+            if os.environ.get(WORKERS_SWITCH) != "spawn":
+                start_workers_by_fork()
     except Exception:
-        _fail("tasks.server.cpu.shutdown.poll_sigterm_quickly()")
+        _fail("tasks.server.cpu: the server process's stop and workers")
