@@ -4,6 +4,7 @@ import subprocess
 from pathlib import Path
 
 from tasks.server.cpu.shim import build_libcuda_stub, server_environment
+from tasks.server.processes import group_members
 
 
 def defined_symbols(lib: Path) -> set[str]:
@@ -87,24 +88,12 @@ def test_a_cpu_server_reads_its_sigterm_at_once_then_runs_sglangs_own_stop():
     assert seen == [True]
 
 
-def children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 def test_a_cpu_servers_workers_are_forked_from_its_launcher(capture_server):
     def auxv(pid: int) -> bytes:
         return Path(f"/proc/{pid}/auxv").read_bytes()
 
-    launcher = capture_server.process.pid
-    workers = children(launcher)
+    launcher = capture_server.process.pid  # the leader of the server's process group
+    workers = [p for p in group_members(launcher) if p != launcher]
     assert len(workers) >= 2, workers  # a scheduler and the detokenizer
     # SGLang renames its workers' command lines, so the proof is the kernel's
     # auxiliary vector: copied by fork, made anew (stack and vDSO addresses
