@@ -68,7 +68,7 @@ def stop_and_check(proc: subprocess.Popen, signum: int, tmp_path: Path, *, group
 @pytest.mark.server
 def test_ctrl_c_stops_a_command_line_extraction_and_the_rerun_completes(capture_server, prefect_api, tiny_model,
                                                                           tmp_path):
-    rows = 160  # 80 batches of 2: the signal lands long before the last
+    rows = 64  # 32 batches of 2: the signal lands long before the last (seen: 8-12 stored)
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
     store = tmp_path / "store"
     proc = start(["-m", "flows.extract", "--server.model", str(tiny_model), "--server.max-total-tokens", "4096",
@@ -113,7 +113,7 @@ def test_sigterm_stops_a_command_line_pipeline_mid_extraction_and_its_rerun_comp
     to stop by a scheduler's SIGTERM to it alone. The rerun shown is its
     extraction stage's, the same flow with the same store: the training
     and evaluation after it are tests/test_pipeline.py's."""
-    rows = 160
+    rows = 64  # as above
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
     store, out = tmp_path / "store", tmp_path / "train"
     proc = start(["-m", "flows.pipeline", "--server.model", str(tiny_model), "--server.max-total-tokens", "4096",
