@@ -135,7 +135,8 @@ def test_verification_names_a_sample_whose_source_changed(small_store, tmp_path)
 
 
 def test_killed_run_resumes_and_another_batch_size_redoes_nothing(capture_server, prefect_api, tmp_path):
-    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(200))
+    rows = 40  # 20 batches of 2, one at a time: the kill lands after the third
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
     store = tmp_path / "store"
     args = attach(capture_server, store=store, dataset=str(dataset), batch_size=2, concurrency=1)
     # From the command line: a run file (the key stays in the environment,
@@ -154,16 +155,16 @@ def test_killed_run_resumes_and_another_batch_size_redoes_nothing(capture_server
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     stored_at_kill = ledger_rows(store, "SELECT COUNT(*) FROM samples")[0][0]
-    assert 0 < stored_at_kill < 200, "the run was not killed midway"
+    assert 0 < stored_at_kill < rows, "the run was not killed midway"
 
     result = extract_hidden_states(**args)
-    assert result["samples"] == 200 and result["verification"]["ok"]
+    assert result["samples"] == rows and result["verification"]["ok"]
     counts = ledger_rows(store, "SELECT COUNT(*), COUNT(DISTINCT sample_id), (SELECT SUM(num_samples) FROM shards) FROM samples")
-    assert counts == [(200, 200, 200)]
+    assert counts == [(rows, rows, rows)]
     shards = ledger_rows(store, "SELECT name, sha256 FROM shards ORDER BY name")
 
     again = extract_hidden_states(**{**args, "capture": args["capture"].model_copy(update={"batch_size": 7})})
-    assert again["samples"] == 200
+    assert again["samples"] == rows
     assert ledger_rows(store, "SELECT name, sha256 FROM shards ORDER BY name") == shards
 
 
@@ -300,7 +301,8 @@ def servers_logging_to(log_path) -> list[int]:
 
 
 def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_api, tmp_path):
-    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(120))
+    rows = 48  # 12 batches of 4: the kill lands after the second
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
     store = tmp_path / "store"
     killed = []
 
@@ -320,8 +322,8 @@ def test_a_crashed_server_is_relaunched_and_nothing_is_lost(tiny_model, prefect_
                                                          batch_size=4, concurrency=2),
                                    store=StoreConfig(path=str(store)))
     watcher.join(timeout=5)
-    assert killed and killed[0] < 120, "the server was not killed midway"
-    assert result["samples"] == 120 and result["quarantined"] == 0 and result["verification"]["ok"]
+    assert killed and killed[0] < rows, "the server was not killed midway"
+    assert result["samples"] == rows and result["quarantined"] == 0 and result["verification"]["ok"]
     log = (store / "logs" / "sglang-server.log").read_text()
     assert log.count("$ ") == 2  # launched once, relaunched once
     assert not servers_logging_to(store / "logs" / "sglang-server.log")  # the run stopped its server
