@@ -166,7 +166,7 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
                                   aux_layer_ids=list(layers.sglang_ids), dump_dir=str(spec.dump_dir)),
             store=StoreConfig(path=str(tmp_path / "run" / "store")),
             train=TrainConfig(out_dir=str(tmp_path / "run" / "train"), aux_layer_ids=drafter_layers,
-                              draft_vocab_size=512, ttt_steps=3, epochs=4, lr=5e-3, tokens_per_batch=1024,
+                              draft_vocab_size=512, ttt_steps=3, epochs=3, lr=5e-3, tokens_per_batch=1024,
                               serve_steps=3),
             # The plain outputs from this server (no second launch of the target).
             # One stream, greedy: the sweep and sampling are tests/test_serving.py's.
@@ -180,14 +180,14 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report
     # The drafter learned. Not a fixed figure: the captures are batched
     # float32 forwards whose last bits can depend on what the server batched
-    # together, and four epochs turn that into a spread. Seen: the slowest
+    # together, and three epochs turn that into a spread. Seen: the slowest
     # learners (Qwen3, Qwen3-MoE), each retrained on one store of this test
-    # with seeds 0-7, end at tau 0.28-0.45 (mean 0.38, sd 0.053); the
-    # untrained one at <= 0.007. 0.15 is mean - 4.3 sd, and a drafter that
-    # learned nothing stays near 0. (Batches of 1,024 tokens, twice the
-    # steps of 2,048: four epochs learn more than six did, in two thirds of
-    # the time.)
-    assert summary["heldout_tau"] > summary["untrained_tau"] + 0.15, summary
+    # with seeds 0-7, end at tau 0.18-0.30 (means 0.264 and 0.254, sd 0.042
+    # each); the untrained one at <= 0.007. 0.08 above it is mean - 4 sd,
+    # and a drafter that learned nothing stays near 0. (Four epochs reached
+    # 0.38 but cost 5.5 s more per architecture; two, 0.13-0.15 with the
+    # same sd, leave too little room.)
+    assert summary["heldout_tau"] > summary["untrained_tau"] + 0.08, summary
     assert summary["sglang_accept_length"] > 1.0, summary  # drafts were accepted in SGLang
     drafter = json.loads((Path(summary["drafter_dir"]) / "config.json").read_text())
     assert drafter["vocab_size"] == arch.sizes(config)["vocab_size"]
