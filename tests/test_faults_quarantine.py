@@ -25,6 +25,10 @@ from tests.test_store import MANIFEST
 
 H = 16
 
+# The injected fault is the dump that never comes: how long a capture waits
+# for it (10 s by default) changes nothing but the tests' time.
+NO_DUMP_WAIT_S = 0.5
+
 
 class NoDumpServer(BaseHTTPRequestHandler):
     def do_GET(self):
@@ -69,12 +73,11 @@ def test_a_run_whose_every_capture_fails_stops_with_the_reason(tmp_path, no_dump
     store, dump_dir = tmp_path / "store", tmp_path / "dumps"
     dump_dir.mkdir()
     # SQLite only: its ledger calls (quarantine, summary, quarantined) run
-    # on both backends in test_ledger.py. No dump ever comes: a short wait
-    # for one (the default is 10 s a capture) changes nothing but the time.
+    # on both backends in test_ledger.py.
     open_store(store, MANIFEST)
     guard = FailureGuard(max_ratio=0.05, max_consecutive=6)
     first = samples(4)
-    endpoint = Endpoint(no_dump_server, dump_dir, [1, 3, 4], dump_wait_s=0.5)
+    endpoint = Endpoint(no_dump_server, dump_dir, [1, 3, 4], dump_wait_s=NO_DUMP_WAIT_S)
     result = extract_batch(endpoint, Store.open(store), "data.jsonl", first, CaptureConfig(sample_attempts=2),
                            guard=guard)
     assert result.samples == 0 and len(result.quarantined) == 4  # under the streak limit: goes on
@@ -96,8 +99,8 @@ def test_a_small_run_is_judged_by_its_ratio_at_the_end(tmp_path, no_dump_server,
     dump_dir.mkdir()
     open_store(store, MANIFEST, ledger_url)
     guard = FailureGuard(max_ratio=0.05, max_consecutive=20)
-    extract_batch(Endpoint(no_dump_server, dump_dir, [1, 3, 4], dump_wait_s=0.5), Store.open(store), "data.jsonl",
-                  samples(3), CaptureConfig(sample_attempts=1), guard=guard)
+    endpoint = Endpoint(no_dump_server, dump_dir, [1, 3, 4], dump_wait_s=NO_DUMP_WAIT_S)
+    extract_batch(endpoint, Store.open(store), "data.jsonl", samples(3), CaptureConfig(sample_attempts=1), guard=guard)
     with pytest.raises(TooManyFailures, match=r"3 of 3 samples tried failed their capture \(100% > 5% allowed\)"):
         guard.finish()
 
@@ -131,8 +134,7 @@ def test_the_flow_fails_when_every_capture_fails(capture_server, prefect_api, tm
         raise CaptureMissing(f"rid {rid}: no capture (injected)")
 
     monkeypatch.setattr(capture_client, "read_capture", nothing_dumped)
-    # Nothing will come: a short wait for each dump (10 s by default) changes only the time.
-    monkeypatch.setattr(extraction, "Endpoint", functools.partial(extraction.Endpoint, dump_wait_s=0.5))
+    monkeypatch.setattr(extraction, "Endpoint", functools.partial(extraction.Endpoint, dump_wait_s=NO_DUMP_WAIT_S))
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(12))
     state = extract_hidden_states(**attach(capture_server, store=tmp_path / "store", dataset=str(dataset),
                                            batch_size=4, sample_attempts=1, max_consecutive_failures=6,

@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 # wait left unbounded (seen: Prefect's log workers, 110 s against a dead
 # API) exceeds it.
 STOP_WITHIN_S = max(STOP_GRACE_S, RANKS_STOP_S) + KILL_WAIT_S + 2 * DRAIN_S + API_STOP_S
+# Batches of 2: a signal sent once 2 are stored lands long before the last
+# (seen: 8-12 stored when the run stopped).
+ROWS = 64
 
 
 def start(argv: list[str], tmp_path: Path) -> subprocess.Popen:
@@ -68,8 +71,7 @@ def stop_and_check(proc: subprocess.Popen, signum: int, tmp_path: Path, *, group
 @pytest.mark.server
 def test_ctrl_c_stops_a_command_line_extraction_and_the_rerun_completes(capture_server, prefect_api, tiny_model,
                                                                           tmp_path):
-    rows = 64  # 32 batches of 2: the signal lands long before the last (seen: 8-12 stored)
-    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
     store = tmp_path / "store"
     proc = start(["-m", "flows.extract", "--server.model", str(tiny_model), "--server.max-total-tokens", "4096",
                   "--capture.dataset", str(dataset), "--capture.batch-size", "2", "--store.path", str(store)],
@@ -78,13 +80,13 @@ def test_ctrl_c_stops_a_command_line_extraction_and_the_rerun_completes(capture_
     wait_for(lambda: stored_samples(store) >= 2, proc, tmp_path / "stderr")
     line = stop_and_check(proc, signal.SIGINT, tmp_path, group=True)
     kept = stored_samples(store)
-    assert 2 <= kept < rows, "stopped too late to test anything"
+    assert 2 <= kept < ROWS, "stopped too late to test anything"
     assert re.fullmatch(rf"python -m flows.extract: stopped by SIGINT; {kept:,} samples \(\S+ tokens\) in "
                         rf"{re.escape(str(store.resolve()))} kept; run the same command again to resume", line), line
     with hold_lock(store, "the test"):
         pass  # free
 
-    rerun_completes(capture_server, store, dataset, rows)
+    rerun_completes(capture_server, store, dataset, ROWS)
 
 
 def test_sigterm_stops_a_command_line_training_on_two_ranks(tiny_model, tmp_path):
@@ -113,8 +115,7 @@ def test_sigterm_stops_a_command_line_pipeline_mid_extraction_and_its_rerun_comp
     to stop by a scheduler's SIGTERM to it alone. The rerun shown is its
     extraction stage's, the same flow with the same store: the training
     and evaluation after it are tests/test_pipeline.py's."""
-    rows = 64  # as above
-    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(rows))
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
     store, out = tmp_path / "store", tmp_path / "train"
     proc = start(["-m", "flows.pipeline", "--server.model", str(tiny_model), "--server.max-total-tokens", "4096",
                   "--capture.dataset", str(dataset), "--capture.batch-size", "2", "--store.path", str(store),
@@ -123,7 +124,7 @@ def test_sigterm_stops_a_command_line_pipeline_mid_extraction_and_its_rerun_comp
     wait_for(lambda: stored_samples(store) >= 2, proc, tmp_path / "stderr")
     line = stop_and_check(proc, signal.SIGTERM, tmp_path, group=False)
     kept = stored_samples(store)
-    assert 2 <= kept < rows, "stopped too late to test anything"
+    assert 2 <= kept < ROWS, "stopped too late to test anything"
     assert re.fullmatch(rf"python -m flows.pipeline: stopped by SIGTERM; {kept:,} samples \(\S+ tokens\) in "
                         rf"{re.escape(str(store.resolve()))} kept; training checkpoints in "
                         rf"{re.escape(str(out.resolve()))} kept; run the same command again to resume", line), line
@@ -131,4 +132,4 @@ def test_sigterm_stops_a_command_line_pipeline_mid_extraction_and_its_rerun_comp
         with hold_lock(held, "the test"):
             pass  # free
 
-    rerun_completes(capture_server, store, dataset, rows)
+    rerun_completes(capture_server, store, dataset, ROWS)
