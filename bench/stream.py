@@ -34,7 +34,7 @@ from tasks.store.config import StoreConfig  # noqa: E402
 from tasks.store.verification import verify_store  # noqa: E402
 from tasks.train.config import TrainConfig  # noqa: E402
 from tasks.train.loop import train  # noqa: E402
-from tasks.train.stream import plan_stream  # noqa: E402
+from tasks.stream.plan import plan_stream  # noqa: E402
 from tests.conftest import demo_rows, write_jsonl  # noqa: E402
 from tests.tiny_models import resolve_model_or_tiny  # noqa: E402
 

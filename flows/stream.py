@@ -6,7 +6,7 @@
                             || the progress artifact (a submitted task) -> all done
 
 The trainer plans the batches an offline run over the finished store would
-(tasks/train/stream.py), so the weights are the same; the wall time is the
+(tasks/stream/), so the weights are the same; the wall time is the
 longer of the two sides instead of their sum. With `train.spool_bytes` each
 epoch is captured again into a spool the trainer empties shard by shard, and
 the capture waits while the spool is full: the disk holds a budget, not the
@@ -39,36 +39,20 @@ from tasks.store.config import StoreConfig
 from tasks.store.lock import hold_lock
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
+from tasks.stream.parts import HELD_OUT, PartQueue, capture_parts
+from tasks.stream.plan import StreamPlan, plan_stream
+from tasks.stream.progress import cached_note, describe_progress, log_captured
+from tasks.stream.spool import SpoolBudget, TrainerStopped, read_position, spooled_bytes, trim_spool
+from tasks.stream.state import mark_capture, mark_trainer, trainer_state, trainer_stopped
 from tasks.train.config import TrainConfig
-from tasks.train.stream import (StreamPlan, mark_capture, mark_trainer, plan_stream, read_position,
-                                record_progress, spool_bytes, trainer_state, trainer_stopped, trainer_waiting,
-                                trim_spool)
-from tasks.train.stream_parts import HELD_OUT, Part, PartQueue, cut_parts
-from tasks.train.stream_progress import describe_progress
 
 logger = logging.getLogger("eagle3.stream")
 
-WAIT_S = 0.5
 NODES_POLL_S = 2.0
 # The capture nodes' loops (flows/stream_node.py), one child run per node.
 STREAM_NODE = "stream_capture_node/stream-node"
 START_TIMEOUT_S = 600.0  # a node loop no worker starts within this is cancelled: its node is gone
-LOG_EVERY_S = 30.0
 PROGRESS_EVERY_S = 5.0
-# Both sides waiting on each other this long is a deadlock: the trainer
-# cannot step without its sample, nor free room without a step. Long enough
-# for any one step or checkpoint (the loader waits ahead of the step).
-DEADLOCK_S = 600.0
-
-
-class TrainerStopped(RuntimeError):
-    """The trainer of a stream run stopped: the capture stops with it (a
-    spooled one would otherwise wait for room for ever)."""
-
-
-class SpoolDeadlock(RuntimeError):
-    """The trainer waits for a sample the capture cannot store until the
-    trainer frees room: the spool is too small for this run."""
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
@@ -104,7 +88,7 @@ def capture_task(server: ServerConfig, capture: CaptureConfig, store: StoreConfi
 
 def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
                      plan: StreamPlan) -> dict:
-    """The plan's parts (tasks/train/stream_parts.py) in order: held-out
+    """The plan's parts (tasks/stream/parts.py) in order: held-out
     samples (and the rows to quarantine) into the store, then the training
     samples in training order: without a spool the first epoch's into the
     store; with one, every epoch's into its spool store, each part once the
@@ -113,7 +97,8 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
     that stopped stops the capture. One server for all of it, launched here
     or attached."""
     root = Path(store.path)
-    parts, room = capture_parts(plan, capture, train, root)
+    parts = capture_parts(plan, capture.batch_size, root, train.spool_bytes)
+    budget = SpoolBudget(root, plan.spool_room(train.spool_bytes))
     with ExitStack() as stack:
         if not server.url:  # launch once; each part of the capture attaches to it
             dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(root)
@@ -123,22 +108,22 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
             server = server.model_copy(update={"url": live.url, "api_key": live.api_key,
                                                "rid_prefix": live.rid_prefix})
             capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
-        peak, captured, paused, started = spool_bytes(root), 0, 0.0, time.time()
+        peak, captured, paused, started = budget.held(), 0, 0.0, time.time()
         for part in parts:
             if trainer_stopped(root):
                 raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, keeping what "
                                      f"it stored: run the pipeline again and both resume")
             if part.need:
-                paused += wait_for_room(root, part.need, room, part.epoch)
+                paused += budget.wait_for_room(part.need, part.epoch)
             # A spool store's index is beside it, in SQLite: one machine writes it.
             into = store.model_copy(update={"path": str(part.store(root)), "ledger_url": None}) if part.into else store
             extract_hidden_states(server=server, capture=capture, store=into, verify=False, rows=list(part.rows))
             if part.epoch != HELD_OUT:
-                peak, captured = max(peak, spool_bytes(root)), captured + part.tokens
-                log_captured(root, plan, part, captured, started, paused, peak, room)
-    if room is not None:
+                peak, captured = max(peak, budget.held()), captured + part.tokens
+                log_captured(root, plan, part, captured, started, paused, peak, budget.room)
+    if budget.room is not None:
         logger.info("stream capture done: spool peak %.1f of %.1f MiB, paused %.0f s while it was full%s",
-                    peak / 2**20, room / 2**20, paused, cached_note(plan))
+                    peak / 2**20, budget.room / 2**20, paused, cached_note(plan))
     return {"store": str(root), "tokens": captured, "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
             "cached_bytes": plan.cached_bytes, "paused_s": paused}
 
@@ -148,7 +133,7 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
     """The plan's parts captured by capture nodes (`python -m flows.node`),
     each running one stream_capture_node child run on its work queue that
     leases the parts in order from the store's index
-    (tasks/train/stream_parts.py). This run holds the store and its spool
+    (tasks/stream/parts.py). This run holds the store and its spool
     stores (the children write under its lock), creates them (their
     indexes in PostgreSQL, which every node reaches), shows the capture's
     progress, and returns once every part is done: a node that dies leaves
@@ -157,7 +142,8 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
         raise ValueError("capture nodes write the store's index from their own hosts: set store.ledger_url to a "
                          "PostgreSQL URL (or 'env' for $EAGLE3_LEDGER_URL)")
     root = Path(store.path)
-    parts, room = capture_parts(plan, capture, train, root)
+    parts = capture_parts(plan, capture.batch_size, root, train.spool_bytes)
+    room = plan.spool_room(train.spool_bytes)
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     tokenizer = target.tokenizer()
     with ExitStack() as stack:
@@ -190,10 +176,10 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
                              daemon=True).start()
         logger.info("stream capture on %d nodes (%s): %d parts, leased in order from the index of %s", len(nodes),
                     ", ".join(nodes), len(parts), root)
-        peak, started, logged = spool_bytes(root), time.time(), 0
+        peak, started, logged = spooled_bytes(root), time.time(), 0
         while True:
             now = queue.progress()
-            peak = max(peak, spool_bytes(root))
+            peak = max(peak, spooled_bytes(root))
             if now["last"] is not None and now["done"] > logged:
                 logged = now["done"]
                 log_captured(root, plan, parts[now["last"]], now["tokens"], started, 0.0, peak, room)
@@ -214,63 +200,6 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
                 by_node, peak / 2**20)
     return {"store": str(root), "tokens": now["tokens"], "spool_peak_bytes": peak, "spool_bytes": train.spool_bytes,
             "cached_bytes": plan.cached_bytes, "paused_s": 0.0, "parts_by_node": by_node}
-
-
-def capture_parts(plan: StreamPlan, capture: CaptureConfig, train: TrainConfig,
-                  root: Path) -> tuple[list[Part], int | None]:
-    """The capture's parts, from the trainer's checkpointed position with a
-    spool, and the spool's room (None: no spool)."""
-    room = plan.spool_room(train.spool_bytes)
-    return cut_parts(plan, capture.batch_size, room, read_position(root) if room is not None else (0, 0)), room
-
-
-def log_captured(root: Path, plan: StreamPlan, part: Part, captured: int, started: float, paused: float, peak: int,
-                 room: int | None) -> None:
-    """The capture's progress once `part` is stored: for the progress
-    artifact and the log."""
-    record_progress(root, "captured", epoch=part.epoch, epochs=len(plan.epochs), samples=part.taken, of=part.of,
-                    tokens=captured, started=started, paused_s=paused)
-    logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s%s", part.epoch + 1,
-                len(plan.epochs), part.taken, part.of, f"{captured:,}", captured / max(1e-9, time.time() - started),
-                f"; spool {spool_bytes(root) / 2**20:.1f} of {room / 2**20:.1f} MiB (peak {peak / 2**20:.1f})"
-                f"{cached_note(plan)}" if room is not None else "")
-
-
-def cached_note(plan: StreamPlan) -> str:
-    return (f"; {len(plan.cached)} samples ({plan.cached_bytes / 2**20:.1f} MiB) kept for every epoch"
-            if plan.cached else "")
-
-
-def wait_for_room(root: Path, need: int, budget: int, epoch: int, deadlock_s: float = DEADLOCK_S) -> float:
-    """Back-pressure: until the spool can take `need` more bytes (or is
-    empty: a part larger than the budget still goes, alone). Seconds waited."""
-    since, last = time.time(), 0.0
-    while (held := spool_bytes(root)) and held + need > budget:
-        refuse_if_stuck(root, since, f"{held:,} of {budget:,} bytes held, the next part needs {need:,}", deadlock_s)
-        if time.time() - last >= LOG_EVERY_S:
-            last = time.time()
-            logger.info("stream capture paused %.0f s before epoch %d's next part: spool %.1f of %.1f MiB, the part "
-                        "needs %.1f", last - since, epoch + 1, held / 2**20, budget / 2**20, need / 2**20)
-        time.sleep(WAIT_S)
-    return time.time() - since
-
-
-def refuse_if_stuck(root: Path, since: float, room: str, deadlock_s: float = DEADLOCK_S) -> None:
-    """For a capture waiting for room in the spool since `since`: refused
-    (TrainerStopped) once the trainer stopped, since the spool will not
-    empty; refused (SpoolDeadlock) once the trainer has waited deadlock_s
-    for a sample meanwhile, since neither would ever move."""
-    if trainer_stopped(root):
-        raise TrainerStopped(f"the stream trainer stopped, so the spool of {root} will not empty; the capture "
-                             f"stops too, keeping what it stored: run the pipeline again and both resume")
-    now = time.time()
-    stuck = [w for w in trainer_waiting(root) if now - max(w["since"], since) >= deadlock_s]
-    if stuck:
-        raise SpoolDeadlock(
-            f"the stream trainer has waited {now - stuck[0]['since']:.0f} s for {stuck[0]['waiting_for']} while "
-            f"the capture waits for room in the spool of {root} ({room}): the samples the trainer holds at once do "
-            f"not fit beside the next part. Run again with a larger train.spool_bytes; the checkpoint and what was "
-            f"captured are kept")
 
 
 @task(name="stream-progress", cache_policy=NO_CACHE)

@@ -22,14 +22,14 @@ from pydantic import Field
 
 from flows.cli import described
 from flows.extract import extract_hidden_states
-from flows.stream import LOG_EVERY_S, WAIT_S, TrainerStopped, refuse_if_stuck
 from tasks.capture.config import CaptureConfig
 from tasks.server.config import ServerConfig
 from tasks.server.supervisor import FROM_NODE
 from tasks.store.config import StoreConfig
 from tasks.store.handle import Store
-from tasks.train.stream import spool_bytes, trainer_stopped
-from tasks.train.stream_parts import LEASE_S, Part, PartQueue
+from tasks.stream.parts import LEASE_S, Part, PartQueue
+from tasks.stream.spool import SpoolBudget, TrainerStopped
+from tasks.stream.state import trainer_stopped
 
 MAX_FAILURES = 2
 SERVER_MODEL = ServerConfig.model_fields["model"]  # the target: the node's server serves it
@@ -74,6 +74,7 @@ def stream_capture_node(
     root = Path(store.path)
     queue = PartQueue(Store.open(root).ledger)
     server = ServerConfig(model=model, url=FROM_NODE)
+    budget = SpoolBudget(root, room)
     parts = tokens = failures = 0
     waiting = last_log = None
     started = time.time()
@@ -81,18 +82,18 @@ def stream_capture_node(
         if trainer_stopped(root):
             raise TrainerStopped(f"the stream trainer stopped; {node} stops capturing into {root}, keeping what it "
                                  f"stored: run the pipeline again and both resume")
-        part = queue.lease(node, room, lambda: spool_bytes(root))
+        part = queue.lease(node, budget)
         if part is None:
             break
         if part in ("wait", "full"):
             waiting = waiting or time.time()
             if part == "full":
-                refuse_if_stuck(root, waiting, f"{room:,} bytes held or in flight")
-            if time.time() - (last_log or waiting) >= LOG_EVERY_S:
+                budget.refuse_if_stuck(waiting, f"{room:,} bytes held or in flight")
+            if time.time() - (last_log or waiting) >= budget.LOG_EVERY_S:
                 last_log = time.time()
                 log.info("%s waiting %.0f s: %s", node, last_log - waiting,
                          "the spool is full" if part == "full" else "the parts left are being captured by others")
-            time.sleep(WAIT_S)
+            time.sleep(budget.WAIT_S)
             continue
         waiting = last_log = None
         into = store.model_copy(update={"path": str(part.store(root))})

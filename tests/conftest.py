@@ -119,7 +119,8 @@ def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_s
 
     from flows.stream import capture_task
     from tasks.train.loop import train
-    from tasks.train.stream import mark_trainer, trim_spool
+    from tasks.stream.spool import trim_spool
+    from tasks.stream.state import mark_trainer
 
     if cfg.spool_bytes is not None:
         trim_spool(store, plan)

@@ -75,3 +75,17 @@ def test_the_layout_names_every_module_of_flows():
 
 def test_the_readme_points_to_the_layout():
     assert "docs/layout.md" in REPO.joinpath("README.md").read_text()
+
+
+def test_stream_mode_lives_in_its_own_package_of_plain_modules():
+    """tasks/stream/ holds the stream rules (the budget, the leases, the
+    plan), plain functions without Prefect; the flows only wire them, and
+    no module of it outgrows a screenful of concerns."""
+    for module in (REPO / "tasks" / "stream").glob("*.py"):
+        text = module.read_text()
+        assert not re.search(r"^\s*(from|import) (prefect|flows)\b", text, re.M), module
+        assert len(text.splitlines()) <= 400, module
+    for flow in ("stream.py", "stream_node.py"):
+        text = (REPO / "flows" / flow).read_text()
+        assert not re.search(r"^from flows\.stream import", text, re.M), flow
+        assert not re.search(r"^class \w+\((RuntimeError|Exception)", text, re.M), flow

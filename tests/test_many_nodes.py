@@ -179,8 +179,10 @@ def test_two_capture_nodes_feed_one_stream_trainer_through_postgres(stack, tiny_
     from tasks.store.handle import Store
     from tasks.train.config import TrainConfig
     from tasks.train.loop import train
-    from tasks.train.stream import PLANNED, mark_trainer, plan_stream, spool_bytes
-    from tasks.train.stream_parts import PartQueue
+    from tasks.stream.plan import PLANNED, plan_stream
+    from tasks.stream.spool import spooled_bytes
+    from tasks.stream.state import mark_trainer
+    from tasks.stream.parts import PartQueue
 
     url = stack["env"]["EAGLE3_LEDGER_URL"]
     monkeypatch.setenv("EAGLE3_LEDGER_URL", url)
@@ -247,7 +249,7 @@ def test_two_capture_nodes_feed_one_stream_trainer_through_postgres(stack, tiny_
     for side in sides:
         side.start()
     try:
-        result = train(cfg, root, on_step=lambda s: (steps.append(s), held.append(spool_bytes(root))))
+        result = train(cfg, root, on_step=lambda s: (steps.append(s), held.append(spooled_bytes(root))))
     finally:
         os.kill(stack["nodes"]["node-b"]["worker_pid"], signal.SIGCONT)
         mark_trainer(root, "finished")

@@ -349,7 +349,9 @@ def test_a_stream_pipeline_cancelled_like_the_ui_stops_both_sides_and_resumes(pr
     import pandas as pd
 
     from tasks.train.config import TrainConfig
-    from tasks.train.stream import PLANNED, plan_stream, read_position, trainer_state
+    from tasks.stream.plan import PLANNED, plan_stream
+    from tasks.stream.spool import read_position
+    from tasks.stream.state import trainer_state
     from tests.conftest import train_beside_capture
 
     api, store = prefect_stack["api"], tmp_path / "store"

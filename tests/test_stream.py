@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from flows.artifacts import artifact_key
 from flows.extract import extract_hidden_states
 from tasks.capture.config import CaptureConfig
-from flows.stream import SpoolDeadlock, TrainerStopped, capture_task, wait_for_room
+from flows.stream import capture_task
 from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store
 from tasks.target.architectures import load_tokenizer
@@ -28,11 +28,12 @@ from tasks.train.data import heldout_prompts, split
 from tasks.train.loop import train
 from tasks.store.handle import Store
 from tasks.store.reader import CorruptSample
-from tasks.train.stream import (PLANNED, SpoolTooSmall, StreamPlan, StreamReader, epoch_store, mark_capture,
-                                mark_trainer, plan_stream, read_position, record_progress, spool_bytes,
-                                trainer_waiting)
-from tasks.train.stream_parts import cut_parts, part_samples
-from tasks.train.stream_progress import describe_progress
+from tasks.stream.plan import PLANNED, SpoolTooSmall, StreamPlan, plan_stream
+from tasks.stream.reader import StreamReader
+from tasks.stream.spool import SpoolBudget, SpoolDeadlock, TrainerStopped, epoch_store, read_position, spooled_bytes
+from tasks.stream.state import mark_capture, mark_trainer, record_progress, trainer_waiting
+from tasks.stream.parts import cut_parts, part_samples
+from tasks.stream.progress import describe_progress
 from tests.conftest import (attach, demo_rows, random_store, stored_samples, train_beside_capture, wait_for,
                             write_jsonl)
 
@@ -206,13 +207,13 @@ def test_a_capture_waiting_for_room_stops_when_the_trainer_stops(tiny_model, tmp
     root = tmp_path / "root"
     epoch_store(root, 0).parent.mkdir(parents=True)
     epoch_store(root, 0).symlink_to(random_store(tmp_path, tiny_model, 4, max_length=64))  # a full spool
-    held = spool_bytes(root)
+    held = spooled_bytes(root)
     mark_trainer(root, "running")
     stopping = threading.Timer(1.0, mark_trainer, (root, "stopped"))
     stopping.start()
     started = time.monotonic()
     with pytest.raises(TrainerStopped, match=rf"the spool of {root} will not empty; the capture stops too"):
-        wait_for_room(root, need=1, budget=held, epoch=0)
+        SpoolBudget(root, held).wait_for_room(1, epoch=0)
     assert 1.0 <= time.monotonic() - started < 10  # it waited for room, then saw the trainer stop
 
 
@@ -229,7 +230,7 @@ def test_a_trainer_and_a_capture_waiting_on_each_other_stop_naming_the_sample(ti
     epoch_store(root, 0).parent.mkdir(parents=True)
     epoch_store(root, 0).symlink_to(random_store(tmp_path / "full", tiny_model, 4, max_length=64))  # a full spool
     mark_trainer(root, "running")
-    cfg = config(tmp_path / "train", spool_bytes=spool_bytes(root))
+    cfg = config(tmp_path / "train", spool_bytes=spooled_bytes(root))
     reader = StreamReader(root, cfg)
     held = set(split(reader.sample_ids, cfg.heldout_fraction)[1])
     waited = next(i for i in range(4, 8) if i not in held)  # a training sample: read from the spool
@@ -248,7 +249,7 @@ def test_a_trainer_and_a_capture_waiting_on_each_other_stop_naming_the_sample(ti
                                                 rf"{reader.sample_ids[waited]} \(row \d\) in "
                                                 rf"{epoch_store(root, 0)} while the capture waits for room .* larger "
                                                 rf"train.spool_bytes"):
-            wait_for_room(root, need=1, budget=spool_bytes(root), epoch=0, deadlock_s=1.0)
+            SpoolBudget(root, spooled_bytes(root), deadlock_s=1.0).wait_for_room(1, epoch=0)
     finally:
         mark_capture(root, "failed", "SpoolDeadlock")  # as capture_task records it: the trainer stops too
         trainer.join(timeout=30)
@@ -272,7 +273,7 @@ def test_a_resumed_spool_keeps_what_the_trainer_reads_first_and_room_for_what_it
     from tasks.target.architectures import architecture_at
     from tasks.target.layers import AuxLayers
     from tasks.train.drafter import target_sizes
-    from tasks.train.stream import trim_spool, write_position
+    from tasks.stream.spool import trim_spool, write_position
 
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
     capture = CaptureConfig(dataset=str(dataset), batch_size=4, max_length=256)
@@ -303,7 +304,7 @@ def test_a_resumed_spool_keeps_what_the_trainer_reads_first_and_room_for_what_it
             ledger.commit_shard(info, rows)
             shards[k, epoch] = info.name
     assert {e for _, e in shards} == {0, 1}  # the stored parts reach into the next epoch
-    full = spool_bytes(root)
+    full = spooled_bytes(root)
     room = full  # the spool was full
     first = next(p for p in cut_parts(plan, 4, room, read_position(root)) if p.need)
     assert full + first.need > room  # as it was, the capture could never store what the trainer waits for
@@ -312,8 +313,8 @@ def test_a_resumed_spool_keeps_what_the_trainer_reads_first_and_room_for_what_it
     kept = {e: set(Store.open(epoch_store(root, e)).ledger.shards().name) for e in (0, 1)}
     assert kept == {0: {shards[0, 0]}, 1: set()}  # up to the part in flight, nothing after it
     assert {f.stem for f in epoch_store(root, 0).glob("shards/*.safetensors")} == {shards[0, 0]}
-    assert removed == full - spool_bytes(root) > 0
-    assert spool_bytes(root) + first.need <= room
+    assert removed == full - spooled_bytes(root) > 0
+    assert spooled_bytes(root) + first.need <= room
     assert trim_spool(root, plan) == 0  # what is left is what the trainer reads first
 
 
@@ -373,7 +374,7 @@ def test_a_spooled_run_killed_mid_epoch_resumes_within_its_budget_on_the_offline
     held, resumed = [], []
 
     def slow_start(s):
-        held.append(spool_bytes(tmp_path / "store"))
+        held.append(spooled_bytes(tmp_path / "store"))
         resumed.append(s)
         if len(resumed) == 1:  # the capture runs ahead; without back-pressure it would take the whole epoch
             time.sleep(8)
@@ -420,7 +421,7 @@ def test_cached_epochs_capture_again_only_what_the_budget_could_not_keep(capture
         return int(ledger.shards().query("name in @cache").bytes.sum())
 
     def on_step(s):
-        held.append(spool_bytes(store) + kept_bytes())
+        held.append(spooled_bytes(store) + kept_bytes())
         steps.append(s)
         # A removed shard still mapped keeps its blocks: the budget would not hold.
         removed_but_mapped.extend(line for line in Path("/proc/self/maps").read_text().splitlines()

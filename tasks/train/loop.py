@@ -35,7 +35,7 @@ from tasks.train.evaluate import describe, evaluate
 from tasks.train.export import export_drafter
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare
-from tasks.train.stream import Spool
+from tasks.stream.reader import Spool
 from tasks.train.ttt import TTT, StepOutput
 from tasks.train.vocab import DraftVocab
 

@@ -19,7 +19,7 @@ from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import collate, plan_batches, split
 from tasks.target.embeddings import load_target_embeddings
 from tasks.train.drafter import Eagle3Drafter, build_drafter
-from tasks.train.stream import StreamReader
+from tasks.stream.reader import StreamReader
 from tasks.train.vocab import DraftVocab, count_target_tokens
 
 logger = logging.getLogger("eagle3.training")

@@ -1,13 +1,37 @@
-"""A stream run's progress, both sides in one line, for the progress
-artifact the pipeline's run shows (flows/stream.py watch_task): read from
-the files each side writes beside the store (tasks/train/stream.py
-record_progress), so a trainer running as torchrun's ranks, which have no
-Prefect context, shows too."""
+"""A stream run's progress: the capture's log line after each part, and
+both sides in one line for the progress artifact the pipeline's run shows
+(flows/stream.py watch_task), read from the files each side writes beside
+the store (tasks/stream/state.py record_progress), so a trainer running as
+torchrun's ranks, which have no Prefect context, shows too."""
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
-from tasks.train.stream import capture_state, progress, spool_bytes, trainer_state
+from tasks.stream.parts import Part
+from tasks.stream.plan import StreamPlan
+from tasks.stream.spool import spooled_bytes
+from tasks.stream.state import capture_state, progress, record_progress, trainer_state
+
+logger = logging.getLogger("eagle3.stream")
+
+
+def log_captured(root: Path, plan: StreamPlan, part: Part, captured: int, started: float, paused: float, peak: int,
+                 room: int | None) -> None:
+    """The capture's progress once `part` is stored: for the progress
+    artifact and the log."""
+    record_progress(root, "captured", epoch=part.epoch, epochs=len(plan.epochs), samples=part.taken, of=part.of,
+                    tokens=captured, started=started, paused_s=paused)
+    logger.info("stream capture: epoch %d/%d, %d of %d samples; %s tokens at %.0f tok/s%s", part.epoch + 1,
+                len(plan.epochs), part.taken, part.of, f"{captured:,}", captured / max(1e-9, time.time() - started),
+                f"; spool {spooled_bytes(root) / 2**20:.1f} of {room / 2**20:.1f} MiB (peak {peak / 2**20:.1f})"
+                f"{cached_note(plan)}" if room is not None else "")
+
+
+def cached_note(plan: StreamPlan) -> str:
+    return (f"; {len(plan.cached)} samples ({plan.cached_bytes / 2**20:.1f} MiB) kept for every epoch"
+            if plan.cached else "")
 
 
 def describe_progress(store: Path, spool_budget: int | None) -> tuple[float, str]:
@@ -29,7 +53,7 @@ def describe_progress(store: Path, spool_budget: int | None) -> tuple[float, str
     else:
         line.append(f"trainer {trainer_state(store)}: no step yet (held-out evaluation, draft vocabulary)")
     if spool_budget is not None:
-        line.append(f"spool {_size(spool_bytes(store))} of {_size(spool_budget)}")
+        line.append(f"spool {_size(spooled_bytes(store))} of {_size(spool_budget)}")
     return (100.0 * tr["step"] / max(1, tr["total_steps"]) if tr else 0.0), "; ".join(line)
 
 

@@ -2,7 +2,8 @@
 order training reads it, and (capture nodes) the queue in the store's
 PostgreSQL index the nodes lease them from.
 
-One capture server captures the parts in order itself (flows/stream.py).
+One capture server captures the parts in order itself (flows/stream.py
+capture_in_order).
 Many nodes each run a loop (flows/stream_node.py) that leases the next part,
 captures it on its own server and marks it done. A lease lasts LEASE_S and
 is renewed while its node captures: a node that dies stops renewing, and
@@ -25,7 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.train.stream import StreamPlan, epoch_store
+from tasks.stream.plan import StreamPlan
+from tasks.stream.spool import SpoolBudget, epoch_store, read_position
 
 LEASE_S = 30.0  # renewed every LEASE_S / 3 while its node captures
 HELD_OUT = -1  # the epoch of the first part: held-out and unusable rows, into the store
@@ -74,6 +76,13 @@ def cut_parts(plan: StreamPlan, batch_size: int, room: int | None = None,
                 parts.append(Part(len(parts), e, into, piece, plan.shard_bytes(list(piece), batch_size) if into else 0,
                                   sum(plan.tokens[r] for r in piece), taken, len(rows)))
     return parts
+
+
+def capture_parts(plan: StreamPlan, batch_size: int, root: Path, spool_bytes: int | None) -> list[Part]:
+    """The capture's parts, from the trainer's checkpointed position with a
+    spool (train.spool_bytes, None: none)."""
+    room = plan.spool_room(spool_bytes)
+    return cut_parts(plan, batch_size, room, read_position(root) if room is not None else (0, 0))
 
 
 def part_samples(plan: StreamPlan, batch_size: int, room: int) -> int:
@@ -128,13 +137,11 @@ class PartQueue:
                             [(p.seq, p.epoch, p.into, json.dumps(p.rows), p.need, p.tokens, p.taken, p.of)
                              for p in parts])
 
-    def lease(self, node: str, room: int | None, spooled_bytes) -> Part | str | None:
+    def lease(self, node: str, budget: SpoolBudget) -> Part | str | None:
         """The next part for `node`, leased to it; "wait" while the parts
-        left are leased by live nodes; "full" while the next one (into the
-        spool) does not fit in `room` beside what `spooled_bytes()` holds
-        and the parts in flight may add; None once every part is done. A
-        part larger than the room still goes when the spool is empty and
-        nothing else is in flight."""
+        left are leased by live nodes; "full" while the budget does not
+        admit the next one (into the spool) beside what the spool holds and
+        the parts in flight may add; None once every part is done."""
         now = time.time()
         with self.ledger._connect() as db:
             self._serialise(db)
@@ -145,13 +152,12 @@ class PartQueue:
                 left = db.execute("SELECT count(*) FROM stream_parts WHERE state <> 'done'").fetchone()[0]
                 return "wait" if left else None
             part = Part(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5], row[6], row[7])
-            if part.need and room is not None:
+            if part.need and budget.room is not None:
                 # What a part in flight has committed is counted twice (held
                 # and its need): a node may wait a little early, never overfill.
                 in_flight = db.execute("SELECT coalesce(sum(need), 0) FROM stream_parts WHERE state = 'leased' AND "
                                        "leased_until >= %s", (now,)).fetchone()[0]
-                held = spooled_bytes()
-                if (held or in_flight) and held + in_flight + part.need > room:
+                if not budget.admits(part.need, in_flight):
                     return "full"
             db.execute("UPDATE stream_parts SET state = 'leased', node = %s, leased_until = %s WHERE seq = %s",
                        (node, now + LEASE_S, part.seq))

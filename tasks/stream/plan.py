@@ -1,0 +1,218 @@
+"""What a stream run captures, in the order training reads it: held-out
+samples first (the untrained drafter is evaluated on them before the first
+step), then each epoch's batches in training order, whose first positions
+also count the draft vocabulary. The planned samples are written beside the
+store once, for every trainer rank."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from tasks.capture.config import CaptureConfig
+from tasks.data.dataset import Rejected, Sample, prepare_samples
+from tasks.durable import replace_durably
+from tasks.failures import Permanent
+from tasks.store.handle import Store
+from tasks.store.manifest import manifest_path
+from tasks.store.shards import bytes_per_token
+from tasks.target.checkpoint import Target
+from tasks.target.models import resolve_model
+from tasks.train.config import TrainConfig
+from tasks.train.data import plan_batches, split
+
+logger = logging.getLogger("eagle3.stream")
+
+# The planned samples (id, row, token and loss-token counts), written by the
+# plan once: every trainer rank reads them instead of tokenising the
+# dataset again (600k samples: minutes of CPU per rank, 8 ranks a node).
+PLANNED = "stream-samples.parquet"
+
+
+def planned_samples(sources: list[str], tokenizer, *, max_length: int,
+                    policy: str) -> tuple[list[Sample], list[Rejected]]:
+    """Every sample the capture of these sources will store (once per id, in
+    row order), from their tokenisation alone, and the rows it will
+    quarantine instead."""
+    out, rejected, seen = [], [], set()
+    for source in sources:
+        samples, unusable = prepare_samples(Path(source), tokenizer, max_length=max_length, policy=policy)
+        rejected += unusable
+        for s in samples:
+            if s.sample_id not in seen:
+                seen.add(s.sample_id)
+                out.append(s)
+    return out, rejected
+
+
+def without_quarantined(samples: list[Sample], store: Path) -> list[Sample]:
+    """The samples, less those the store has quarantined (an earlier run's
+    capture failed them for good): they are left out of a stream run's plan
+    as an offline run over the store leaves them out, so a run started
+    again trains on the offline batches (its trainer's checkpoint, cut from
+    the old split, is refused unless train.on_store_change is replan)."""
+    if not manifest_path(store).exists():
+        return samples
+    gone = set(Store.open(store).ledger.quarantined().sample_id.dropna())
+    kept = [s for s in samples if s.sample_id not in gone]
+    if len(kept) < len(samples):
+        logger.info("stream: %d samples the store %s quarantined are left out of the plan, as offline",
+                    len(samples) - len(kept), store)
+    return kept
+
+
+def planned_columns(samples: list[Sample]) -> dict[str, list]:
+    """What a trainer needs of each planned sample, as columns."""
+    return {"sample_id": [s.sample_id for s in samples], "source_row": [s.source_row for s in samples],
+            "num_tokens": [s.num_tokens for s in samples],
+            "num_loss_tokens": [int(s.loss_mask.sum()) for s in samples]}
+
+
+def _planned_key(sources: list[str], target_path: str, max_length: int, policy: str) -> str:
+    """What the planned samples depend on: the sources (by path, size and
+    mtime: one changed in place is planned again), the tokenizer's model and
+    the length policy."""
+    files = sorted(str(Path(s).resolve()) for s in sources)
+    return json.dumps({"sources": [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
+                       "target": str(Path(target_path).resolve()), "max_length": max_length, "policy": policy})
+
+
+def write_planned(store: Path, samples: list[Sample], sources: list[str], target_path: str, *, max_length: int,
+                  policy: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(planned_columns(samples)).replace_schema_metadata(
+        {"eagle3_key": _planned_key(sources, target_path, max_length, policy)})
+    Path(store).mkdir(parents=True, exist_ok=True)
+    replace_durably(Path(store) / PLANNED, lambda tmp: pq.write_table(table, tmp))
+
+
+def read_planned(store: Path, manifest: dict):
+    """The planned samples the plan wrote for this store's manifest (a
+    DataFrame), or None: none written, or written for other sources, model
+    or length policy."""
+    import pyarrow.parquet as pq
+
+    path = Path(store) / PLANNED
+    try:
+        table = pq.read_table(path)
+        key = _planned_key(manifest["sources"], manifest["target_path"], manifest["max_length"],
+                           manifest["max_length_policy"])
+    except FileNotFoundError:
+        return None
+    if (table.schema.metadata or {}).get(b"eagle3_key", b"").decode() != key:
+        logger.info("stream: %s was planned from other sources or settings than the store's: tokenising", path)
+        return None
+    return table.to_pandas()
+
+
+class SpoolTooSmall(Permanent, ValueError):
+    """The spool cannot hold what training reads before its first step."""
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Dataset rows in the order training reads them: held out, then each
+    epoch's batches (as rows), with the token counts the spool is sized by."""
+    heldout: list[int]
+    rejected: list[int]  # rows that give no sample: quarantined, as offline
+    epochs: list[list[list[int]]]
+    tokens: dict[int, int]  # row -> tokens
+    bytes_per_token: int
+    # Training rows captured once, into the store, and read there in every
+    # epoch (train.cache_epochs): a prefix of the first epoch's order.
+    cached: list[int] = field(default_factory=list)
+    cached_bytes: int = 0
+    minimum: int = 0  # bytes the spool must hold at once (spool_minimum)
+
+    def spool_room(self, spool_bytes: int | None) -> int | None:
+        """The spool's share of the budget (None: no spool): what
+        train.cache_epochs keeps in the store is not in it."""
+        return None if spool_bytes is None else spool_bytes - self.cached_bytes
+
+    def shard_bytes(self, rows: list[int], batch_size: int) -> int:
+        """At most what these rows take as shards of batch_size samples:
+        their tensors, and per shard a header of its sample ids and offsets."""
+        return self.shard_bytes_of(sum(self.tokens[r] for r in rows), -(-len(rows) // batch_size), batch_size)
+
+    def shard_bytes_of(self, tokens: int, shards: int, batch_size: int) -> int:
+        return tokens * self.bytes_per_token + shards * (16384 + 80 * batch_size)
+
+
+def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: Path | None = None) -> StreamPlan:
+    """What a stream run captures, in the order training reads it (refused,
+    with a spool too small to reach the first step); with `store`, the
+    planned samples are written there for the trainer's ranks."""
+    target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
+    dataset = str(Path(capture.dataset).resolve())
+    samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
+                                        policy=capture.max_length_policy)
+    if store is not None:
+        samples = without_quarantined(samples, Path(store))
+        write_planned(store, samples, [dataset], target.path, max_length=capture.max_length,
+                      policy=capture.max_length_policy)
+    ids = [s.sample_id for s in samples]
+    train_idx, held_idx = split(ids, train.heldout_fraction)
+    lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
+    rows = [s.source_row for s in samples]
+    epochs = range(train.epochs if train.spool_bytes is not None else 1)
+    plan = StreamPlan(
+        heldout=[rows[i] for i in held_idx],
+        # The capture's first part takes them: it quarantines them with their
+        # reasons, as an offline run does.
+        rejected=[r.source_row for r in unusable],
+        epochs=[[[rows[i] for i in b] for b in plan_batches(lengths, train_idx, train.tokens_per_batch, train.seed, e)]
+                for e in epochs],
+        tokens={s.source_row: s.num_tokens for s in samples},
+        bytes_per_token=bytes_per_token(target.hidden_size, len(target.layers.sglang_ids)))
+    if train.spool_bytes is not None:
+        need = spool_minimum(plan, samples, capture, train)
+        plan = replace(plan, minimum=need)
+        if train.spool_bytes < need:
+            raise SpoolTooSmall(
+                f"train.spool_bytes {train.spool_bytes:,} cannot hold what training reads before its first steps: "
+                f"{need:,} bytes (the first train.vocab_positions {train.vocab_positions:,} loss positions count "
+                f"the draft vocabulary, then a step's batches and the loader's look-ahead): raise it, or lower "
+                f"train.vocab_positions")
+        if train.cache_epochs:
+            plan = cache_first_capture(plan, train.spool_bytes - need, capture.batch_size)
+    return plan
+
+
+def cache_first_capture(plan: StreamPlan, room: int, batch_size: int) -> StreamPlan:
+    """The plan with the first epoch's first training rows kept for every
+    epoch, as many as `room` bytes hold (what the budget leaves beside the
+    spool's working set); later epochs capture only the others."""
+    cached, tokens = [], 0
+    for row in (r for b in plan.epochs[0] for r in b):
+        if plan.shard_bytes_of(tokens + plan.tokens[row], -(-(len(cached) + 1) // batch_size), batch_size) > room:
+            break
+        cached.append(row)
+        tokens += plan.tokens[row]
+    kept = set(cached)
+    later = [[[r for r in b if r not in kept] for b in epoch] for epoch in plan.epochs[1:]]
+    return replace(plan, epochs=plan.epochs[:1] + later, cached=cached,
+                               cached_bytes=plan.shard_bytes(cached, batch_size) if cached else 0)
+
+
+def spool_minimum(plan: StreamPlan, samples: list[Sample], capture: CaptureConfig, train: TrainConfig) -> int:
+    """Bytes the trainer holds before it can free any: the samples counting
+    the draft vocabulary (they come first) or, if more, a step's batches and
+    the loader's look-ahead (4), per device; and room for the capture's
+    next part beside them."""
+    loss = {s.source_row: int(s.loss_mask.sum()) for s in samples}
+    counted = tokens = 0
+    for row in (r for b in plan.epochs[0] for r in b):
+        if counted >= train.vocab_positions:
+            break
+        counted += loss[row]
+        tokens += plan.tokens[row]
+    ahead = (4 + train.accumulate) * train.devices * train.nnodes * train.tokens_per_batch
+    longest = sorted(plan.tokens.values())[-2 * capture.batch_size:]  # and one part of the capture beside them
+    return max(tokens, ahead) * plan.bytes_per_token + plan.shard_bytes_of(sum(longest), 2, capture.batch_size)
+

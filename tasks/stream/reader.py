@@ -1,0 +1,250 @@
+"""The trainer's side of a stream run: a reader that waits for each planned
+sample's shard, and (with a spool) frees each spooled shard once its every
+sample is trained."""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tasks.store.handle import Store
+from tasks.store.manifest import manifest_path
+from tasks.store.reader import StoreReader
+from tasks.stream.plan import planned_columns, planned_samples, read_planned, without_quarantined
+from tasks.stream.spool import drop_spooled_shard, epoch_store, write_position
+from tasks.stream.state import capture_state, mark_waiting, record_progress
+from tasks.target.architectures import load_tokenizer
+from tasks.train.config import TrainConfig, TrainingError
+from tasks.train.data import split
+
+logger = logging.getLogger("eagle3.training")
+
+QUARANTINE_CHECK_S = 2.0  # how often a trainer waiting for a sample looks for it among the quarantined
+
+class StreamReader:
+    """A StoreReader's interface over the samples a capture will store,
+    before they are stored: `sample_ids` and `num_tokens` come from the
+    dataset's tokenisation, `reader[i]` waits until sample i is committed and
+    reads it checked against its committed checksum. Its stored tokens are
+    those its id was computed from, so a sample stored is the one planned.
+
+    With a spool, training samples are read from the current epoch's store
+    (`epoch`), and `consumed` removes each of its shards once every sample
+    in it was trained on this epoch."""
+
+    def __init__(self, store: Path, cfg: TrainConfig, *, poll_s: float = 0.5, log_every_s: float = 30.0):
+        self.store, self.poll_s, self.log_every_s = Path(store), poll_s, log_every_s
+        self.spooled = cfg.spool_bytes is not None
+        # train.cache_epochs: a training sample is in the store (kept from
+        # the first capture) or in its epoch's spool store; which one, the
+        # capture's plan says, so both are looked in.
+        self.cached = self.spooled and cfg.cache_epochs
+        self.manifest = self._wait_for_store().manifest
+        planned = read_planned(self.store, self.manifest)
+        self.planned_from = "file" if planned is not None else "tokenised"
+        if planned is None:
+            tokenizer = load_tokenizer(self.manifest["target_path"])
+            samples, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
+                                         policy=self.manifest["max_length_policy"])
+            planned = planned_columns(without_quarantined(samples, self.store))
+        self.sample_ids = list(planned["sample_id"])
+        self._rows = dict(zip(self.sample_ids, (int(r) for r in planned["source_row"])))
+        self.num_tokens = np.asarray(planned["num_tokens"], dtype=np.int64)
+        self.num_loss_tokens = np.asarray(planned["num_loss_tokens"], dtype=np.int64)
+        self._held = {self.sample_ids[i] for i in split(self.sample_ids, cfg.heldout_fraction)[1]}
+        self.epoch = 0
+        self._readers: dict[Path, StoreReader] = {}
+        self._rows_of: dict[tuple[Path, str], tuple] = {}  # (home, sample id) -> its ledger row
+        self._consumed: set[str] = set()
+        # The current epoch's spooled shards met in `consumed`: their samples.
+        self._shard_of: dict[str, str] = {}
+        self._members: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def _wait_for_store(self) -> Store:
+        while not manifest_path(self.store).exists():  # the capture's plan creates it
+            self._check_capture("anything")
+            time.sleep(self.poll_s)
+        return Store.open(self.store)
+
+    def _check_capture(self, what: str, state: dict | None = None) -> None:
+        state = state or capture_state(self.store)
+        if state["state"] in ("completed", "failed"):
+            raise TrainingError(
+                f"stream training: the capture into {self.store} ended ({state['state']}"
+                f"{': ' + state['detail'] if state['detail'] else ''}) without storing {what}; the checkpoint is "
+                f"kept: run the pipeline again (the capture takes only what is missing), or train offline on the "
+                f"store as it is")
+
+    def _ledger(self, home: Path):
+        """`home`'s index, through its open reader where there is one."""
+        reader = self._readers.get(home)
+        return reader.ledger if reader is not None else Store.open(home).ledger
+
+    def _check_quarantine(self, sid: str, homes: list[Path], what: str) -> None:
+        """A sample the capture quarantined (it crashed the server, or its
+        batch failed for good) will never be stored: the planned batches
+        cannot be formed, so the trainer stops now, naming it, instead of
+        waiting for the capture's end."""
+        for home in homes:
+            if not manifest_path(home).exists():
+                continue
+            q = self._ledger(home).quarantined()
+            hit = q[q.sample_id == sid]
+            if len(hit):
+                raise TrainingError(
+                    f"stream training: the capture quarantined {what} ({hit.reason.iloc[0]}); the stream's planned "
+                    f"batches hold it, so the trainer stops. Run the pipeline again: its plan leaves the store's "
+                    f"quarantined samples out, as offline (this run's checkpoint, cut from the old split, is refused "
+                    f"unless train.on_store_change is replan, which starts its epoch again); or train offline on "
+                    f"the store")
+
+    def _home(self, sid: str) -> Path:
+        return epoch_store(self.store, self.epoch) if self.spooled and sid not in self._held else self.store
+
+    def __getitem__(self, i: int) -> dict:
+        sid = self.sample_ids[i]
+        with self._lock:  # the loader thread and the evaluation share the reader
+            home = self._home(sid)
+            homes = [self.store, home] if self.cached and home != self.store else [home]
+            started = last_log = time.time()
+            last_quarantine_check = 0.0
+            waiting = False
+            try:
+                while not any((h, sid) in self._rows_of for h in homes):
+                    # Read before the index: a capture that says it ended had
+                    # committed everything it stored by then.
+                    state = capture_state(self.store)
+                    if any(self._look_up(h, sid) for h in homes):
+                        break
+                    what = f"sample {sid} (row {self._rows[sid]}) in {home}"
+                    self._check_capture(what, state)
+                    if time.time() - last_quarantine_check >= QUARANTINE_CHECK_S:
+                        last_quarantine_check = time.time()
+                        self._check_quarantine(sid, homes, what)
+                    if not waiting:  # for the capture: waiting for room while this waits is a deadlock
+                        waiting = mark_waiting(self.store, what)
+                    if time.time() - last_log >= self.log_every_s:
+                        last_log = time.time()
+                        logger.info("stream: waiting %.0f s for %s", last_log - started, what)
+                    time.sleep(self.poll_s)
+            finally:
+                if waiting:
+                    mark_waiting(self.store, None)
+            home = next(h for h in homes if (h, sid) in self._rows_of)
+            sample_id, shard, offset, tokens, _, _, checksum = self._rows_of[home, sid]
+            return self._readers[home].read_row(sample_id, shard, offset, tokens, checksum)
+
+    def _look_up(self, home: Path, sid: str) -> bool:
+        """Whether `sid` is committed in `home`; if so, the rows of its
+        whole shard are kept (the next samples read are mostly its)."""
+        if home not in self._readers:
+            if not manifest_path(home).exists():  # the capture's first part creates it
+                return False
+            self._readers[home] = StoreReader(home, verify_checksums=True, index=False)
+        rows = self._readers[home].ledger.shard_index(sid)
+        self._rows_of.update(((home, r[0]), r) for r in rows)
+        return bool(rows)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Read the training samples of `epoch` from now on; the spool's
+        earlier epochs, all trained, are removed."""
+        with self._lock:
+            self.epoch, self._consumed, self._shard_of, self._members = epoch, set(), {}, {}
+            if self.spooled:
+                for e in range(epoch):
+                    home = epoch_store(self.store, e)
+                    ledger = self._ledger(home) if manifest_path(home).exists() else None
+                    # The files first: a store found without its index is
+                    # refused (PostgreSQL), never read as empty.
+                    shutil.rmtree(home, ignore_errors=True)
+                    if ledger is not None:
+                        ledger.drop()
+                    self._readers.pop(home, None)
+                    self._rows_of = {k: r for k, r in self._rows_of.items() if k[0] != home}
+
+    def consumed(self, sample_ids: list[str]) -> None:
+        """These samples' steps are done on every rank (the step's gradients
+        were reduced across them): remove the spooled shards whose every
+        sample is trained this epoch."""
+        if not self.spooled:
+            return
+        with self._lock:
+            self._consumed.update(sample_ids)
+            home = epoch_store(self.store, self.epoch)
+            if not manifest_path(home).exists():
+                return
+            reader, ledger = self._readers.get(home), self._ledger(home)
+            # Only these samples' shards can have become fully trained: each
+            # looked up once (not the epoch's whole index every step, which
+            # at 300k samples an epoch is a second a step on PostgreSQL).
+            touched = set()
+            for sid in sample_ids:
+                if sid not in self._shard_of:
+                    rows = ledger.shard_index(sid)  # [] for a sample not spooled (held out, cached, removed)
+                    for r in rows:
+                        self._shard_of[r[0]] = r[1]
+                    if rows:
+                        self._members[rows[0][1]] = [r[0] for r in rows]
+                if sid in self._shard_of:
+                    touched.add(self._shard_of[sid])
+            for shard in sorted(touched):
+                ids = self._members.get(shard)
+                if ids is not None and self._consumed.issuperset(ids):
+                    if reader is not None:  # (an unindexed reader has len 0)
+                        reader.close_shard(shard)
+                    drop_spooled_shard(ledger, home, shard)
+                    del self._members[shard]
+                    for sid in ids:
+                        self._rows_of.pop((home, sid), None)
+
+
+class Spool:
+    """The trainer's side of a stream run: each epoch read from its own
+    store; on rank 0, its progress written after every step for the run's
+    progress artifact (flows/stream.py) and, with a spool, the shards each
+    step finished removed and each checkpoint's position written for the
+    capture side (offline, it does nothing)."""
+
+    def __init__(self, run, store: Path):
+        cfg = run.cfg
+        self.stream, self.epochs = cfg.stream, cfg.epochs
+        self.reporting = cfg.stream and run.rank == 0
+        self.active = self.reporting and cfg.spool_bytes is not None
+        self.reader, self.store = run.reader, Path(store)
+        self.started, self.tokens, self.steps = time.time(), 0, 0
+
+    def start_epoch(self, epoch: int, done: list[list[int]]) -> None:
+        """Epoch `epoch`, whose batches `done` a checkpoint already holds."""
+        if self.stream:
+            self.reader.start_epoch(epoch)
+            self._consumed(done)
+
+    def stepped(self, epoch: int, step: int, total_steps: int, batches: list[list[int]]) -> None:
+        """A step over `batches` is done on every rank."""
+        if not self.reporting:
+            return
+        self._consumed(batches)
+        self.tokens += int(sum(self.reader.num_tokens[i] for b in batches for i in b))
+        self.steps += 1
+        record_progress(self.store, "trained", epoch=epoch, epochs=self.epochs, step=step, total_steps=total_steps,
+                        steps=self.steps, tokens=self.tokens, started=self.started)
+
+    def _consumed(self, batches: list[list[int]]) -> None:
+        if self.active:
+            self.reader.consumed([self.reader.sample_ids[i] for b in batches for i in b])
+
+    def checkpointed(self, epoch: int, batches_done: int) -> None:
+        if self.active:
+            write_position(self.store, epoch, batches_done)
+
+    def finish(self, epochs: int) -> None:
+        if self.active:
+            self.reader.start_epoch(epochs)  # every epoch trained: the spool's stores go
