@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
+import uuid
 from pathlib import Path
 
 from tasks.store.manifest import write_json_atomic
 
 CAPTURE_STATE = "stream-capture.json"
 TRAINER_STATE = "stream-trainer.json"
-WAITING = "stream-waiting"  # stream-waiting-<pid>.json: a trainer process waiting for a sample
+WAITING = "stream-waiting"  # stream-waiting-<host>-<pid>-<id>.json: a trainer process waiting for a sample
 RATE_WINDOW_S = 60.0  # the progress artifact's rates are over this much of the recent past
 
 def mark_capture(store: Path, state: str, detail: str = "") -> None:
@@ -38,12 +40,25 @@ def mark_trainer(store: Path, state: str) -> None:
 def mark_waiting(store: Path, what: str | None) -> bool:
     """This trainer process waits for `what` (a sample), or no longer
     (None); whether it now waits."""
-    path = Path(store) / f"{WAITING}-{os.getpid()}.json"
+    path = Path(store) / f"{WAITING}-{_process_name()}.json"
     if what is None:
         path.unlink(missing_ok=True)
         return False
     write_json_atomic(path, {"waiting_for": what, "since": time.time()})
     return True
+
+
+_NAME: tuple[int, str] | None = None
+
+
+def _process_name() -> str:
+    """This process among every trainer process of the run: ranks on other
+    hosts, or in containers, share pid numbers (each container's first
+    process is pid 1), and a host name alone may be shared too."""
+    global _NAME
+    if _NAME is None or _NAME[0] != os.getpid():  # a forked child is another process
+        _NAME = (os.getpid(), f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return _NAME[1]
 
 
 def trainer_waiting(store: Path) -> list[dict]:
