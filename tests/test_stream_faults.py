@@ -39,3 +39,116 @@ def test_trainer_processes_of_the_same_pid_on_other_hosts_each_say_what_they_wai
         for p in procs:
             p.kill()
             p.wait()
+
+
+def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4):
+    """A stream run's store as a capture that ran ahead would leave it,
+    built with tasks.store and no server: the held-out samples in the store,
+    each epoch's training samples in its spool store, in training order,
+    `shard_rows` a shard, with random hidden states (seeded); the capture
+    marked completed. The plan, and the store."""
+    import torch
+
+    from tasks.capture.config import CaptureConfig
+    from tasks.data.dataset import prepare_samples
+    from tasks.store.ledger.open import open_store
+    from tasks.store.shards import FORMAT, write_shard
+    from tasks.stream.plan import plan_stream
+    from tasks.stream.spool import epoch_store
+    from tasks.stream.state import mark_capture
+    from tasks.target.architectures import load_tokenizer
+    from tasks.target.layers import AuxLayers
+    from tasks.train.drafter import target_sizes
+    from tests.conftest import demo_rows, write_jsonl
+
+    sizes = target_sizes(model)
+    dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
+    store = d / "store"
+    plan = plan_stream(str(model), CaptureConfig(dataset=str(dataset), batch_size=shard_rows, max_length=128), cfg,
+                       store)
+    layers = AuxLayers.for_model(sizes["num_hidden_layers"])
+    manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
+                "aux_layers": layers.as_record(), "hidden_size": sizes["hidden_size"], "dtype": "bfloat16",
+                "max_length": 128, "max_length_policy": "truncate", "target_path": str(model),
+                "sources": [str(dataset.resolve())]}
+    samples = {s.source_row: s for s in prepare_samples(dataset, load_tokenizer(model), max_length=128)[0]}
+    g = torch.Generator().manual_seed(0)
+
+    def commit(home: Path, chunk: list[int]) -> None:
+        items = [{"sample_id": samples[r].sample_id, "source_row": r, "input_ids": samples[r].input_ids,
+                  "loss_mask": samples[r].loss_mask,
+                  "aux_hidden_states": torch.randn(samples[r].num_tokens, 3, sizes["hidden_size"], generator=g),
+                  "final_hidden_state": torch.randn(samples[r].num_tokens, sizes["hidden_size"], generator=g)}
+                 for r in chunk]
+        open_store(home, manifest).commit_shard(*write_shard(home, items, source=str(dataset)))
+
+    commit(store, plan.heldout)
+    for e, epoch in enumerate(plan.epochs):
+        order = [r for b in epoch for r in b]
+        for k in range(0, len(order), shard_rows):
+            commit(epoch_store(store, e), order[k:k + shard_rows])
+    mark_capture(store, "completed")
+    return plan, store
+
+
+def deleted_but_mapped(pids: list[int], under: Path) -> list[str]:
+    """Files under `under` that one of these processes maps although they
+    were removed: their blocks stay allocated on the disk until unmapped."""
+    out = []
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        out += [f"{pid}: {line.split(None, 5)[-1]}" for line in maps.splitlines()
+                if str(under) in line and line.endswith("(deleted)")]
+    return out
+
+
+def test_two_trainer_ranks_keep_no_removed_spool_shard_mapped(tiny_model, tmp_path):
+    """Two trainer ranks (torchrun, gloo) train a spooled stream run; a
+    checker outside them reads every rank's /proc/<pid>/maps all along: no
+    spool shard removed is still mapped by any rank at any time (rank 1's
+    maps of trained shards used to stay until the epoch ended, the
+    removed files' blocks held beside the budget), and the spool ends
+    empty, on disk as in the index."""
+    import threading
+
+    from tasks.stream.spool import SPOOL, spooled_bytes
+    from tasks.stream.state import mark_trainer
+    from tasks.train.config import TrainConfig
+    from tasks.train.launch import launch_distributed
+
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=2, tokens_per_batch=256,
+                      heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, devices=2,
+                      spool_bytes=10**9, checkpoint_every=1000)
+    plan, store = spooled_store(tmp_path, tiny_model, 48, cfg)
+    spool = store / SPOOL
+    shards = len(list(spool.glob("epoch-*/shards/*.safetensors")))
+    assert shards >= 16 and spooled_bytes(store) > 0
+    mark_trainer(store, "running")
+    config_file = str(Path(cfg.out_dir) / "train-config.json")
+    seen, ranks, done = [], set(), threading.Event()
+
+    def check() -> None:
+        while not done.is_set():
+            for pid in (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()):
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if config_file.encode() in cmd and b"torch.distributed.run" not in cmd:
+                    ranks.add(pid)
+            seen.extend(deleted_but_mapped(sorted(ranks), spool))
+            time.sleep(0.02)
+
+    checker = threading.Thread(target=check)
+    checker.start()
+    try:
+        result = launch_distributed(cfg, store)
+    finally:
+        done.set()
+        checker.join()
+    assert len(ranks) == 2 and result.final
+    assert not seen, seen[:5]
+    assert not list(spool.glob("epoch-*/shards/*.safetensors")) and spooled_bytes(store) == 0

@@ -63,6 +63,8 @@ class StreamReader:
         # The current epoch's spooled shards met in `consumed`: their samples.
         self._shard_of: dict[str, str] = {}
         self._members: dict[str, list[str]] = {}
+        # The current epoch's spooled shards this rank looked up: their samples.
+        self._looked_up: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -113,34 +115,39 @@ class StreamReader:
         sid = self.sample_ids[i]
         with self._lock:  # the loader thread and the evaluation share the reader
             home = self._home(sid)
-            homes = [self.store, home] if self.cached and home != self.store else [home]
-            started = last_log = time.time()
-            last_quarantine_check = 0.0
-            waiting = False
-            try:
-                while not any((h, sid) in self._rows_of for h in homes):
-                    # Read before the index: a capture that says it ended had
-                    # committed everything it stored by then.
-                    state = capture_state(self.store)
-                    if any(self._look_up(h, sid) for h in homes):
+        homes = [self.store, home] if self.cached and home != self.store else [home]
+        started = last_log = time.time()
+        last_quarantine_check = 0.0
+        waiting = False
+        try:
+            while True:
+                # Read before the index: a capture that says it ended had
+                # committed everything it stored by then.
+                state = capture_state(self.store)
+                # The lock is held for the look-up only, never while waiting:
+                # the step's thread frees what it trained meanwhile (a budget
+                # near its minimum needs that room for this very sample).
+                with self._lock:
+                    found = next((h for h in homes if (h, sid) in self._rows_of or self._look_up(h, sid)), None)
+                    if found is not None:
+                        sample_id, shard, offset, tokens, _, _, checksum = self._rows_of[found, sid]
+                        reader = self._readers[found]
                         break
-                    what = f"sample {sid} (row {self._rows[sid]}) in {home}"
-                    self._check_capture(what, state)
-                    if time.time() - last_quarantine_check >= QUARANTINE_CHECK_S:
-                        last_quarantine_check = time.time()
-                        self._check_quarantine(sid, homes, what)
-                    if not waiting:  # for the capture: waiting for room while this waits is a deadlock
-                        waiting = mark_waiting(self.store, what)
-                    if time.time() - last_log >= self.log_every_s:
-                        last_log = time.time()
-                        logger.info("stream: waiting %.0f s for %s", last_log - started, what)
-                    time.sleep(self.poll_s)
-            finally:
-                if waiting:
-                    mark_waiting(self.store, None)
-            home = next(h for h in homes if (h, sid) in self._rows_of)
-            sample_id, shard, offset, tokens, _, _, checksum = self._rows_of[home, sid]
-            return self._readers[home].read_row(sample_id, shard, offset, tokens, checksum)
+                what = f"sample {sid} (row {self._rows[sid]}) in {home}"
+                self._check_capture(what, state)
+                if time.time() - last_quarantine_check >= QUARANTINE_CHECK_S:
+                    last_quarantine_check = time.time()
+                    self._check_quarantine(sid, homes, what)
+                if not waiting:  # for the capture: waiting for room while this waits is a deadlock
+                    waiting = mark_waiting(self.store, what)
+                if time.time() - last_log >= self.log_every_s:
+                    last_log = time.time()
+                    logger.info("stream: waiting %.0f s for %s", last_log - started, what)
+                time.sleep(self.poll_s)
+        finally:
+            if waiting:
+                mark_waiting(self.store, None)
+        return reader.read_row(sample_id, shard, offset, tokens, checksum)
 
     def _look_up(self, home: Path, sid: str) -> bool:
         """Whether `sid` is committed in `home`; if so, the rows of its
@@ -151,29 +158,63 @@ class StreamReader:
             self._readers[home] = StoreReader(home, verify_checksums=True, index=False)
         rows = self._readers[home].ledger.shard_index(sid)
         self._rows_of.update(((home, r[0]), r) for r in rows)
+        if rows and home == epoch_store(self.store, self.epoch):
+            self._looked_up[rows[0][1]] = [r[0] for r in rows]
         return bool(rows)
 
     def start_epoch(self, epoch: int) -> None:
-        """Read the training samples of `epoch` from now on; the spool's
-        earlier epochs, all trained, are removed."""
+        """Read the training samples of `epoch` from now on; this rank's
+        maps of the spool's earlier epochs, all trained, are closed."""
         with self._lock:
+            if epoch != self.epoch:  # (rank 0 counted the draft vocabulary on epoch 0's shards before it starts)
+                self._looked_up = {}
             self.epoch, self._consumed, self._shard_of, self._members = epoch, set(), {}, {}
             if self.spooled:
                 for e in range(epoch):
                     home = epoch_store(self.store, e)
-                    ledger = self._ledger(home) if manifest_path(home).exists() else None
-                    # The files first: a store found without its index is
-                    # refused (PostgreSQL), never read as empty.
-                    shutil.rmtree(home, ignore_errors=True)
-                    if ledger is not None:
-                        ledger.drop()
                     self._readers.pop(home, None)
                     self._rows_of = {k: r for k, r in self._rows_of.items() if k[0] != home}
 
-    def consumed(self, sample_ids: list[str]) -> None:
+    def remove_earlier_epochs(self) -> None:
+        """Rank 0, once every rank started the current epoch: the spool's
+        stores of the epochs before it are removed."""
+        for e in range(self.epoch):
+            home = epoch_store(self.store, e)
+            if not home.exists():
+                continue
+            ledger = self._ledger(home) if manifest_path(home).exists() else None
+            # The files first: a store found without its index is refused
+            # (PostgreSQL), never read as empty.
+            shutil.rmtree(home, ignore_errors=True)
+            if ledger is not None:
+                ledger.drop()
+
+    def release(self, sample_ids: list[str]) -> None:
         """These samples' steps are done on every rank (the step's gradients
-        were reduced across them): remove the spooled shards whose every
-        sample is trained this epoch."""
+        were reduced across them): this rank's maps of the spooled shards
+        whose every sample is now trained are closed. Every rank does this
+        before rank 0 removes them (`remove_consumed`): a removed file that
+        any process still maps keeps its blocks on the disk (NFS, Lustre and
+        GPFS too), which no count of the index sees. A rank knows the whole
+        of every shard it looked up (`_look_up` keeps its rows)."""
+        if not self.spooled:
+            return
+        with self._lock:
+            self._consumed.update(sample_ids)
+            home = epoch_store(self.store, self.epoch)
+            reader = self._readers.get(home)
+            if reader is None:
+                return
+            for shard, ids in list(self._looked_up.items()):
+                if self._consumed.issuperset(ids):
+                    reader.close_shard(shard)
+                    del self._looked_up[shard]
+                    for sid in ids:
+                        self._rows_of.pop((home, sid), None)
+
+    def remove_consumed(self, sample_ids: list[str]) -> None:
+        """Rank 0, after every rank released them: remove the spooled
+        shards whose every sample is trained this epoch."""
         if not self.spooled:
             return
         with self._lock:
@@ -181,7 +222,7 @@ class StreamReader:
             home = epoch_store(self.store, self.epoch)
             if not manifest_path(home).exists():
                 return
-            reader, ledger = self._readers.get(home), self._ledger(home)
+            ledger = self._ledger(home)
             # Only these samples' shards can have become fully trained: each
             # looked up once (not the epoch's whole index every step, which
             # at 300k samples an epoch is a second a step on PostgreSQL).
@@ -198,26 +239,25 @@ class StreamReader:
             for shard in sorted(touched):
                 ids = self._members.get(shard)
                 if ids is not None and self._consumed.issuperset(ids):
-                    if reader is not None:  # (an unindexed reader has len 0)
-                        reader.close_shard(shard)
                     drop_spooled_shard(ledger, home, shard)
                     del self._members[shard]
-                    for sid in ids:
-                        self._rows_of.pop((home, sid), None)
 
 
 class Spool:
     """The trainer's side of a stream run: each epoch read from its own
-    store; on rank 0, its progress written after every step for the run's
-    progress artifact (flows/stream.py) and, with a spool, the shards each
-    step finished removed and each checkpoint's position written for the
-    capture side (offline, it does nothing)."""
+    store; with a spool, after every step each rank closes its maps of the
+    shards the step finished, then rank 0 removes them, and writes each
+    checkpoint's position for the capture side; on rank 0, its progress
+    written after every step for the run's progress artifact
+    (flows/stream.py). Offline, it does nothing."""
 
     def __init__(self, run, store: Path):
         cfg = run.cfg
         self.stream, self.epochs = cfg.stream, cfg.epochs
         self.reporting = cfg.stream and run.rank == 0
-        self.active = self.reporting and cfg.spool_bytes is not None
+        self.spooled = cfg.stream and cfg.spool_bytes is not None
+        self.removing = self.spooled and run.rank == 0
+        self.world = run.world
         self.reader, self.store = run.reader, Path(store)
         self.started, self.tokens, self.steps = time.time(), 0, 0
 
@@ -225,26 +265,41 @@ class Spool:
         """Epoch `epoch`, whose batches `done` a checkpoint already holds."""
         if self.stream:
             self.reader.start_epoch(epoch)
+            if self.spooled:
+                self._barrier()
+                if self.removing:
+                    self.reader.remove_earlier_epochs()
             self._consumed(done)
 
     def stepped(self, epoch: int, step: int, total_steps: int, batches: list[list[int]]) -> None:
-        """A step over `batches` is done on every rank."""
+        """A step over `batches` (every rank's) is done on every rank."""
+        self._consumed(batches)
         if not self.reporting:
             return
-        self._consumed(batches)
         self.tokens += int(sum(self.reader.num_tokens[i] for b in batches for i in b))
         self.steps += 1
         record_progress(self.store, "trained", epoch=epoch, epochs=self.epochs, step=step, total_steps=total_steps,
                         steps=self.steps, tokens=self.tokens, started=self.started)
 
     def _consumed(self, batches: list[list[int]]) -> None:
-        if self.active:
-            self.reader.consumed([self.reader.sample_ids[i] for b in batches for i in b])
+        if not self.spooled:
+            return
+        ids = [self.reader.sample_ids[i] for b in batches for i in b]
+        self.reader.release(ids)
+        self._barrier()  # every rank's maps closed before any file is removed
+        if self.removing:
+            self.reader.remove_consumed(ids)
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed
+
+            torch.distributed.barrier()
 
     def checkpointed(self, epoch: int, batches_done: int) -> None:
-        if self.active:
+        if self.removing:
             write_position(self.store, epoch, batches_done)
 
     def finish(self, epochs: int) -> None:
-        if self.active:
-            self.reader.start_epoch(epochs)  # every epoch trained: the spool's stores go
+        if self.spooled:  # every epoch trained: the spool's stores go
+            self.start_epoch(epochs, [])
