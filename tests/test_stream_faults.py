@@ -41,12 +41,14 @@ def test_trainer_processes_of_the_same_pid_on_other_hosts_each_say_what_they_wai
             p.wait()
 
 
-def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4):
+def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4, held_back: int = 0):
     """A stream run's store as a capture that ran ahead would leave it,
     built with tasks.store and no server: the held-out samples in the store,
     each epoch's training samples in its spool store, in training order,
     `shard_rows` a shard, with random hidden states (seeded); the capture
-    marked completed. The plan, and the store."""
+    marked completed. With `held_back`, the last that many shards of epoch
+    0 are not stored yet, and the capture is still running. The plan, the
+    store, and a function that stores what was held back."""
     import torch
 
     from tasks.capture.config import CaptureConfig
@@ -83,12 +85,16 @@ def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4):
         open_store(home, manifest).commit_shard(*write_shard(home, items, source=str(dataset)))
 
     commit(store, plan.heldout)
+    later = []
     for e, epoch in enumerate(plan.epochs):
         order = [r for b in epoch for r in b]
-        for k in range(0, len(order), shard_rows):
-            commit(epoch_store(store, e), order[k:k + shard_rows])
-    mark_capture(store, "completed")
-    return plan, store
+        chunks = [order[k:k + shard_rows] for k in range(0, len(order), shard_rows)]
+        for k, chunk in enumerate(chunks):
+            (later if e == 0 and k >= len(chunks) - held_back else []).append(chunk)
+            if not (e == 0 and k >= len(chunks) - held_back):
+                commit(epoch_store(store, e), chunk)
+    mark_capture(store, "running" if held_back else "completed")
+    return plan, store, lambda: [commit(epoch_store(store, 0), chunk) for chunk in later]
 
 
 def deleted_but_mapped(pids: list[int], under: Path) -> list[str]:
@@ -122,7 +128,7 @@ def test_two_trainer_ranks_keep_no_removed_spool_shard_mapped(tiny_model, tmp_pa
     cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=2, tokens_per_batch=256,
                       heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, devices=2,
                       spool_bytes=10**9, checkpoint_every=1000)
-    plan, store = spooled_store(tmp_path, tiny_model, 48, cfg)
+    plan, store, _ = spooled_store(tmp_path, tiny_model, 48, cfg)
     spool = store / SPOOL
     shards = len(list(spool.glob("epoch-*/shards/*.safetensors")))
     assert shards >= 16 and spooled_bytes(store) > 0
@@ -152,3 +158,45 @@ def test_two_trainer_ranks_keep_no_removed_spool_shard_mapped(tiny_model, tmp_pa
     assert len(ranks) == 2 and result.final
     assert not seen, seen[:5]
     assert not list(spool.glob("epoch-*/shards/*.safetensors")) and spooled_bytes(store) == 0
+
+
+def test_a_reader_waiting_for_a_sample_lets_the_step_free_what_it_trained(tiny_model, tmp_path):
+    """The loader waits for a sample the capture has not stored yet (it
+    waits for room); meanwhile the step's thread frees the shard it
+    trained, which is that room. The wait must not hold the reader (it used
+    to: both waited on each other): the step's release and removal finish
+    while the loader waits, and the wait ends once the sample is stored."""
+    import threading
+
+    from tasks.store.handle import Store
+    from tasks.stream.reader import StreamReader
+    from tasks.stream.spool import epoch_store
+    from tasks.train.config import TrainConfig
+
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=1, tokens_per_batch=256,
+                      heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, spool_bytes=10**9)
+    plan, store, store_the_rest = spooled_store(tmp_path, tiny_model, 24, cfg, held_back=1)
+    home = epoch_store(store, 0)
+    order = [r for b in plan.epochs[0] for r in b]
+    reader = StreamReader(store, cfg, poll_s=0.05)
+    reader.start_epoch(0)
+    row_of = {r: i for i, r in enumerate(reader._rows.values())}
+    trained = [reader.sample_ids[row_of[r]] for r in order[:4]]  # the first shard: the step's samples
+    for sid in trained:
+        reader[reader.sample_ids.index(sid)]
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(reader[row_of[order[-1]]]), daemon=True)
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive()  # it waits for the sample held back
+    freeing = threading.Thread(target=lambda: (reader.release(trained), reader.remove_consumed(trained)),
+                               daemon=True)
+    freeing.start()
+    freeing.join(timeout=10)
+    freed = not freeing.is_alive()
+    store_the_rest()  # the capture stores it, as it would once the step freed the room
+    waiter.join(timeout=30)
+    assert freed, "the step's release waited for the loader's wait to end"
+    assert got and got[0]["sample_id"] == reader.sample_ids[row_of[order[-1]]]
+    remaining = set(Store.open(home).ledger.samples().sample_id)
+    assert not remaining & set(trained) and reader.sample_ids[row_of[order[-1]]] in remaining
