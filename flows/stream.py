@@ -56,10 +56,11 @@ PROGRESS_EVERY_S = 5.0
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
-def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig, store: str) -> StreamPlan:
-    plan = plan_stream(model, capture, train, Path(store))
-    if train.spool_bytes is not None and (trimmed := trim_spool(Path(store), plan)):
-        epoch, done = read_position(Path(store))
+def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig, store: StoreConfig) -> StreamPlan:
+    root = Path(store.path)
+    plan = plan_stream(model, capture, train, root, dtype=store.dtype)
+    if train.spool_bytes is not None and (trimmed := trim_spool(root, plan)):
+        epoch, done = read_position(root)
         logger.info("stream: resuming at epoch %d, batch %d: %.1f MiB spooled after the first sample missing from "
                     "there removed, to be captured again in its turn", epoch + 1, done, trimmed / 2**20)
     logger.info("stream: %d held-out samples, then %d epoch(s) of %d batches captured in the order training reads "
@@ -230,7 +231,7 @@ def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: Store
     server, or on the capture `nodes`), and a progress artifact showing
     both, inside the pipeline's flow; the train_drafter result."""
     train = train.model_copy(update={"stream": True})
-    plan = stream_plan_task(server.model, capture, train, store.path)
+    plan = stream_plan_task(server.model, capture, train, store)
     mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan, tuple(nodes))
     room = plan.spool_room(train.spool_bytes)

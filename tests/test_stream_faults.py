@@ -200,3 +200,50 @@ def test_a_reader_waiting_for_a_sample_lets_the_step_free_what_it_trained(tiny_m
     assert got and got[0]["sample_id"] == reader.sample_ids[row_of[order[-1]]]
     remaining = set(Store.open(home).ledger.samples().sample_id)
     assert not remaining & set(trained) and reader.sample_ids[row_of[order[-1]]] in remaining
+
+
+def test_an_fp8_store_is_planned_with_the_bytes_its_shards_take(tiny_model, tmp_path):
+    """An FP8 stream store: the spool is sized, and its minimum refused, by
+    what FP8 shards take (half of bf16's), measured on a shard the store's
+    own writer makes of the first part's samples: its tensors are exactly
+    the plan's bytes per token but for alignment (bf16's sizes refused a
+    budget 2x too early and left half of it unused)."""
+    import struct
+
+    import torch
+
+    from tasks.capture.config import CaptureConfig
+    from tasks.data.dataset import prepare_samples
+    from tasks.store.shards import BF16, FP8, write_shard
+    from tasks.stream.plan import SpoolTooSmall, plan_stream
+    from tasks.target.architectures import load_tokenizer
+    from tasks.train.config import TrainConfig
+    from tasks.train.drafter import target_sizes
+    from tests.conftest import demo_rows, write_jsonl
+
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(24))
+    capture = CaptureConfig(dataset=str(dataset), batch_size=4, max_length=128)
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=2, tokens_per_batch=256,
+                      heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, spool_bytes=10**9)
+    bf16, fp8 = (plan_stream(str(tiny_model), capture, cfg, dtype=d) for d in (BF16, FP8))
+    rows = list(bf16.epochs[0][0])
+    samples = {s.source_row: s for s in prepare_samples(dataset, load_tokenizer(tiny_model), max_length=128)[0]}
+    hidden = target_sizes(tiny_model)["hidden_size"]
+    items = [{"sample_id": samples[r].sample_id, "source_row": r, "input_ids": samples[r].input_ids,
+              "loss_mask": samples[r].loss_mask, "aux_hidden_states": torch.randn(samples[r].num_tokens, 3, hidden),
+              "final_hidden_state": torch.randn(samples[r].num_tokens, hidden)} for r in rows]
+    (tmp_path / "fp8" / "shards").mkdir(parents=True)
+    info, _ = write_shard(tmp_path / "fp8", items, source=str(dataset), dtype=FP8)
+    path = next((tmp_path / "fp8").glob(f"shards/{info.name}.safetensors"))
+    header = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    tensors = path.stat().st_size - 8 - header
+    # The plan's bytes per token are the tensors' (safetensors pads a few
+    # bytes to keep them aligned: 24 here, 8 at most for each of the 6).
+    assert 0 <= tensors - info.num_tokens * fp8.bytes_per_token <= 48
+    assert fp8.shard_bytes(rows, 4) >= path.stat().st_size  # the plan's bound holds
+    assert 2 * fp8.bytes_per_token < bf16.bytes_per_token + 64 and fp8.minimum < bf16.minimum
+    # A budget between the two minimums: enough for FP8, refused for bf16.
+    between = cfg.model_copy(update={"spool_bytes": (fp8.minimum + bf16.minimum) // 2})
+    assert plan_stream(str(tiny_model), capture, between, dtype=FP8).minimum == fp8.minimum
+    with pytest.raises(SpoolTooSmall):
+        plan_stream(str(tiny_model), capture, between, dtype=BF16)

@@ -19,7 +19,7 @@ from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path
-from tasks.store.shards import bytes_per_token
+from tasks.store.shards import BF16, bytes_per_token
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
@@ -144,10 +144,13 @@ class StreamPlan:
         return tokens * self.bytes_per_token + shards * (16384 + 80 * batch_size)
 
 
-def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: Path | None = None) -> StreamPlan:
+def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: Path | None = None, *,
+                dtype: str = BF16) -> StreamPlan:
     """What a stream run captures, in the order training reads it (refused,
     with a spool too small to reach the first step); with `store`, the
-    planned samples are written there for the trainer's ranks."""
+    planned samples are written there for the trainer's ranks. `dtype`:
+    the store's (store.dtype), which the spool's bytes are sized by (FP8
+    takes half of bf16's)."""
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     dataset = str(Path(capture.dataset).resolve())
     samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
@@ -169,7 +172,7 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
         epochs=[[[rows[i] for i in b] for b in plan_batches(lengths, train_idx, train.tokens_per_batch, train.seed, e)]
                 for e in epochs],
         tokens={s.source_row: s.num_tokens for s in samples},
-        bytes_per_token=bytes_per_token(target.hidden_size, len(target.layers.sglang_ids)))
+        bytes_per_token=bytes_per_token(target.hidden_size, len(target.layers.sglang_ids), dtype))
     if train.spool_bytes is not None:
         need = spool_minimum(plan, samples, capture, train)
         plan = replace(plan, minimum=need)
