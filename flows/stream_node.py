@@ -43,7 +43,7 @@ def renewing(queue: PartQueue, part: Part, node: str):
     def renew() -> None:
         while not stop.wait(LEASE_S / 3):
             try:
-                if not queue.renew(part, node):
+                if not queue.renew(part):
                     get_run_logger().warning("part %d: the lease is no longer %s's", part.seq, node)
                     return
             except Exception as e:  # noqa: BLE001 - the index blinked: the next renewal tries again
@@ -102,14 +102,18 @@ def stream_capture_node(
                 extract_hidden_states(server=server, capture=capture, store=into, verify=False, rows=list(part.rows),
                                       parent_run=parent_run, node=node)
         except Exception as e:
-            queue.release(part, node, f"{type(e).__name__}: {e}")
+            queue.release(part, f"{type(e).__name__}: {e}")
             failures += 1
             if failures >= MAX_FAILURES:
                 raise
             log.warning("part %d failed on %s (%s: %s); it goes back in line", part.seq, node, type(e).__name__, e)
             continue
-        queue.done(part, node)
-        parts, tokens, failures = parts + 1, tokens + part.tokens, 0
+        failures = 0
+        if not queue.done(part):
+            log.warning("part %d: %s stored it, but its lease was lost meanwhile (it ran out, or the run was planned "
+                        "again): the node holding it now marks it done", part.seq, node)
+            continue
+        parts, tokens = parts + 1, tokens + part.tokens
         log.info("part %d (epoch %d, %d samples) stored by %s; %d parts, %s tokens at %.0f tok/s on this node",
                  part.seq, part.epoch + 1, len(part.rows), node, parts, f"{tokens:,}",
                  tokens / max(1e-9, time.time() - started))

@@ -247,3 +247,62 @@ def test_an_fp8_store_is_planned_with_the_bytes_its_shards_take(tiny_model, tmp_
     assert plan_stream(str(tiny_model), capture, between, dtype=FP8).minimum == fp8.minimum
     with pytest.raises(SpoolTooSmall):
         plan_stream(str(tiny_model), capture, between, dtype=BF16)
+
+
+@pytest.fixture
+def part_queue(tmp_path, postgres_url, monkeypatch):
+    """A stream capture's part queue in a fresh store's PostgreSQL index:
+    three parts planned, none into the spool."""
+    from tasks.store.ledger.open import open_store
+    from tasks.stream.parts import Part, PartQueue
+    from test_store import MANIFEST
+
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
+    queue = PartQueue(open_store(tmp_path / "store", MANIFEST, postgres_url))
+    parts = [Part(k, 0, "", (k,), 0, 10, k + 1, 3) for k in range(3)]
+    queue.plan(parts)
+    return queue, parts
+
+
+def test_a_node_loop_of_a_killed_run_cannot_mark_a_part_of_the_rerun_done(part_queue, tmp_path):
+    """The head was SIGKILLed while node-a captured part 0; the rerun plans
+    the parts again (the same numbers) and node-b leases part 0. node-a's
+    loop, still running, finishes after that: its done and its renewal are
+    refused (they matched the part's number alone, marking done a part
+    nobody captured under the new plan), and the part stays node-b's."""
+    from tasks.stream.spool import SpoolBudget
+
+    queue, parts = part_queue
+    budget = SpoolBudget(tmp_path, None)
+    old = queue.lease("node-a", budget)
+    queue.plan(parts)  # the rerun
+    new = queue.lease("node-b", budget)
+    assert (old.seq, new.seq) == (0, 0) and new.lease != old.lease
+    assert not queue.done(old) and not queue.renew(old)
+    queue.release(old, "late failure")  # nor can it put the part back in line
+    state = queue.parts().set_index("seq")
+    assert (state.state[0], state.node[0], state.failures[0]) == ("leased", "node-b", 0)
+    assert queue.done(new) and queue.parts().set_index("seq").state[0] == "done"
+
+
+def test_a_node_whose_clock_runs_ahead_takes_no_live_lease(part_queue, tmp_path, monkeypatch):
+    """node-b's clock is 35 s ahead of node-a's (more than a lease's 30 s):
+    node-a's live lease of part 0 is not taken (leases are timed by the
+    database's clock, not each node's); node-b takes the next part. Once
+    node-a's lease has run out (its node stopped renewing), node-b takes
+    part 0 under a new lease and node-a learns at its next renewal."""
+    import time as clock
+
+    from tasks.stream.spool import SpoolBudget
+
+    queue, _ = part_queue
+    budget = SpoolBudget(tmp_path, None)
+    a = queue.lease("node-a", budget)
+    real = clock.time
+    monkeypatch.setattr(clock, "time", lambda: real() + 35.0)  # this process is node-b now
+    b = queue.lease("node-b", budget)
+    assert (a.seq, b.seq) == (0, 1)
+    with queue.ledger.transaction() as db:  # node-a stopped renewing: its lease ran out
+        db.execute("UPDATE stream_parts SET leased_until = leased_until - 31 WHERE seq = 0")
+    taken = queue.lease("node-b", budget)
+    assert taken.seq == 0 and taken.lease > a.lease and not queue.renew(a) and queue.renew(taken)

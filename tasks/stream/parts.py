@@ -22,8 +22,7 @@ later ones fill the spool before the part the trainer waits for.
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tasks.stream.plan import StreamPlan
@@ -45,6 +44,7 @@ class Part:
     tokens: int
     taken: int  # samples of its epoch captured once it is, of
     of: int
+    lease: int = 0  # the fencing number of the lease a node holds it under (PartQueue.lease)
 
     def store(self, root: Path) -> Path:
         return Path(root) / self.into if self.into else Path(root)
@@ -101,53 +101,51 @@ def part_samples(plan: StreamPlan, batch_size: int, room: int) -> int:
     return max(2 * batch_size, fits)
 
 
-TABLE = """
-CREATE TABLE IF NOT EXISTS stream_parts(
-    seq BIGINT PRIMARY KEY, epoch BIGINT NOT NULL, into_store TEXT NOT NULL, rows TEXT NOT NULL,
-    need BIGINT NOT NULL, tokens BIGINT NOT NULL, taken BIGINT NOT NULL, of BIGINT NOT NULL,
-    state TEXT NOT NULL, node TEXT, leased_until DOUBLE PRECISION, failures BIGINT NOT NULL DEFAULT 0,
-    error TEXT, done_at DOUBLE PRECISION);
-CREATE INDEX IF NOT EXISTS stream_parts_open ON stream_parts(seq) WHERE state <> 'done'
-"""
+# The database's clock, in seconds: every node's lease is timed by it, not
+# by the node's own (20 s of skew between two nodes stole live leases).
+NOW = "extract(epoch FROM clock_timestamp())"
 
 
 class PartQueue:
     """The parts of a stream capture on many nodes, in the store's own
-    PostgreSQL schema (`ledger`: the store's PostgresLedger)."""
+    PostgreSQL schema (`ledger`: the store's PostgresLedger, whose schema
+    holds the stream_parts table).
+
+    Each lease is fenced: it takes a number from a sequence no plan ever
+    resets, and renewing, finishing or releasing a part needs that number.
+    A node loop that lost its part (its lease ran out, or the run was
+    planned again after its head was killed) can no longer mark it done,
+    and learns at its next renewal that it should stop."""
 
     def __init__(self, ledger):
         self.ledger = ledger
-        with ledger._connect() as db:
-            self._serialise(db)
-            for statement in filter(str.strip, TABLE.split(";")):
-                db.execute(statement)
 
     def _serialise(self, db) -> None:
-        """Until `db`'s transaction ends, no other creates the table or
-        leases a part."""
+        """Until `db`'s transaction ends, no other leases a part."""
         db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{self.ledger.schema}.stream_parts",))
 
     def plan(self, parts: list[Part]) -> None:
         """These parts, replacing any an earlier run left: a capture started
         again is cut again from the trainer's position (and what it
         stored is skipped by each part's own extraction plan)."""
-        with self.ledger._connect() as db, db.cursor() as cur:
+        with self.ledger.transaction() as db, db.cursor() as cur:
+            self._serialise(db)
             cur.execute("DELETE FROM stream_parts")
-            cur.executemany("INSERT INTO stream_parts VALUES (%s,%s,%s,%s,%s,%s,%s,%s,'todo',NULL,NULL,0,NULL,NULL)",
-                            [(p.seq, p.epoch, p.into, json.dumps(p.rows), p.need, p.tokens, p.taken, p.of)
-                             for p in parts])
+            cur.executemany("INSERT INTO stream_parts VALUES (%s,%s,%s,%s,%s,%s,%s,%s,'todo',NULL,NULL,NULL,0,NULL,"
+                            "NULL)", [(p.seq, p.epoch, p.into, json.dumps(p.rows), p.need, p.tokens, p.taken, p.of)
+                                      for p in parts])
 
     def lease(self, node: str, budget: SpoolBudget) -> Part | str | None:
-        """The next part for `node`, leased to it; "wait" while the parts
-        left are leased by live nodes; "full" while the budget does not
-        admit the next one (into the spool) beside what the spool holds and
-        the parts in flight may add; None once every part is done."""
-        now = time.time()
-        with self.ledger._connect() as db:
+        """The next part for `node`, leased to it (its `lease` the fencing
+        number); "wait" while the parts left are leased by live nodes;
+        "full" while the budget does not admit the next one (into the
+        spool) beside what the spool holds and the parts in flight may
+        add; None once every part is done."""
+        with self.ledger.transaction() as db:
             self._serialise(db)
-            row = db.execute("SELECT seq, epoch, into_store, rows, need, tokens, taken, of FROM stream_parts WHERE "
-                             "state <> 'done' AND (state = 'todo' OR leased_until < %s) ORDER BY seq LIMIT 1",
-                             (now,)).fetchone()
+            row = db.execute(f"SELECT seq, epoch, into_store, rows, need, tokens, taken, of FROM stream_parts WHERE "
+                             f"state <> 'done' AND (state = 'todo' OR leased_until < {NOW}) ORDER BY seq "
+                             f"LIMIT 1").fetchone()
             if row is None:
                 left = db.execute("SELECT count(*) FROM stream_parts WHERE state <> 'done'").fetchone()[0]
                 return "wait" if left else None
@@ -155,54 +153,58 @@ class PartQueue:
             if part.need and budget.room is not None:
                 # What a part in flight has committed is counted twice (held
                 # and its need): a node may wait a little early, never overfill.
-                in_flight = db.execute("SELECT coalesce(sum(need), 0) FROM stream_parts WHERE state = 'leased' AND "
-                                       "leased_until >= %s", (now,)).fetchone()[0]
+                in_flight = db.execute(f"SELECT coalesce(sum(need), 0) FROM stream_parts WHERE state = 'leased' AND "
+                                       f"leased_until >= {NOW}").fetchone()[0]
                 if not budget.admits(part.need, in_flight):
                     return "full"
-            db.execute("UPDATE stream_parts SET state = 'leased', node = %s, leased_until = %s WHERE seq = %s",
-                       (node, now + LEASE_S, part.seq))
-            return part
+            lease = db.execute(f"UPDATE stream_parts SET state = 'leased', node = %s, "
+                               f"lease = nextval('stream_part_leases'), leased_until = {NOW} + %s WHERE seq = %s "
+                               f"RETURNING lease", (node, LEASE_S, part.seq)).fetchone()[0]
+            return replace(part, lease=lease)
 
-    def renew(self, part: Part, node: str) -> bool:
-        """Extend `node`'s lease of `part`; False if it is no longer its."""
-        with self.ledger._connect() as db:
-            cur = db.execute("UPDATE stream_parts SET leased_until = %s WHERE seq = %s AND node = %s AND "
-                             "state = 'leased'", (time.time() + LEASE_S, part.seq, node))
+    def renew(self, part: Part) -> bool:
+        """Extend the lease of `part`; False if it is no longer this
+        lease's (it ran out and another node took the part, or the run was
+        planned again): its holder should stop capturing it."""
+        with self.ledger.transaction() as db:
+            cur = db.execute(f"UPDATE stream_parts SET leased_until = {NOW} + %s WHERE seq = %s AND lease = %s AND "
+                             f"state = 'leased'", (LEASE_S, part.seq, part.lease))
             return cur.rowcount == 1
 
-    def done(self, part: Part, node: str) -> None:
-        """`node` stored `part`. Whoever finishes first: a node whose lease
-        ran out while it still captured (the index blinked) may end after
-        the one that took the part over; both stored from the same plan,
-        and the index refused any sample twice."""
-        with self.ledger._connect() as db:
-            db.execute("UPDATE stream_parts SET state = 'done', node = %s, done_at = %s, error = NULL WHERE seq = %s",
-                       (node, time.time(), part.seq))
+    def done(self, part: Part) -> bool:
+        """`part` is stored, under its lease; False (nothing marked) if the
+        lease is no longer its: whoever holds the part now marks it, once
+        it stored it (what this node committed is skipped by its plan)."""
+        with self.ledger.transaction() as db:
+            cur = db.execute(f"UPDATE stream_parts SET state = 'done', done_at = {NOW}, error = NULL WHERE seq = %s "
+                             f"AND lease = %s AND state = 'leased'", (part.seq, part.lease))
+            return cur.rowcount == 1
 
-    def release(self, part: Part, node: str, error: str) -> None:
-        """`node` failed `part`: back in line for any node, first."""
-        with self.ledger._connect() as db:
+    def release(self, part: Part, error: str) -> None:
+        """`part` failed under its lease: back in line for any node, first."""
+        with self.ledger.transaction() as db:
             db.execute("UPDATE stream_parts SET state = 'todo', leased_until = NULL, failures = failures + 1, "
-                       "error = %s WHERE seq = %s AND node = %s AND state = 'leased'", (error[:500], part.seq, node))
+                       "error = %s WHERE seq = %s AND lease = %s AND state = 'leased'", (error[:500], part.seq,
+                                                                                          part.lease))
 
     def progress(self) -> dict:
         """Parts in all and done, the training tokens done, and the last
         training part done (its seq, or None): a few aggregates, polled
         while the nodes run (a run of 600k samples has ~100k parts)."""
-        total, done, tokens, last = self.ledger._rows(
+        total, done, tokens, last = self.ledger.query(
             "SELECT count(*), count(*) FILTER (WHERE state = 'done'), coalesce(sum(tokens) FILTER (WHERE state = "
             "'done' AND epoch >= 0), 0), max(seq) FILTER (WHERE state = 'done' AND epoch >= 0) FROM stream_parts")[0]
         return {"parts": total, "done": done, "tokens": int(tokens), "last": last}
 
     def done_by_node(self) -> dict[str, int]:
-        return dict(self.ledger._rows("SELECT node, count(*) FROM stream_parts WHERE state = 'done' GROUP BY node "
+        return dict(self.ledger.query("SELECT node, count(*) FROM stream_parts WHERE state = 'done' GROUP BY node "
                                       "ORDER BY node"))
 
     def parts(self):
         """Every part's state, node and failures (a DataFrame, by seq)."""
         import pandas as pd
 
-        return pd.DataFrame(self.ledger._rows("SELECT seq, epoch, into_store, state, node, failures, error, tokens, "
+        return pd.DataFrame(self.ledger.query("SELECT seq, epoch, into_store, state, node, failures, error, tokens, "
                                               "taken, of, done_at FROM stream_parts ORDER BY seq"),
                             columns=["seq", "epoch", "into", "state", "node", "failures", "error", "tokens", "taken",
                                      "of", "done_at"])

@@ -40,6 +40,13 @@ CREATE TABLE IF NOT EXISTS quarantine(
 CREATE TABLE IF NOT EXISTS crashes(
     sample_id TEXT PRIMARY KEY, count BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL);
 CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
+CREATE TABLE IF NOT EXISTS stream_parts(
+    seq BIGINT PRIMARY KEY, epoch BIGINT NOT NULL, into_store TEXT NOT NULL, rows TEXT NOT NULL,
+    need BIGINT NOT NULL, tokens BIGINT NOT NULL, taken BIGINT NOT NULL, of BIGINT NOT NULL,
+    state TEXT NOT NULL, node TEXT, lease BIGINT, leased_until DOUBLE PRECISION,
+    failures BIGINT NOT NULL DEFAULT 0, error TEXT, done_at DOUBLE PRECISION);
+CREATE INDEX IF NOT EXISTS stream_parts_open ON stream_parts(seq) WHERE state <> 'done';
+CREATE SEQUENCE IF NOT EXISTS stream_part_leases;
 CREATE TABLE IF NOT EXISTS canaries(
     shard TEXT NOT NULL REFERENCES shards(name), sample_id TEXT PRIMARY KEY REFERENCES samples(sample_id),
     positions BIGINT NOT NULL, worst_deviation DOUBLE PRECISION NOT NULL, worst_ratio DOUBLE PRECISION NOT NULL,
@@ -150,6 +157,17 @@ class PostgresLedger(Ledger):
             from psycopg import sql
 
             db.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(self.schema)))
+
+    def transaction(self):
+        """A connection in this store's schema, used as a context manager:
+        one transaction, committed on success, rolled back on an error. For
+        the tables beside the index (the stream capture's part queue,
+        tasks/stream/parts.py), whose statements are their module's."""
+        return self._connect()
+
+    def query(self, query: str, args=()) -> list[tuple]:
+        """The rows of one read-only statement in this store's schema."""
+        return self._rows(query, args)
 
     def _rows(self, query: str, args=()) -> list[tuple]:
         with self._connect() as db:
