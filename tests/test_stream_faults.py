@@ -1,6 +1,5 @@
 """Stream mode at the size it exists for (#39): the faults of many ranks,
 many nodes and long runs, each injected for real."""
-import os
 import subprocess
 import sys
 import textwrap
@@ -306,3 +305,33 @@ def test_a_node_whose_clock_runs_ahead_takes_no_live_lease(part_queue, tmp_path,
         db.execute("UPDATE stream_parts SET leased_until = leased_until - 31 WHERE seq = 0")
     taken = queue.lease("node-b", budget)
     assert taken.seq == 0 and taken.lease > a.lease and not queue.renew(a) and queue.renew(taken)
+
+
+def test_nodes_polling_a_full_spool_do_not_queue_behind_the_lease_lock(tmp_path, postgres_url, monkeypatch):
+    """The spool is full (part 0 in flight fills the room); while another
+    connection holds the queue's lease lock (a node mid-lease, or 15 others
+    polling), a waiting node's poll is answered "full" at once instead of
+    queueing for the lock: 16 waiting nodes no longer serialise on it. Once
+    part 0 is done, the next poll leases part 1."""
+    import threading
+
+    from tasks.store.ledger.open import open_store
+    from tasks.stream.parts import Part, PartQueue
+    from tasks.stream.spool import SpoolBudget
+    from test_store import MANIFEST
+
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", postgres_url)
+    queue = PartQueue(open_store(tmp_path / "store", MANIFEST, postgres_url))
+    queue.plan([Part(k, 0, "spool/epoch-0000", (k,), 60, 10, k + 1, 2) for k in range(2)])
+    budget = SpoolBudget(tmp_path / "store", 100)
+    first = queue.lease("node-a", budget)
+    answers = []
+    with queue.ledger.transaction() as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{queue.ledger.schema}.stream_parts",))
+        poll = threading.Thread(target=lambda: answers.append(queue.lease("node-b", budget)), daemon=True)
+        poll.start()
+        poll.join(timeout=10)
+        answered_while_locked = list(answers)
+    poll.join(timeout=30)
+    assert answered_while_locked == ["full"]
+    assert queue.done(first) and queue.lease("node-b", budget).seq == 1

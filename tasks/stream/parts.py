@@ -15,9 +15,10 @@ Leases are taken one at a time (a transaction-scoped advisory lock), not
 with FOR UPDATE SKIP LOCKED: a part into the spool is leased only if the
 spool has room for it beside the parts other nodes are capturing, and that
 check must see every lease. A lease is a few milliseconds; nodes take a
-part every few seconds each, far from contention at tens of nodes. And
-parts are leased strictly in order: one skipped for lack of room would let
-later ones fill the spool before the part the trainer waits for.
+part every few seconds each, far from contention at tens of nodes; while
+the spool is full, their polls are answered without the lock. And parts
+are leased strictly in order: one skipped for lack of room would let later
+ones fill the spool before the part the trainer waits for.
 """
 from __future__ import annotations
 
@@ -104,6 +105,9 @@ def part_samples(plan: StreamPlan, batch_size: int, room: int) -> int:
 # The database's clock, in seconds: every node's lease is timed by it, not
 # by the node's own (20 s of skew between two nodes stole live leases).
 NOW = "extract(epoch FROM clock_timestamp())"
+# The next part any node may lease: not done, and not leased by a live node.
+NEXT = (f"seq, epoch, into_store, rows, need, tokens, taken, of FROM stream_parts WHERE state <> 'done' AND "
+        f"(state = 'todo' OR leased_until < {NOW}) ORDER BY seq")
 
 
 class PartQueue:
@@ -141,26 +145,36 @@ class PartQueue:
         "full" while the budget does not admit the next one (into the
         spool) beside what the spool holds and the parts in flight may
         add; None once every part is done."""
+        # While the spool is full every waiting node polls here: answered
+        # without the lock (counting the spool's bytes takes a connection
+        # per epoch store), so 16 waiting nodes do not queue behind each
+        # other. Room seen here is checked again under the lock.
+        if budget.room is not None:
+            with self.ledger.transaction() as db:
+                ahead = db.execute(f"SELECT {NEXT} LIMIT 1").fetchone()
+                if ahead is not None and ahead[4] and not budget.admits(ahead[4], self._in_flight(db)):
+                    return "full"
         with self.ledger.transaction() as db:
             self._serialise(db)
-            row = db.execute(f"SELECT seq, epoch, into_store, rows, need, tokens, taken, of FROM stream_parts WHERE "
-                             f"state <> 'done' AND (state = 'todo' OR leased_until < {NOW}) ORDER BY seq "
-                             f"LIMIT 1").fetchone()
+            row = db.execute(f"SELECT {NEXT} LIMIT 1").fetchone()
             if row is None:
                 left = db.execute("SELECT count(*) FROM stream_parts WHERE state <> 'done'").fetchone()[0]
                 return "wait" if left else None
             part = Part(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5], row[6], row[7])
-            if part.need and budget.room is not None:
-                # What a part in flight has committed is counted twice (held
-                # and its need): a node may wait a little early, never overfill.
-                in_flight = db.execute(f"SELECT coalesce(sum(need), 0) FROM stream_parts WHERE state = 'leased' AND "
-                                       f"leased_until >= {NOW}").fetchone()[0]
-                if not budget.admits(part.need, in_flight):
-                    return "full"
+            if part.need and not budget.admits(part.need, self._in_flight(db)):
+                return "full"
             lease = db.execute(f"UPDATE stream_parts SET state = 'leased', node = %s, "
                                f"lease = nextval('stream_part_leases'), leased_until = {NOW} + %s WHERE seq = %s "
                                f"RETURNING lease", (node, LEASE_S, part.seq)).fetchone()[0]
             return replace(part, lease=lease)
+
+    @staticmethod
+    def _in_flight(db) -> int:
+        """Bytes the parts leased now may add to the spool. What a part in
+        flight has committed is counted twice (held and its need): a node
+        may wait a little early, never overfill."""
+        return db.execute(f"SELECT coalesce(sum(need), 0) FROM stream_parts WHERE state = 'leased' AND "
+                          f"leased_until >= {NOW}").fetchone()[0]
 
     def renew(self, part: Part) -> bool:
         """Extend the lease of `part`; False if it is no longer this
