@@ -40,7 +40,7 @@ from tasks.store.lock import hold_lock
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.stream.parts import HELD_OUT, PartQueue, capture_parts
-from tasks.stream.plan import StreamPlan, plan_stream
+from tasks.stream.plan import StreamPlan, plan_stream, require_shared_index
 from tasks.stream.progress import cached_note, describe_progress, log_captured
 from tasks.stream.spool import SpoolBudget, TrainerStopped, read_position, spooled_bytes, trim_spool
 from tasks.stream.state import mark_capture, mark_trainer, trainer_state, trainer_stopped
@@ -116,8 +116,9 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
                                      f"it stored: run the pipeline again and both resume")
             if part.need:
                 paused += budget.wait_for_room(part.need, part.epoch)
-            # A spool store's index is beside it, in SQLite: one machine writes it.
-            into = store.model_copy(update={"path": str(part.store(root)), "ledger_url": None}) if part.into else store
+            # A spool store's index is where the store's is: PostgreSQL when
+            # trainer ranks on other nodes read it (require_shared_index).
+            into = store.model_copy(update={"path": str(part.store(root))}) if part.into else store
             extract_hidden_states(server=server, capture=capture, store=into, verify=False, rows=list(part.rows))
             if part.epoch != HELD_OUT:
                 peak, captured = max(peak, budget.held()), captured + part.tokens
@@ -139,7 +140,7 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
     indexes in PostgreSQL, which every node reaches), shows the capture's
     progress, and returns once every part is done: a node that dies leaves
     its part to the others once its lease runs out."""
-    if not store.ledger_url:
+    if not store.ledger_url:  # (refused before the plan: require_shared_index)
         raise ValueError("capture nodes write the store's index from their own hosts: set store.ledger_url to a "
                          "PostgreSQL URL (or 'env' for $EAGLE3_LEDGER_URL)")
     root = Path(store.path)
@@ -231,6 +232,7 @@ def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: Store
     server, or on the capture `nodes`), and a progress artifact showing
     both, inside the pipeline's flow; the train_drafter result."""
     train = train.model_copy(update={"stream": True})
+    require_shared_index(train, store.ledger_url, nodes)
     plan = stream_plan_task(server.model, capture, train, store)
     mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan, tuple(nodes))

@@ -335,3 +335,27 @@ def test_nodes_polling_a_full_spool_do_not_queue_behind_the_lease_lock(tmp_path,
     poll.join(timeout=30)
     assert answered_while_locked == ["full"]
     assert queue.done(first) and queue.lease("node-b", budget).seq == 1
+
+
+def test_a_stream_run_across_hosts_on_a_sqlite_index_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """Trainer ranks on two nodes read the spool stores' indexes that the
+    capture writes on another host: SQLite on shared storage is refused,
+    naming store.ledger_url, before anything is planned or launched (it
+    used to keep the spool's index in SQLite, written by one host, read by
+    others); capture nodes likewise; one host is fine."""
+    from flows.stream import capture_and_train
+    from tasks.capture.config import CaptureConfig
+    from tasks.server.config import ServerConfig
+    from tasks.store.config import StoreConfig
+    from tasks.stream.plan import UnsharedIndex, require_shared_index
+    from tasks.train.config import TrainConfig
+
+    two = TrainConfig(out_dir=str(tmp_path / "run"), nnodes=2, rdzv_endpoint="127.0.0.1:29500", spool_bytes=10**9)
+    with pytest.raises(UnsharedIndex, match=r"trainer ranks on 2 nodes \(train.nnodes\)\): set store.ledger_url"):
+        capture_and_train(ServerConfig(model="tiny"), CaptureConfig(dataset=str(tmp_path / "none.jsonl")),
+                          StoreConfig(path=str(tmp_path / "store")), two)
+    assert not (tmp_path / "store").exists()  # nothing planned, nothing written
+    with pytest.raises(UnsharedIndex, match=r"capture nodes \(node-a\)"):
+        require_shared_index(two.model_copy(update={"nnodes": 1}), None, ("node-a",))
+    require_shared_index(two, "postgresql://eagle3@db/eagle3")
+    require_shared_index(two.model_copy(update={"nnodes": 1}), None)

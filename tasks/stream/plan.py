@@ -111,6 +111,24 @@ def read_planned(store: Path, manifest: dict):
     return table.to_pandas()
 
 
+class UnsharedIndex(Permanent, ValueError):
+    """A stream run read or written from several hosts on a SQLite index."""
+
+
+def require_shared_index(train: TrainConfig, ledger_url: str | None, nodes=()) -> None:
+    """A stream run whose store's indexes (its own and its spool stores')
+    are written or read from more than one host, by capture nodes or by
+    trainer ranks on several nodes, needs them in PostgreSQL: SQLite's
+    locking does not hold on shared storage (NFS, Lustre), where a reader
+    on another host can see a half-written index."""
+    hosts = ([f"capture nodes ({', '.join(nodes)})"] if nodes else []) + (
+        [f"trainer ranks on {train.nnodes} nodes (train.nnodes)"] if train.nnodes > 1 else [])
+    if hosts and not ledger_url:
+        raise UnsharedIndex(f"this stream run reaches its store's index from several hosts ({' and '.join(hosts)}): "
+                            f"set store.ledger_url to a PostgreSQL URL (or 'env' for $EAGLE3_LEDGER_URL); a SQLite "
+                            f"index must not be shared between hosts")
+
+
 class SpoolTooSmall(Permanent, ValueError):
     """The spool cannot hold what training reads before its first step."""
 
