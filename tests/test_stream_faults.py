@@ -40,14 +40,14 @@ def test_trainer_processes_of_the_same_pid_on_other_hosts_each_say_what_they_wai
             p.wait()
 
 
-def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4, held_back: int = 0):
+def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4, held_back=None):
     """A stream run's store as a capture that ran ahead would leave it,
     built with tasks.store and no server: the held-out samples in the store,
     each epoch's training samples in its spool store, in training order,
     `shard_rows` a shard, with random hidden states (seeded); the capture
-    marked completed. With `held_back`, the last that many shards of epoch
-    0 are not stored yet, and the capture is still running. The plan, the
-    store, and a function that stores what was held back."""
+    marked completed. With `held_back` (the plan -> rows of epoch 0), those
+    rows are not stored yet, and the capture is still running. The plan,
+    the store, and a function that stores what was held back, as a shard."""
     import torch
 
     from tasks.capture.config import CaptureConfig
@@ -84,16 +84,13 @@ def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4, hel
         open_store(home, manifest).commit_shard(*write_shard(home, items, source=str(dataset)))
 
     commit(store, plan.heldout)
-    later = []
+    later = sorted(held_back(plan)) if held_back else []
     for e, epoch in enumerate(plan.epochs):
-        order = [r for b in epoch for r in b]
-        chunks = [order[k:k + shard_rows] for k in range(0, len(order), shard_rows)]
-        for k, chunk in enumerate(chunks):
-            (later if e == 0 and k >= len(chunks) - held_back else []).append(chunk)
-            if not (e == 0 and k >= len(chunks) - held_back):
-                commit(epoch_store(store, e), chunk)
+        order = [r for b in epoch for r in b if not (e == 0 and r in later)]
+        for k in range(0, len(order), shard_rows):
+            commit(epoch_store(store, e), order[k:k + shard_rows])
     mark_capture(store, "running" if held_back else "completed")
-    return plan, store, lambda: [commit(epoch_store(store, 0), chunk) for chunk in later]
+    return plan, store, lambda: commit(epoch_store(store, 0), later)
 
 
 def deleted_but_mapped(pids: list[int], under: Path) -> list[str]:
@@ -174,7 +171,8 @@ def test_a_reader_waiting_for_a_sample_lets_the_step_free_what_it_trained(tiny_m
 
     cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=1, tokens_per_batch=256,
                       heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, spool_bytes=10**9)
-    plan, store, store_the_rest = spooled_store(tmp_path, tiny_model, 24, cfg, held_back=1)
+    plan, store, store_the_rest = spooled_store(tmp_path, tiny_model, 24, cfg,
+                                                held_back=lambda plan: {plan.epochs[0][-1][-1]})
     home = epoch_store(store, 0)
     order = [r for b in plan.epochs[0] for r in b]
     reader = StreamReader(store, cfg, poll_s=0.05)
@@ -359,3 +357,47 @@ def test_a_stream_run_across_hosts_on_a_sqlite_index_is_refused_before_it_starts
         require_shared_index(two.model_copy(update={"nnodes": 1}), None, ("node-a",))
     require_shared_index(two, "postgresql://eagle3@db/eagle3")
     require_shared_index(two.model_copy(update={"nnodes": 1}), None)
+
+
+def test_a_training_sample_quarantined_in_a_spooled_run_is_left_out_of_the_rerun(tiny_model, tmp_path):
+    """A spooled part quarantines a training sample (it crashed the server):
+    its quarantine row lands in the epoch's spool store. The trainer stops
+    naming it; the rerun's plan keeps the row in the store's own index and
+    leaves the sample out, and the rerun trains every other sample, every
+    epoch, to the end (it used to stop again at once on the spool's stale
+    row, on every rerun)."""
+    from tasks.store.handle import Store
+    from tasks.stream.plan import plan_stream
+    from tasks.stream.spool import epoch_store
+    from tasks.stream.state import mark_capture, mark_trainer
+    from tasks.train.config import TrainConfig, TrainingError
+    from tasks.train.loop import train
+    from tasks.capture.config import CaptureConfig
+
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=2, tokens_per_batch=256,
+                      heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, spool_bytes=10**9)
+    # The first training sample: the trainer stops on it before any step
+    # (a later one would have its trained shards removed, for the rerun's
+    # capture to store again).
+    plan, store, _ = spooled_store(tmp_path, tiny_model, 24, cfg, held_back=lambda plan: {plan.epochs[0][0][0]})
+    bad = plan.epochs[0][0][0]
+    planned = __import__("pandas").read_parquet(store / "stream-samples.parquet")
+    bad_id = planned.sample_id[planned.source_row == bad].item()
+    Store.open(epoch_store(store, 0)).ledger.quarantine([{"source": str(tmp_path / "data.jsonl"), "source_row": bad,
+                                                          "sample_id": bad_id, "reason": "crashed the server 2 times",
+                                                          "attempts": 2}])
+    mark_trainer(store, "running")
+    with pytest.raises(TrainingError, match=rf"the capture quarantined sample {bad_id} .*crashed the server"):
+        train(cfg, store)
+    mark_capture(store, "completed")
+
+    again = plan_stream(str(tiny_model), CaptureConfig(dataset=str(tmp_path / "data.jsonl"), batch_size=4,
+                                                       max_length=128), cfg, store)
+    assert bad not in {r for e in again.epochs for b in e for r in b} | set(again.heldout)
+    assert bad_id in set(Store.open(store).ledger.quarantined().sample_id)
+    steps = []
+    result = train(cfg.model_copy(update={"out_dir": str(tmp_path / "again")}), store, on_step=steps.append)
+    trained = [s for step in steps for s in step["sample_ids"] if step["weight"]]
+    assert result.final and bad_id not in trained
+    assert {e: len(ids) for e, ids in ((e, [s for st in steps if st["epoch"] == e for s in st["sample_ids"]])
+                                       for e in (0, 1))} == {e: sum(map(len, again.epochs[e])) for e in (0, 1)}

@@ -20,6 +20,7 @@ from tasks.failures import Permanent
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path
 from tasks.store.shards import BF16, bytes_per_token
+from tasks.stream.spool import spool_stores
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
@@ -63,6 +64,19 @@ def without_quarantined(samples: list[Sample], store: Path) -> list[Sample]:
         logger.info("stream: %d samples the store %s quarantined are left out of the plan, as offline",
                     len(samples) - len(kept), store)
     return kept
+
+
+def keep_spool_quarantine(store: Path) -> int:
+    """A spooled part's quarantine (a sample that crashed the server, or
+    whose batch failed for good) lands in its epoch's spool store, which is
+    removed once that epoch is trained: its rows are kept in the store's own
+    index, so this and every later plan leaves the sample out. Rows kept."""
+    if not manifest_path(store).exists():
+        return 0
+    rows = [r for home in spool_stores(store) for r in Store.open(home).ledger.quarantined().to_dict("records")]
+    if rows:
+        Store.open(store).ledger.quarantine(rows)
+    return len(rows)
 
 
 def planned_columns(samples: list[Sample]) -> dict[str, list]:
@@ -174,6 +188,7 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
     samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
                                         policy=capture.max_length_policy)
     if store is not None:
+        keep_spool_quarantine(Path(store))
         samples = without_quarantined(samples, Path(store))
         write_planned(store, samples, [dataset], target.path, max_length=capture.max_length,
                       policy=capture.max_length_policy)

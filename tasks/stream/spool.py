@@ -8,12 +8,15 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.store.handle import Store
 from tasks.store.manifest import StoreError, manifest_path, write_json_atomic
 from tasks.store.shards import shard_path
-from tasks.stream.plan import StreamPlan
 from tasks.stream.state import trainer_stopped, trainer_waiting
+
+if TYPE_CHECKING:  # (the plan names its spool stores)
+    from tasks.stream.plan import StreamPlan
 
 logger = logging.getLogger("eagle3.stream")
 
@@ -25,6 +28,11 @@ def epoch_store(store: Path, epoch: int) -> Path:
     """Where a spooled run captures epoch `epoch`'s training samples (the
     held-out ones stay in `store` itself, for every evaluation)."""
     return Path(store) / SPOOL / f"epoch-{epoch:04d}"
+
+
+def spool_stores(store: Path) -> list[Path]:
+    """The spool's epoch stores that exist now, in order."""
+    return [d for d in sorted((Path(store) / SPOOL).glob("epoch-*")) if manifest_path(d).exists()]
 
 
 def spooled_bytes(store: Path) -> int:
