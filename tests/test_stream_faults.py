@@ -401,3 +401,39 @@ def test_a_training_sample_quarantined_in_a_spooled_run_is_left_out_of_the_rerun
     assert result.final and bad_id not in trained
     assert {e: len(ids) for e, ids in ((e, [s for st in steps if st["epoch"] == e for s in st["sample_ids"]])
                                        for e in (0, 1))} == {e: sum(map(len, again.epochs[e])) for e in (0, 1)}
+
+
+def test_a_cached_run_resumed_on_fewer_devices_captures_every_row_of_later_epochs(tiny_model, tmp_path):
+    """train.cache_epochs on two devices, resumed at epoch 2 on one (a node
+    lost): the rows kept for every epoch are those the first plan chose
+    (the store holds them), and every training row of epoch 2 is kept or
+    captured by a part of the resumed capture. Chosen again, the room one
+    device leaves would keep more rows, which no part of epoch 2 captured
+    and the store lacked (they went through the spool in epoch 1)."""
+    from tasks.capture.config import CaptureConfig
+    from tasks.stream.parts import capture_parts
+    from tasks.stream.plan import plan_stream
+    from tasks.stream.spool import write_position
+    from tasks.train.config import TrainConfig
+    from tests.conftest import demo_rows, write_jsonl
+
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(48))
+    capture = CaptureConfig(dataset=str(dataset), batch_size=4, max_length=128)
+    two = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=2, tokens_per_batch=256,
+                      heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, devices=2,
+                      cache_epochs=True, spool_bytes=10**12)
+    probe = plan_stream(str(tiny_model), capture, two)  # (no store: the minimum on two devices)
+    budget = probe.minimum + 1500 * probe.bytes_per_token  # room to keep ~1,500 of the epoch's ~4,000 tokens
+    two = two.model_copy(update={"spool_bytes": budget})
+    first = plan_stream(str(tiny_model), capture, two, tmp_path / "store")
+    epoch_rows = {r for b in first.epochs[0] for r in b}
+    assert 0 < len(first.cached) < len(epoch_rows)
+    (tmp_path / "store" / "spool").mkdir()
+    write_position(tmp_path / "store", 1, 0)  # epoch 1 trained and checkpointed
+    one = two.model_copy(update={"devices": 1})
+    resumed = plan_stream(str(tiny_model), capture, one, tmp_path / "store")
+    assert resumed.minimum < first.minimum  # one device leaves more room than two...
+    assert resumed.cached == first.cached  # ...but the rows kept are the run's
+    parts = capture_parts(resumed, capture.batch_size, tmp_path / "store", budget)
+    captured = {r for p in parts if p.epoch == 1 for r in p.rows}
+    assert epoch_rows - set(first.cached) == captured

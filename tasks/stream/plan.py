@@ -5,6 +5,7 @@ also count the draft vocabulary. The planned samples are written beside the
 store once, for every trainer rank."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from tasks.data.dataset import Rejected, Sample, prepare_samples
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.store.handle import Store
-from tasks.store.manifest import manifest_path
+from tasks.store.manifest import manifest_path, write_json_atomic
 from tasks.store.shards import BF16, bytes_per_token
 from tasks.stream.spool import spool_stores
 from tasks.target.checkpoint import Target
@@ -32,6 +33,9 @@ logger = logging.getLogger("eagle3.stream")
 # plan once: every trainer rank reads them instead of tokenising the
 # dataset again (600k samples: minutes of CPU per rank, 8 ranks a node).
 PLANNED = "stream-samples.parquet"
+# The rows train.cache_epochs keeps in the store for every epoch, chosen at
+# the run's first plan (cached_for_the_run).
+CACHED = "stream-cached.json"
 
 
 def planned_samples(sources: list[str], tokenizer, *, max_length: int,
@@ -216,20 +220,53 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
                 f"the draft vocabulary, then a step's batches and the loader's look-ahead): raise it, or lower "
                 f"train.vocab_positions")
         if train.cache_epochs:
-            plan = cache_first_capture(plan, train.spool_bytes - need, capture.batch_size)
+            plan = cached_for_the_run(plan, train, capture.batch_size, store)
     return plan
 
 
-def cache_first_capture(plan: StreamPlan, room: int, batch_size: int) -> StreamPlan:
+def cached_for_the_run(plan: StreamPlan, train: TrainConfig, batch_size: int, store: Path | None) -> StreamPlan:
+    """The plan with train.cache_epochs' rows. They are chosen once, at the
+    run's first plan, and kept beside the store (CACHED): the room for them
+    depends on the trainer's devices, nodes and accumulation, which a
+    resume may change (a node lost), and a set chosen again would leave out
+    of later epochs' parts rows the store lacks, the first epoch having
+    spooled them (8 to 4 devices on a 4k-sample plan lost 105 rows). A
+    resume whose trainer holds more at once than the kept set leaves room
+    for is refused."""
+    key = hashlib.sha256(json.dumps([plan.heldout, plan.epochs, plan.bytes_per_token, batch_size]).encode()
+                         ).hexdigest()
+    path = Path(store) / CACHED if store is not None else None
+    try:
+        kept = json.loads(path.read_text()) if path is not None else None
+    except FileNotFoundError:
+        kept = None
+    if kept is not None and kept["key"] == key:
+        plan = cache_first_capture(plan, 0, batch_size, rows=kept["rows"])
+        if plan.cached_bytes + plan.minimum > train.spool_bytes:
+            raise SpoolTooSmall(
+                f"train.spool_bytes {train.spool_bytes:,} cannot hold the {len(plan.cached):,} samples this run keeps "
+                f"for every epoch ({plan.cached_bytes:,} bytes, chosen at its first plan) beside what the trainer "
+                f"now holds at once ({plan.minimum:,} bytes on {train.devices * train.nnodes} device(s), "
+                f"accumulating {train.accumulate}): raise it, or resume on the devices the run started on")
+        return plan
+    plan = cache_first_capture(plan, train.spool_bytes - plan.minimum, batch_size)
+    if path is not None:
+        write_json_atomic(path, {"key": key, "rows": plan.cached})
+    return plan
+
+
+def cache_first_capture(plan: StreamPlan, room: int, batch_size: int, rows: list[int] | None = None) -> StreamPlan:
     """The plan with the first epoch's first training rows kept for every
     epoch, as many as `room` bytes hold (what the budget leaves beside the
-    spool's working set); later epochs capture only the others."""
+    spool's working set), or `rows`; later epochs capture only the
+    others."""
     cached, tokens = [], 0
-    for row in (r for b in plan.epochs[0] for r in b):
+    for row in (r for b in plan.epochs[0] for r in b) if rows is None else ():
         if plan.shard_bytes_of(tokens + plan.tokens[row], -(-(len(cached) + 1) // batch_size), batch_size) > room:
             break
         cached.append(row)
         tokens += plan.tokens[row]
+    cached = cached if rows is None else list(rows)
     kept = set(cached)
     later = [[[r for r in b if r not in kept] for b in epoch] for epoch in plan.epochs[1:]]
     return replace(plan, epochs=plan.epochs[:1] + later, cached=cached,
