@@ -39,10 +39,11 @@ from tasks.store.config import StoreConfig
 from tasks.store.lock import hold_lock
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
-from tasks.stream.parts import HELD_OUT, PartQueue, capture_parts
+from tasks.stream.parts import HELD_OUT, PartQueue, capture_parts, rewound_parts
 from tasks.stream.plan import StreamPlan, plan_stream, require_shared_index
 from tasks.stream.progress import cached_note, describe_progress, log_captured
-from tasks.stream.spool import SpoolBudget, TrainerStopped, read_position, spooled_bytes, trim_spool
+from tasks.stream.spool import (SpoolBudget, TrainerRestarted, TrainerStopped, read_position, spooled_bytes,
+                                trim_spool)
 from tasks.stream.state import mark_capture, mark_trainer, trainer_state, trainer_stopped
 from tasks.train.config import TrainConfig
 
@@ -110,12 +111,21 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
                                                "rid_prefix": live.rid_prefix})
             capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
         peak, captured, paused, started = budget.held(), 0, 0.0, time.time()
-        for part in parts:
+        while parts:
             if trainer_stopped(root):
                 raise TrainerStopped(f"the stream trainer stopped; the capture into {root} stops too, keeping what "
                                      f"it stored: run the pipeline again and both resume")
-            if part.need:
-                paused += budget.wait_for_room(part.need, part.epoch)
+            try:
+                if budget.restarted():
+                    raise TrainerRestarted()
+                if parts[0].need:
+                    paused += budget.wait_for_room(parts[0].need, parts[0].epoch)
+            except TrainerRestarted:
+                parts = rewound_parts(plan, capture.batch_size, root, train.spool_bytes)
+                logger.info("stream capture: the trainer started again from its checkpoint (epoch %d, batch %d): "
+                            "rewound to it, %d parts to go", *read_position(root), len(parts))
+                continue
+            part = parts.pop(0)
             # A spool store's index is where the store's is: PostgreSQL when
             # trainer ranks on other nodes read it (require_shared_index).
             into = store.model_copy(update={"path": str(part.store(root))}) if part.into else store
@@ -179,7 +189,15 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
         logger.info("stream capture on %d nodes (%s): %d parts, leased in order from the index of %s", len(nodes),
                     ", ".join(nodes), len(parts), root)
         peak, started, logged = spooled_bytes(root), time.time(), 0
+        budget = SpoolBudget(root, room)
         while True:
+            if budget.restarted():  # from its checkpoint: what it trained since is captured again
+                trim_spool(root, plan)
+                parts = capture_parts(plan, capture.batch_size, root, train.spool_bytes)
+                queue.plan(parts)  # a node's lease of the old plan can no longer mark a part done
+                logged = 0
+                logger.info("stream capture: the trainer started again from its checkpoint (epoch %d, batch %d): "
+                            "the nodes' parts planned again from it, %d parts", *read_position(root), len(parts))
             now = queue.progress()
             peak = max(peak, spooled_bytes(root))
             if now["last"] is not None and now["done"] > logged:

@@ -485,3 +485,62 @@ def test_spooled_parts_grow_with_the_room_the_trainer_leaves():
     resumed = cut_parts(plan, 8, plan.minimum, position=(1, 10))  # epoch 2, 10 batches (40 rows) trained
     assert [r for p in resumed[1:] for r in p.rows] == rows[40:] and {p.epoch for p in resumed[1:]} == {1}
 
+
+
+@pytest.mark.server
+def test_a_trainer_retried_by_prefect_after_a_failure_completes_as_the_spooled_capture_rewinds(
+        capture_server, prefect_api, tiny_model, offline, tmp_path, monkeypatch):
+    """The trainer task fails after a step past its checkpoint (a rank died,
+    an OOM, a database blink: here an exception injected in its step)
+    while the spooled capture runs on; Prefect's retry resumes it from the
+    checkpoint, whose batches since were trained and removed. The capture
+    sees the trainer start again and rewinds to the checkpoint: the retry
+    completes on exactly the offline run's batches (it used to wait for
+    the removed batches until the deadlock check blamed train.spool_bytes)."""
+    import flows.train
+    from prefect import flow
+
+    store = tmp_path / "store"
+    params = attach(capture_server, store=store, dataset=str(offline.dataset), batch_size=4, max_length=256)
+    cfg = config(tmp_path / "stream", spool_bytes=offline.epoch_bytes * 7 // 10, checkpoint_every=2)
+    plan = plan_stream(str(tiny_model), params["capture"], cfg, store)
+    monkeypatch.setattr(SpoolBudget, "DEADLOCK_S", 30.0)  # without the rewind: refused after 30 s, not 600
+    real_train, attempts, retried = flows.train.train, [], []
+
+    def failing_once(cfg, store, **kw):
+        attempts.append(len(attempts) + 1)
+        if len(attempts) > 1:
+            return real_train(cfg, store, on_step=retried.append)
+
+        def crash(step):
+            if step["step"] == 5:  # trained (its shards removed), past the checkpoint of step 4
+                raise RuntimeError("rank 0 died (injected)")
+        return real_train(cfg, store, on_step=crash)
+
+    monkeypatch.setattr(flows.train, "train", failing_once)
+
+    @flow(name="trainer-with-retries")
+    def trainer():
+        return flows.train.train_task(cfg, str(store))
+
+    reports, failures = [], []
+
+    def capture():
+        try:
+            reports.append(capture_task.fn(**params, train=cfg, plan=plan))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            failures.append(e)
+
+    mark_trainer(store, "running")
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        result = trainer()
+    finally:
+        mark_trainer(store, "finished")
+        thread.join()
+    assert attempts == [1, 2] and not failures, failures
+    assert result.resumed_from == {"epoch": 0, "batches_done": 4, "step": 4}
+    assert batches(retried) == batches(offline.steps[4:]) and result.steps == offline.result.steps
+    assert reports[0]["spool_peak_bytes"] <= cfg.spool_bytes
+    assert not list((store / "spool").glob("epoch-*"))

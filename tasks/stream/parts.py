@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tasks.stream.plan import StreamPlan
-from tasks.stream.spool import SpoolBudget, epoch_store, read_position
+from tasks.store.handle import Store
+from tasks.store.manifest import manifest_path
+from tasks.stream.spool import SpoolBudget, epoch_store, read_position, trim_spool
 
 LEASE_S = 30.0  # renewed every LEASE_S / 3 while its node captures
 HELD_OUT = -1  # the epoch of the first part: held-out and unusable rows, into the store
@@ -84,6 +86,29 @@ def capture_parts(plan: StreamPlan, batch_size: int, root: Path, spool_bytes: in
     spool (train.spool_bytes, None: none)."""
     room = plan.spool_room(spool_bytes)
     return cut_parts(plan, batch_size, room, read_position(root) if room is not None else (0, 0))
+
+
+def rewound_parts(plan: StreamPlan, batch_size: int, root: Path, spool_bytes: int) -> list[Part]:
+    """The capture's parts once the trainer started again from its
+    checkpoint (Prefect's retry after a rank died, an OOM, a database blink):
+    the spool cut back to what the trainer reads in order from there
+    (trim_spool), then the parts from its position on, less the leading
+    ones already stored whole. Without this the retry waited for what it had
+    trained after the checkpoint, removed and never captured again."""
+    trim_spool(root, plan)
+    parts = capture_parts(plan, batch_size, root, spool_bytes)
+    stored: dict[Path, set[str]] = {}
+
+    def whole(part: Part) -> bool:
+        home = part.store(root)
+        if home not in stored:
+            stored[home] = {int(r) for r in Store.open(home).ledger.samples().source_row} \
+                if manifest_path(home).exists() else set()
+        return set(part.rows) <= stored[home]
+
+    while parts and whole(parts[0]):
+        parts.pop(0)
+    return parts
 
 
 def part_samples(plan: StreamPlan, batch_size: int, room: int) -> int:

@@ -16,7 +16,7 @@ from tasks.store.manifest import manifest_path
 from tasks.store.reader import StoreReader
 from tasks.stream.plan import planned_columns, planned_samples, read_planned, without_quarantined
 from tasks.stream.spool import drop_spooled_shard, epoch_store, write_position
-from tasks.stream.state import capture_state, mark_waiting, record_progress
+from tasks.stream.state import capture_state, mark_trainer_started, mark_waiting, record_progress
 from tasks.target.architectures import load_tokenizer
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import split
@@ -260,6 +260,8 @@ class Spool:
         self.world = run.world
         self.reader, self.store = run.reader, Path(store)
         self.started, self.tokens, self.steps = time.time(), 0, 0
+        if self.removing:  # a start again (a retry) rewinds the capture to the checkpoint this one resumes from
+            mark_trainer_started(self.store)
 
     def start_epoch(self, epoch: int, done: list[list[int]]) -> None:
         """Epoch `epoch`, whose batches `done` a checkpoint already holds."""

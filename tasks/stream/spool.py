@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tasks.store.handle import Store
 from tasks.store.manifest import StoreError, manifest_path, write_json_atomic
 from tasks.store.shards import shard_path
-from tasks.stream.state import trainer_stopped, trainer_waiting
+from tasks.stream.state import trainer_starts, trainer_stopped, trainer_waiting
 
 if TYPE_CHECKING:  # (the plan names its spool stores)
     from tasks.stream.plan import StreamPlan
@@ -107,6 +107,11 @@ class SpoolDeadlock(RuntimeError):
     trainer frees room: the spool is too small for this run."""
 
 
+class TrainerRestarted(Exception):
+    """The trainer started again from its checkpoint while the capture
+    waited: the capture rewinds (tasks/stream/parts.py rewound_parts)."""
+
+
 class SpoolBudget:
     """`train.spool_bytes` as the capture's admissions see it: the one place
     that says whether a part may be captured into the spool now, asked by
@@ -123,8 +128,18 @@ class SpoolBudget:
     # step).
     DEADLOCK_S = 600.0
 
-    def __init__(self, root: Path, room: int | None, deadlock_s: float = DEADLOCK_S):
-        self.root, self.room, self.deadlock_s = Path(root), room, deadlock_s
+    def __init__(self, root: Path, room: int | None, deadlock_s: float | None = None):
+        self.root, self.room = Path(root), room
+        self.deadlock_s = self.DEADLOCK_S if deadlock_s is None else deadlock_s
+        self.starts = trainer_starts(self.root)
+
+    def restarted(self) -> bool:
+        """Whether the trainer started again since this was last asked: its
+        retry resumes from its checkpoint, and what it trained after it was
+        removed from the spool, so the capture must rewind (with a spool)."""
+        starts = trainer_starts(self.root)
+        moved, self.starts = starts != self.starts, starts
+        return moved and self.room is not None
 
     def held(self) -> int:
         return spooled_bytes(self.root) if self.room is not None else 0
@@ -144,6 +159,8 @@ class SpoolBudget:
         a part of `need` bytes. Seconds waited."""
         since, last = time.time(), 0.0
         while not self.admits(need, held=(held := self.held())):
+            if self.restarted():
+                raise TrainerRestarted()
             self.refuse_if_stuck(since, f"{held:,} of {self.room:,} bytes held, the next part needs {need:,}")
             if time.time() - last >= self.LOG_EVERY_S:
                 last = time.time()

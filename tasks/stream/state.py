@@ -16,6 +16,7 @@ from tasks.store.manifest import write_json_atomic
 CAPTURE_STATE = "stream-capture.json"
 TRAINER_STATE = "stream-trainer.json"
 WAITING = "stream-waiting"  # stream-waiting-<host>-<pid>-<id>.json: a trainer process waiting for a sample
+STARTS = "stream-trainer-starts.json"
 RATE_WINDOW_S = 60.0  # the progress artifact's rates are over this much of the recent past
 
 def mark_capture(store: Path, state: str, detail: str = "") -> None:
@@ -35,6 +36,20 @@ def mark_trainer(store: Path, state: str) -> None:
         for path in Path(store).glob(f"{WAITING}-*.json"):
             path.unlink(missing_ok=True)
     write_json_atomic(Path(store) / TRAINER_STATE, {"state": state, "at": time.time()})
+
+
+def mark_trainer_started(store: Path) -> int:
+    """A trainer (rank 0) starts, or starts again from its checkpoint (a
+    Prefect retry after a rank died): the capture, which captured on past
+    what it trained since, rewinds to the checkpointed position. Starts so
+    far."""
+    starts = trainer_starts(store) + 1
+    write_json_atomic(Path(store) / STARTS, {"starts": starts, "at": time.time()})
+    return starts
+
+
+def trainer_starts(store: Path) -> int:
+    return _read_state(Path(store) / STARTS).get("starts", 0)
 
 
 def mark_waiting(store: Path, what: str | None) -> bool:
