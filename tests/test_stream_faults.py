@@ -437,3 +437,69 @@ def test_a_cached_run_resumed_on_fewer_devices_captures_every_row_of_later_epoch
     parts = capture_parts(resumed, capture.batch_size, tmp_path / "store", budget)
     captured = {r for p in parts if p.epoch == 1 for r in p.rows}
     assert epoch_rows - set(first.cached) == captured
+
+
+def test_a_dead_nodes_part_taken_over_skips_what_the_trainer_already_consumed(tiny_model, tmp_path):
+    """node-a committed half of its part (a shard of 4 samples) and died;
+    the trainer trained those 4 and removed their shard. node-b, taking the
+    part over, plans only the 4 never stored: those trained are retired in
+    the spool store's index, not just deleted (it used to capture them
+    again, into shards nothing freed until the epoch ended). A trainer that
+    starts again from its checkpoint needs them again: the resume's trim
+    forgets what was retired."""
+    from tasks.capture.config import CaptureConfig
+    from tasks.capture.extraction import plan_extraction
+    from tasks.store.handle import Store
+    from tasks.stream.reader import StreamReader
+    from tasks.stream.spool import epoch_store, trim_spool
+    from tasks.target.architectures import load_tokenizer
+    from tasks.train.config import TrainConfig
+
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=1, tokens_per_batch=256,
+                      heldout_fraction=0.1, eval_max_samples=2, vocab_positions=100, stream=True, spool_bytes=10**9)
+    plan, store, _ = spooled_store(tmp_path, tiny_model, 24, cfg,
+                                   held_back=lambda plan: set([r for b in plan.epochs[0] for r in b][4:8]))
+    part = [r for b in plan.epochs[0] for r in b][:8]  # the dead node's: its first shard (4) committed
+    home = epoch_store(store, 0)
+    assert set(Store.open(home).ledger.samples().source_row) >= set(part[:4])
+    reader = StreamReader(store, cfg, poll_s=0.05)
+    reader.start_epoch(0)
+    trained = list(Store.open(home).ledger.samples().query("source_row in @part").sample_id)
+    assert len(trained) == 4
+    for sid in trained:
+        reader[reader.sample_ids.index(sid)]
+    reader.release(trained)
+    reader.remove_consumed(trained)
+    ledger = Store.open(home).ledger
+    assert not set(trained) & ledger.stored_ids() and set(trained) <= ledger.retired_ids()
+
+    capture = CaptureConfig(dataset=str(tmp_path / "data.jsonl"), batch_size=4, max_length=128)
+    todo = plan_extraction(capture, load_tokenizer(tiny_model), ledger, rows=part).todo
+    assert [s.source_row for s in todo] == part[4:]  # node-b's plan: the rest, nothing trained again
+    trim_spool(store, plan)  # a resume from the checkpoint (position 0): the trained ones are needed again
+    assert [s.source_row for s in plan_extraction(capture, load_tokenizer(tiny_model), Store.open(home).ledger,
+                                                  rows=part).todo] == part
+
+
+def test_a_retired_shard_leaves_the_index_and_its_ids_are_skipped_until_forgotten(tmp_path, ledger_url):
+    """retire_shard on both backends: the shard, its samples and canaries
+    leave the index in one transaction, its ids are retired (skipped by a
+    capture), and forget_retired takes them back."""
+    from tasks.store.ledger.open import open_store
+    from tasks.store.shards import write_shard
+    from test_store import MANIFEST, item
+
+    store = tmp_path / "store"
+    ledger = open_store(store, MANIFEST, ledger_url)
+    a = write_shard(store, [item(k, 4) for k in range(3)], source="s.jsonl")
+    b = write_shard(store, [item(k, 4) for k in range(3, 5)], source="s.jsonl")
+    ledger.commit_shard(*a)
+    ledger.commit_shard(*b)
+    ledger.retire_shard(a[0].name)
+    assert ledger.stored_ids() == {"s003", "s004"} and ledger.retired_ids() == {"s000", "s001", "s002"}
+    assert ledger.captured_ids() == {"s000", "s001", "s002", "s003", "s004"}
+    assert list(ledger.shards().name) == [b[0].name]
+    with pytest.raises(Exception, match="not committed"):
+        ledger.retire_shard(a[0].name)
+    ledger.forget_retired()
+    assert ledger.captured_ids() == {"s003", "s004"}

@@ -69,7 +69,7 @@ def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Seq
     samples, rejected = prepare_samples(Path(capture.dataset), tokenizer, max_length=capture.max_length,
                                         policy=capture.max_length_policy,
                                         rows=None if rows is None else frozenset(rows))
-    stored = ledger.stored_ids()
+    stored = ledger.captured_ids()
     todo, seen = [], set()
     for s in samples:
         if s.sample_id not in stored and s.sample_id not in seen:  # duplicates are stored once
@@ -467,7 +467,7 @@ def extract_batch(endpoint: Endpoint, store: Store, source: str, samples: list[S
     if guard is not None:
         guard.check()
     t0 = time.perf_counter()
-    stored = store.ledger.stored_ids()
+    stored = store.ledger.captured_ids()
     pending = [s for s in samples if s.sample_id not in stored]
     if len(pending) < len(samples):
         logger.info("%d of %d samples of this batch are already stored", len(samples) - len(pending), len(samples))

@@ -62,10 +62,15 @@ def read_position(store: Path) -> tuple[int, int]:
     return p["epoch"], p["batches_done"]
 
 
-def drop_spooled_shard(ledger, home: Path, shard: str) -> None:
+def drop_spooled_shard(ledger, home: Path, shard: str, trained: bool = True) -> None:
     """Remove a shard from a spool store: the index first, so a crash in
-    between leaves an orphan file, never an entry without its data."""
-    ledger.replace_shard(shard, None, [])
+    between leaves an orphan file, never an entry without its data. A
+    trained one's samples are retired, so a node taking over a dead node's
+    part does not capture them again."""
+    if trained:
+        ledger.retire_shard(shard)
+    else:
+        ledger.replace_shard(shard, None, [])
     shard_path(home, shard).unlink(missing_ok=True)
 
 
@@ -84,6 +89,8 @@ def trim_spool(store: Path, plan: StreamPlan) -> int:
              for b in plan.epochs[e][done if e == epoch else 0:] for r in b if r not in cached]
     homes = {e: epoch_store(store, e) for e in range(epoch, len(plan.epochs))}
     ledgers = {e: Store.open(home).ledger for e, home in homes.items() if manifest_path(home).exists()}
+    for ledger in ledgers.values():  # what was trained since the checkpoint is needed again
+        ledger.forget_retired()
     shard_of = {(e, int(row)): shard for e, ledger in ledgers.items()
                 for row, shard in ledger.samples()[["source_row", "shard"]].itertuples(index=False)}
     before, later = spooled_bytes(store), True
@@ -91,7 +98,7 @@ def trim_spool(store: Path, plan: StreamPlan) -> int:
         cut = next((k for k, key in enumerate(order) if key not in shard_of), len(order))
         later = {(key[0], shard_of[key]) for key in order[cut:] if key in shard_of}
         for e, shard in sorted(later):
-            drop_spooled_shard(ledgers[e], homes[e], shard)
+            drop_spooled_shard(ledgers[e], homes[e], shard, trained=False)
         shard_of = {key: shard for key, shard in shard_of.items() if (key[0], shard) not in later}
     return before - spooled_bytes(store)
 

@@ -57,6 +57,28 @@ class Ledger(abc.ABC):
         this, under the store's lock; commit_shard never replaces."""
 
     @abc.abstractmethod
+    def retire_shard(self, name: str) -> None:
+        """A spool store's shard whose every sample is trained: in one
+        transaction it leaves the index with its samples and canaries, and
+        its sample ids are kept as retired. A capture of the same rows (a
+        node taking over a dead node's part) skips them (`captured_ids`)
+        instead of capturing again what the trainer consumed."""
+
+    @abc.abstractmethod
+    def forget_retired(self) -> None:
+        """The trainer reads from its checkpoint again: what it trained
+        since is needed again, so no retired id is skipped any more."""
+
+    def captured_ids(self) -> set[str]:
+        """What a capture into this store skips: every committed sample id,
+        and those committed, trained and retired (a spool store)."""
+        return self.stored_ids() | self.retired_ids()
+
+    @abc.abstractmethod
+    def retired_ids(self) -> set[str]:
+        """Every retired sample id (retire_shard)."""
+
+    @abc.abstractmethod
     def quarantine(self, rows: list[dict]) -> None:
         """rows: source, source_row, sample_id (or None), reason, attempts."""
 

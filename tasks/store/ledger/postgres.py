@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS quarantine(
     PRIMARY KEY(source, source_row));
 CREATE TABLE IF NOT EXISTS crashes(
     sample_id TEXT PRIMARY KEY, count BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS retired(sample_id TEXT PRIMARY KEY);
 CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
 CREATE TABLE IF NOT EXISTS stream_parts(
     seq BIGINT PRIMARY KEY, epoch BIGINT NOT NULL, into_store TEXT NOT NULL, rows TEXT NOT NULL,
@@ -213,6 +214,23 @@ class PostgresLedger(Ledger):
                                            time.time()))
                 cur.executemany(INSERT_SAMPLE, rows)
                 cur.executemany(INSERT_CANARY, moved)
+
+    def retire_shard(self, name: str) -> None:
+        with self._connect() as db, db.cursor() as cur:
+            cur.execute("INSERT INTO retired SELECT sample_id FROM samples WHERE shard=%s ON CONFLICT DO NOTHING",
+                        (name,))
+            cur.execute("DELETE FROM canaries WHERE shard=%s", (name,))
+            cur.execute("DELETE FROM samples WHERE shard=%s", (name,))
+            cur.execute("DELETE FROM shards WHERE name=%s", (name,))
+            if cur.rowcount != 1:
+                raise StoreError(f"shard {name} is not committed in {self.where}")
+
+    def retired_ids(self) -> set[str]:
+        return {r[0] for r in self._rows("SELECT sample_id FROM retired")}
+
+    def forget_retired(self) -> None:
+        with self._connect() as db:
+            db.execute("DELETE FROM retired")
 
     def quarantine(self, rows: list[dict]) -> None:
         # As SQLite's INSERT OR REPLACE: a source row's latest failure wins.

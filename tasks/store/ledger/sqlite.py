@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS quarantine(
     PRIMARY KEY(source, source_row));
 CREATE TABLE IF NOT EXISTS crashes(
     sample_id TEXT PRIMARY KEY, count INTEGER NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS retired(sample_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS canaries(
     shard TEXT NOT NULL REFERENCES shards(name), sample_id TEXT PRIMARY KEY REFERENCES samples(sample_id),
     positions INTEGER NOT NULL, worst_deviation REAL NOT NULL, worst_ratio REAL NOT NULL,
@@ -100,6 +101,21 @@ class SqliteLedger(Ledger):
                     "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
                     ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
                 db.executemany(INSERT_CANARY, moved)
+
+    def retire_shard(self, name: str) -> None:
+        with closing(self._connect()) as db, db:
+            db.execute("INSERT OR IGNORE INTO retired SELECT sample_id FROM samples WHERE shard=?", (name,))
+            db.execute("DELETE FROM canaries WHERE shard=?", (name,))
+            db.execute("DELETE FROM samples WHERE shard=?", (name,))
+            if db.execute("DELETE FROM shards WHERE name=?", (name,)).rowcount != 1:
+                raise StoreError(f"shard {name} is not committed in {self.path}")
+
+    def retired_ids(self) -> set[str]:
+        return {r[0] for r in self._rows("SELECT sample_id FROM retired")}
+
+    def forget_retired(self) -> None:
+        with closing(self._connect()) as db, db:
+            db.execute("DELETE FROM retired")
 
     def quarantine(self, rows: list[dict]) -> None:
         with closing(self._connect()) as db, db:
