@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
-from prefect.runtime import flow_run
+from prefect.runtime import flow_run, task_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from pydantic import Field
@@ -148,7 +148,8 @@ def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: Path, pl
     if parent_run:  # a child of a many-node run: only while its parent holds the store
         check_held_by(planned.store.path, parent_run)
     result = extraction.extract_batch(endpoint(server, dump_dir, planned.target), planned.store,
-                                      planned.plan.source, batch, capture, guard=guard, writer=node)
+                                      planned.plan.source, batch, capture, guard=guard, writer=node,
+                                      last_try=task_run.run_count > capture.batch_retries)
     server.forward_log(log)
     log.info("batch of %d: stored %d samples, %d tokens in %.1f s (%.0f tok/s) -> %s; retried %d, quarantined %d, "
              "canaries passed %d", len(batch), result.samples, result.tokens, result.seconds, result.tokens_per_s,

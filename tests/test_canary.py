@@ -250,10 +250,10 @@ def test_a_run_told_the_wrong_checkpoint_stores_nothing_and_stops(capture_server
     cfg = CaptureConfig(sample_attempts=2)
     guard = FailureGuard(canaries=CanaryTally(max_ratio=0.02, min_failed=3))
 
-    def run(samples, checkpoint):
+    def run(samples, checkpoint, **kw):
         endpoint = Endpoint(capture_server.url, capture_server.spec.dump_dir, tiny_layers.sglang_ids,
                             checkpoint, api_key=capture_server.api_key, rid_prefix=capture_server.rid_prefix)
-        return extract_batch(endpoint, Store.open(store), "d.jsonl", samples, cfg, guard=guard)
+        return extract_batch(endpoint, Store.open(store), "d.jsonl", samples, cfg, **{"guard": guard, **kw})
 
     for samples in batches[:2]:
         with pytest.raises(canary.CanaryBatchRejected, match="batch not stored: sample .*server .*stored state"):
@@ -273,3 +273,12 @@ def test_a_run_told_the_wrong_checkpoint_stores_nothing_and_stops(capture_server
     assert row.shard == result.shard and 0 <= row.worst_ratio <= 1 and row.positions >= 1
     report = verify_store(store, recheck_source=False)
     assert report.ok and report.files.canaries.tolist() == [1] and report.canary["samples"] == 1
+
+    # A batch whose task will retry it: its disagreeing canary is not
+    # quarantined yet (a stream trainer waiting for that sample stops on a
+    # quarantine row, though the retry may store it); the retry stores it.
+    spare, before = batch(3), len(ledger.quarantined())
+    with pytest.raises(canary.CanaryBatchRejected):
+        run(spare, other, guard=FailureGuard(), last_try=False)
+    assert len(ledger.quarantined()) == before
+    assert run(spare, tiny_model, guard=FailureGuard()).samples == 4

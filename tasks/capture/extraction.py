@@ -301,6 +301,7 @@ class _BatchCapture:
         self.captured: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
         self.quarantined: list[str] = []
+        self.disagreeing: list[tuple[Sample, int]] = []  # canaries that failed every try (try_all)
         self.retried = 0
         self.failed_rids: list[str] = []
         self.canaries: set[str] = set()
@@ -391,7 +392,14 @@ class _BatchCapture:
                     logger.error("sample %s (row %d): %r", s.sample_id, s.source_row, out)
             pending = failed
         self.quarantine(refused)
-        self.quarantine([(s, self.cfg.sample_attempts) for s in pending])
+        # A canary that disagreed on every try rejects the whole batch, which
+        # is retried: its quarantine waits for the batch's outcome
+        # (extract_batch), or a stream trainer waiting for it would stop on a
+        # row the retry then clears by storing it.
+        self.disagreeing = [(s, self.cfg.sample_attempts) for s in pending
+                            if self.errors[s.sample_id].startswith(canary.CanaryMismatch.__name__)]
+        self.quarantine([(s, self.cfg.sample_attempts) for s in pending
+                         if not self.errors[s.sample_id].startswith(canary.CanaryMismatch.__name__)])
 
     def tally_canaries(self, tally: canary.CanaryTally) -> list[str]:
         """Count each canary sample once: passed (its last try), or failed
@@ -443,7 +451,7 @@ class _BatchCapture:
 
 def extract_batch(endpoint: Endpoint, store: Store, source: str, samples: list[Sample],
                   capture: CaptureConfig = CaptureConfig(), *, guard: FailureGuard | None = None, writer: str = "",
-                  store_workers: int | None = None) -> BatchResult:
+                  store_workers: int | None = None, last_try: bool = True) -> BatchResult:
     """Capture one batch, write it as one shard, commit it to the store's
     index.
 
@@ -457,7 +465,9 @@ def extract_batch(endpoint: Endpoint, store: Store, source: str, samples: list[S
     one that disagrees with the server's logprobs on every try is
     quarantined and the batch is not stored (CanaryBatchRejected, retried
     as a whole; CanaryDisagrees, which stops the run, once they fail
-    wholesale). `store_workers` threads read the dumps back and write the shard
+    wholesale); with `last_try` False (the task retries a rejected batch)
+    the disagreeing canary is quarantined only if the run stops.
+    `store_workers` threads read the dumps back and write the shard
     (default: one per core, at most 8). With a `guard`, the batch does not
     start once the run has been stopped, and records its outcomes after
     committing what it captured (raising TooManyFailures if the run must
@@ -491,7 +501,13 @@ def extract_batch(endpoint: Endpoint, store: Store, source: str, samples: list[S
         tally = guard.canaries if guard is not None else canary.CanaryTally()
         disagree = batch.tally_canaries(tally)
         if disagree:
-            tally.check()  # stops the run when canaries fail wholesale
+            try:
+                tally.check()  # stops the run when canaries fail wholesale
+            except canary.CanaryDisagrees:
+                batch.quarantine(batch.disagreeing)
+                raise
+            if last_try:  # no retry will store them: quarantined now
+                batch.quarantine(batch.disagreeing)
             # Its captures came from the same server in the same moments as the
             # canary's: none is stored; the retry captures them all afresh.
             raise canary.CanaryBatchRejected(f"batch not stored: {disagree[0]}; the batch is retried as a whole")
