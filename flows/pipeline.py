@@ -109,7 +109,8 @@ def eagle3_pipeline(
                                           capture.dataset, str(store_dir), regenerate)
             capture = capture.model_copy(update={"dataset": regenerated})
         if mode == "stream":
-            trained = capture_and_train(server, capture, store, train, tuple(capture_nodes))
+            trained = capture_and_train(server, capture, store, train, tuple(capture_nodes),
+                                        served_prompts=evaluate.num_prompts if "heldout" in evaluate.prompt_sets else 0)
             verify_store(store=str(store_dir))  # the whole store, as offline, before it is served
         else:
             extract_hidden_states(server=server, capture=capture, store=store, verify=False)

@@ -57,9 +57,10 @@ PROGRESS_EVERY_S = 5.0
 
 
 @task(name="plan-stream-order", cache_policy=NO_CACHE)
-def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig, store: StoreConfig) -> StreamPlan:
+def stream_plan_task(model: str, capture: CaptureConfig, train: TrainConfig, store: StoreConfig,
+                     served_prompts: int = 0) -> StreamPlan:
     root = Path(store.path)
-    plan = plan_stream(model, capture, train, root, dtype=store.dtype)
+    plan = plan_stream(model, capture, train, root, dtype=store.dtype, served_prompts=served_prompts)
     if train.spool_bytes is not None and (trimmed := trim_spool(root, plan)):
         epoch, done = read_position(root)
         logger.info("stream: resuming at epoch %d, batch %d: %.1f MiB spooled after the first sample missing from "
@@ -245,13 +246,14 @@ def watch_task(store: str, spool_budget: int | None) -> str:
 
 
 def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: StoreConfig, train: TrainConfig,
-                      nodes: tuple[str, ...] = ()) -> dict:
+                      nodes: tuple[str, ...] = (), served_prompts: int = 0) -> dict:
     """Both sides of a stream run (the capture on the server section's
     server, or on the capture `nodes`), and a progress artifact showing
-    both, inside the pipeline's flow; the train_drafter result."""
+    both, inside the pipeline's flow; the train_drafter result.
+    `served_prompts`: held-out prompts the evaluation serves after it."""
     train = train.model_copy(update={"stream": True})
     require_shared_index(train, store.ledger_url, nodes)
-    plan = stream_plan_task(server.model, capture, train, store)
+    plan = stream_plan_task(server.model, capture, train, store, served_prompts)
     mark_trainer(Path(store.path), "running")
     captured = capture_task.submit(server, capture, store, train, plan, tuple(nodes))
     room = plan.spool_room(train.spool_bytes)

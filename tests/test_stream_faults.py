@@ -503,3 +503,38 @@ def test_a_retired_shard_leaves_the_index_and_its_ids_are_skipped_until_forgotte
         ledger.retire_shard(a[0].name)
     ledger.forget_retired()
     assert ledger.captured_ids() == {"s003", "s004"}
+
+
+def test_a_spooled_run_captures_only_the_heldout_samples_evaluation_reads_within_its_budget(tiny_model, tmp_path):
+    """Half the samples held out (as 5% of 600k are ~4 TB at Kimi-K2.5's
+    size): a spooled run captures only those evaluation reads, the first in
+    split order (eval_max_samples, and twice the served prompts), before
+    the first step, and counts them in the budget: the spool's room is what
+    is left, and a budget that holds the trainer's minimum but not them
+    beside it is refused. (It captured and kept every held-out sample,
+    outside the budget.)"""
+    from tasks.capture.config import CaptureConfig
+    from tasks.data.dataset import prepare_samples
+    from tasks.stream.plan import SpoolTooSmall, plan_stream
+    from tasks.target.architectures import load_tokenizer
+    from tasks.train.config import TrainConfig
+    from tasks.train.data import split
+    from tests.conftest import demo_rows, write_jsonl
+
+    dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(48))
+    capture = CaptureConfig(dataset=str(dataset), batch_size=4, max_length=128)
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), draft_vocab_size=64, ttt_steps=1, epochs=2, tokens_per_batch=256,
+                      heldout_fraction=0.5, eval_max_samples=2, vocab_positions=100, stream=True, spool_bytes=10**9)
+    samples = prepare_samples(dataset, load_tokenizer(tiny_model), max_length=128)[0]
+    held = [samples[i].source_row for i in split([s.sample_id for s in samples], 0.5)[1]]
+    assert len(held) > 12
+    for prompts, read in ((0, 2), (3, 6)):
+        plan = plan_stream(str(tiny_model), capture, cfg, served_prompts=prompts)
+        assert plan.heldout == held[:read]
+        assert plan.heldout_bytes == plan.shard_bytes(held[:read], 4)
+        assert plan.spool_room(cfg.spool_bytes) == cfg.spool_bytes - plan.heldout_bytes
+    offline = plan_stream(str(tiny_model), capture, cfg.model_copy(update={"spool_bytes": None}))
+    assert offline.heldout == held  # the store keeps them all where it keeps everything
+    tight = cfg.model_copy(update={"spool_bytes": plan.minimum + plan.heldout_bytes - 1})
+    with pytest.raises(SpoolTooSmall, match=r"beside the 6 held-out samples evaluation reads"):
+        plan_stream(str(tiny_model), capture, tight, served_prompts=3)

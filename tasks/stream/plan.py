@@ -165,11 +165,13 @@ class StreamPlan:
     cached: list[int] = field(default_factory=list)
     cached_bytes: int = 0
     minimum: int = 0  # bytes the spool must hold at once (spool_minimum)
+    heldout_bytes: int = 0  # at most what the held-out samples take in the store (with a spool)
 
     def spool_room(self, spool_bytes: int | None) -> int | None:
-        """The spool's share of the budget (None: no spool): what
-        train.cache_epochs keeps in the store is not in it."""
-        return None if spool_bytes is None else spool_bytes - self.cached_bytes
+        """The spool's share of the budget (None: no spool): what the store
+        keeps (the held-out samples evaluation reads, and what
+        train.cache_epochs keeps for every epoch) is not in it."""
+        return None if spool_bytes is None else spool_bytes - self.heldout_bytes - self.cached_bytes
 
     def shard_bytes(self, rows: list[int], batch_size: int) -> int:
         """At most what these rows take as shards of batch_size samples:
@@ -181,12 +183,14 @@ class StreamPlan:
 
 
 def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: Path | None = None, *,
-                dtype: str = BF16) -> StreamPlan:
+                dtype: str = BF16, served_prompts: int = 0) -> StreamPlan:
     """What a stream run captures, in the order training reads it (refused,
     with a spool too small to reach the first step); with `store`, the
     planned samples are written there for the trainer's ranks. `dtype`:
     the store's (store.dtype), which the spool's bytes are sized by (FP8
-    takes half of bf16's)."""
+    takes half of bf16's). With a spool, only the held-out samples
+    evaluation reads are captured (heldout_read, `served_prompts` the
+    evaluation's served prompts), counted in the budget."""
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     dataset = str(Path(capture.dataset).resolve())
     samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
@@ -201,6 +205,8 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
     rows = [s.source_row for s in samples]
     epochs = range(train.epochs if train.spool_bytes is not None else 1)
+    if train.spool_bytes is not None:
+        held_idx = held_idx[:heldout_read(train, served_prompts)]
     plan = StreamPlan(
         heldout=[rows[i] for i in held_idx],
         # The capture's first part takes them: it quarantines them with their
@@ -212,16 +218,28 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
         bytes_per_token=bytes_per_token(target.hidden_size, len(target.layers.sglang_ids), dtype))
     if train.spool_bytes is not None:
         need = spool_minimum(plan, samples, capture, train)
-        plan = replace(plan, minimum=need)
-        if train.spool_bytes < need:
+        held = plan.shard_bytes(plan.heldout, capture.batch_size) if plan.heldout else 0
+        plan = replace(plan, minimum=need, heldout_bytes=held)
+        if train.spool_bytes < need + held:
             raise SpoolTooSmall(
                 f"train.spool_bytes {train.spool_bytes:,} cannot hold what training reads before its first steps: "
                 f"{need:,} bytes (the first train.vocab_positions {train.vocab_positions:,} loss positions count "
-                f"the draft vocabulary, then a step's batches and the loader's look-ahead): raise it, or lower "
-                f"train.vocab_positions")
+                f"the draft vocabulary, then a step's batches and the loader's look-ahead), beside the "
+                f"{len(plan.heldout):,} held-out samples evaluation reads ({held:,} bytes, kept in the store): "
+                f"raise it, or lower train.vocab_positions or train.eval_max_samples")
         if train.cache_epochs:
             plan = cached_for_the_run(plan, train, capture.batch_size, store)
     return plan
+
+
+def heldout_read(train: TrainConfig, served_prompts: int = 0) -> int:
+    """Held-out samples a spooled run captures: the first ones in split
+    order, as many as evaluation reads (train.eval_max_samples after each
+    epoch; and the evaluation's served prompts, twice as many, since a
+    sample whose answer starts at its first token gives no prompt). Not the
+    whole held-out split: at Kimi-K2.5's size its 5% of 600k samples were
+    ~4 TB of bf16 states, 5-10x the spool, captured before the first step."""
+    return max(train.eval_max_samples, 2 * served_prompts)
 
 
 def cached_for_the_run(plan: StreamPlan, train: TrainConfig, batch_size: int, store: Path | None) -> StreamPlan:
@@ -242,14 +260,14 @@ def cached_for_the_run(plan: StreamPlan, train: TrainConfig, batch_size: int, st
         kept = None
     if kept is not None and kept["key"] == key:
         plan = cache_first_capture(plan, 0, batch_size, rows=kept["rows"])
-        if plan.cached_bytes + plan.minimum > train.spool_bytes:
+        if plan.cached_bytes + plan.heldout_bytes + plan.minimum > train.spool_bytes:
             raise SpoolTooSmall(
                 f"train.spool_bytes {train.spool_bytes:,} cannot hold the {len(plan.cached):,} samples this run keeps "
                 f"for every epoch ({plan.cached_bytes:,} bytes, chosen at its first plan) beside what the trainer "
                 f"now holds at once ({plan.minimum:,} bytes on {train.devices * train.nnodes} device(s), "
                 f"accumulating {train.accumulate}): raise it, or resume on the devices the run started on")
         return plan
-    plan = cache_first_capture(plan, train.spool_bytes - plan.minimum, batch_size)
+    plan = cache_first_capture(plan, train.spool_bytes - plan.minimum - plan.heldout_bytes, batch_size)
     if path is not None:
         write_json_atomic(path, {"key": key, "rows": plan.cached})
     return plan
