@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from flows.artifacts import artifact_key
 from flows.extract import extract_hidden_states
 from tasks.capture.config import CaptureConfig
+from tasks.serve.config import EvaluateConfig
 from flows.stream import capture_task
 from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store
@@ -336,9 +337,15 @@ def test_a_spooled_run_killed_mid_epoch_resumes_within_its_budget_on_the_offline
     with; on the same bytes the weights are equal: the first test.)"""
     params = attach(capture_server, store=tmp_path / "store", dataset=str(offline.dataset), batch_size=4,
                     max_length=256)
-    budget = offline.epoch_bytes * 7 // 10  # under one epoch: the data the run trains on is two
+    # The spool's room under one epoch (the data the run trains on is two),
+    # beside the held-out samples the pipeline's evaluation serves prompts of.
+    served = EvaluateConfig().num_prompts
+    heldout_bytes = plan_stream(str(tiny_model), params["capture"], config(tmp_path, spool_bytes=10**12),
+                                served_prompts=served).heldout_bytes
+    budget = offline.epoch_bytes * 7 // 10 + heldout_bytes
     cfg = config(tmp_path / "stream", spool_bytes=budget, checkpoint_every=2)
-    plan = plan_stream(str(tiny_model), params["capture"], cfg)
+    plan = plan_stream(str(tiny_model), params["capture"], cfg, served_prompts=served)
+    room = plan.spool_room(budget)
     assert len(plan.epochs) == 2
     with pytest.raises(SpoolTooSmall, match=r"train.spool_bytes 1,000 cannot hold .* bytes"):
         plan_stream(str(tiny_model), params["capture"], cfg.model_copy(update={"spool_bytes": 1000}))
@@ -364,11 +371,11 @@ def test_a_spooled_run_killed_mid_epoch_resumes_within_its_budget_on_the_offline
     shown = re.fullmatch(rf"capture (?:running|completed): epoch [12]/2, \d+ of {training} samples, [\d,]+ tokens at "
                          rf"[\d,]+ tok/s(?:, paused [\d,]+ s for room)?; trainer running: epoch [12]/2, step (\d+) of "
                          rf"(\d+), [\d,]+ tokens at [\d,]+ tok/s, ETA \d+ min \d\d s; spool ([\d.]+) MiB of "
-                         rf"{budget / 2**20:.1f} MiB", artifact["description"])
+                         rf"{room / 2**20:.1f} MiB", artifact["description"])
     assert shown, artifact["description"]
     step, steps = int(shown[1]), int(shown[2])
     assert 0 < step < steps and artifact["data"] == pytest.approx(100 * step / steps)
-    assert float(shown[3]) <= round(budget / 2**20, 1)
+    assert float(shown[3]) <= round(room / 2**20, 1)
     first_epoch = len(plan.epochs[0])  # one batch a step (one process, no accumulation)
 
     held, resumed = [], []
@@ -382,7 +389,7 @@ def test_a_spooled_run_killed_mid_epoch_resumes_within_its_budget_on_the_offline
     # Started again, with an eye on each step.
     streamed, report = train_beside_capture(params, cfg, plan, tmp_path / "store", slow_start)
     assert streamed.resumed_from == {"epoch": 1, "batches_done": kept, "step": first_epoch + kept}
-    assert 0 < max(held) <= budget and report["spool_peak_bytes"] <= budget, (held, report, budget)
+    assert 0 < max(held) <= room and report["spool_peak_bytes"] <= room, (held, report, room)
     assert report["paused_s"] > 0, report  # it did fill
     assert not list((tmp_path / "store" / "spool").glob("epoch-*"))  # every epoch trained and gone
     assert stored_samples(tmp_path / "store") == len(plan.heldout)  # the held-out samples stay

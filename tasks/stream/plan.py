@@ -200,10 +200,20 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
         samples = without_quarantined(samples, Path(store))
         write_planned(store, samples, [dataset], target.path, max_length=capture.max_length,
                       policy=capture.max_length_policy)
-    ids = [s.sample_id for s in samples]
+    return plan_order(planned_columns(samples), [r.source_row for r in unusable],
+                      bytes_per_token(target.hidden_size, len(target.layers.sglang_ids), dtype), capture.batch_size,
+                      train, store, served_prompts)
+
+
+def plan_order(planned: dict[str, list], rejected: list[int], per_token: int, batch_size: int, train: TrainConfig,
+               store: Path | None = None, served_prompts: int = 0) -> StreamPlan:
+    """The plan of planned samples' columns (planned_columns: id, row,
+    tokens, loss tokens), `rejected` the rows that give none, `per_token`
+    the store's bytes per token: no tokenizer, no model (bench/stream_scale.py
+    plans a Kimi-size run from drawn lengths)."""
+    ids, rows = planned["sample_id"], planned["source_row"]
     train_idx, held_idx = split(ids, train.heldout_fraction)
-    lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
-    rows = [s.source_row for s in samples]
+    lengths = np.asarray(planned["num_tokens"], dtype=np.int64)
     epochs = range(train.epochs if train.spool_bytes is not None else 1)
     if train.spool_bytes is not None:
         held_idx = held_idx[:heldout_read(train, served_prompts)]
@@ -211,14 +221,14 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
         heldout=[rows[i] for i in held_idx],
         # The capture's first part takes them: it quarantines them with their
         # reasons, as an offline run does.
-        rejected=[r.source_row for r in unusable],
+        rejected=list(rejected),
         epochs=[[[rows[i] for i in b] for b in plan_batches(lengths, train_idx, train.tokens_per_batch, train.seed, e)]
                 for e in epochs],
-        tokens={s.source_row: s.num_tokens for s in samples},
-        bytes_per_token=bytes_per_token(target.hidden_size, len(target.layers.sglang_ids), dtype))
+        tokens=dict(zip(rows, (int(n) for n in lengths))),
+        bytes_per_token=per_token)
     if train.spool_bytes is not None:
-        need = spool_minimum(plan, samples, capture, train)
-        held = plan.shard_bytes(plan.heldout, capture.batch_size) if plan.heldout else 0
+        need = spool_minimum(plan, dict(zip(rows, planned["num_loss_tokens"])), batch_size, train)
+        held = plan.shard_bytes(plan.heldout, batch_size) if plan.heldout else 0
         plan = replace(plan, minimum=need, heldout_bytes=held)
         if train.spool_bytes < need + held:
             raise SpoolTooSmall(
@@ -228,7 +238,7 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
                 f"{len(plan.heldout):,} held-out samples evaluation reads ({held:,} bytes, kept in the store): "
                 f"raise it, or lower train.vocab_positions or train.eval_max_samples")
         if train.cache_epochs:
-            plan = cached_for_the_run(plan, train, capture.batch_size, store)
+            plan = cached_for_the_run(plan, train, batch_size, store)
     return plan
 
 
@@ -291,12 +301,11 @@ def cache_first_capture(plan: StreamPlan, room: int, batch_size: int, rows: list
                                cached_bytes=plan.shard_bytes(cached, batch_size) if cached else 0)
 
 
-def spool_minimum(plan: StreamPlan, samples: list[Sample], capture: CaptureConfig, train: TrainConfig) -> int:
+def spool_minimum(plan: StreamPlan, loss: dict[int, int], batch_size: int, train: TrainConfig) -> int:
     """Bytes the trainer holds before it can free any: the samples counting
-    the draft vocabulary (they come first) or, if more, a step's batches and
-    the loader's look-ahead (4), per device; and room for the capture's
-    next part beside them."""
-    loss = {s.source_row: int(s.loss_mask.sum()) for s in samples}
+    the draft vocabulary (they come first; `loss`: row -> loss tokens) or,
+    if more, a step's batches and the loader's look-ahead (4), per device;
+    and room for the capture's next part beside them."""
     counted = tokens = 0
     for row in (r for b in plan.epochs[0] for r in b):
         if counted >= train.vocab_positions:
@@ -304,6 +313,6 @@ def spool_minimum(plan: StreamPlan, samples: list[Sample], capture: CaptureConfi
         counted += loss[row]
         tokens += plan.tokens[row]
     ahead = (4 + train.accumulate) * train.devices * train.nnodes * train.tokens_per_batch
-    longest = sorted(plan.tokens.values())[-2 * capture.batch_size:]  # and one part of the capture beside them
-    return max(tokens, ahead) * plan.bytes_per_token + plan.shard_bytes_of(sum(longest), 2, capture.batch_size)
+    longest = sorted(plan.tokens.values())[-2 * batch_size:]  # and one part of the capture beside them
+    return max(tokens, ahead) * plan.bytes_per_token + plan.shard_bytes_of(sum(longest), 2, batch_size)
 

@@ -145,7 +145,7 @@ class SpoolBudget:
         retry resumes from its checkpoint, and what it trained after it was
         removed from the spool, so the capture must rewind (with a spool)."""
         starts = trainer_starts(self.root)
-        moved, self.starts = starts != self.starts, starts
+        moved, self.starts = starts != self.starts and starts > 1, starts  # (the first is the run's start)
         return moved and self.room is not None
 
     def held(self) -> int:

@@ -32,17 +32,18 @@ def mark_trainer(store: Path, state: str) -> None:
     capture waiting for room in the spool would otherwise wait for ever) or
     finished."""
     Path(store).mkdir(parents=True, exist_ok=True)
-    if state == "running":  # a trainer started again: what a killed one waited for is moot
+    if state == "running":  # a run's trainer, before it starts: what a killed one waited for is moot
         for path in Path(store).glob(f"{WAITING}-*.json"):
             path.unlink(missing_ok=True)
+        write_json_atomic(Path(store) / STARTS, {"starts": 0, "at": time.time()})
     write_json_atomic(Path(store) / TRAINER_STATE, {"state": state, "at": time.time()})
 
 
 def mark_trainer_started(store: Path) -> int:
     """A trainer (rank 0) starts, or starts again from its checkpoint (a
-    Prefect retry after a rank died): the capture, which captured on past
-    what it trained since, rewinds to the checkpointed position. Starts so
-    far."""
+    Prefect retry after a rank died): from its second start in a run
+    (mark_trainer running), the capture, which captured on past what it
+    trained since, rewinds to the checkpointed position. Starts so far."""
     starts = trainer_starts(store) + 1
     write_json_atomic(Path(store) / STARTS, {"starts": starts, "at": time.time()})
     return starts
