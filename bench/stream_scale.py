@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -154,6 +155,7 @@ def main() -> None:
               f"{f['all_heldout_bytes'] / BUDGET:.1f}x the budget, outside it: "
               f"{f['all_heldout_bytes'] / max(1, f['heldout_bytes']):,.0f}x less now")
     pg = start_postgres()
+    os.environ["EAGLE3_LEDGER_URL"] = pg.url  # as on every node: the stores record the URL without its password
     try:
         with tempfile.TemporaryDirectory() as tmp:
             queue, budget = full_spool(Path(tmp) / "store", pg.url)

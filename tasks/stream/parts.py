@@ -29,7 +29,7 @@ from pathlib import Path
 from tasks.stream.plan import StreamPlan
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path
-from tasks.stream.spool import SpoolBudget, epoch_store, read_position, trim_spool
+from tasks.stream.spool import SpoolBudget, epoch_store, read_position, spool_schemas, trim_spool
 
 LEASE_S = 30.0  # renewed every LEASE_S / 3 while its node captures
 HELD_OUT = -1  # the epoch of the first part: held-out and unusable rows, into the store
@@ -177,7 +177,8 @@ class PartQueue:
         if budget.room is not None:
             with self.ledger.transaction() as db:
                 ahead = db.execute(f"SELECT {NEXT} LIMIT 1").fetchone()
-                if ahead is not None and ahead[4] and not budget.admits(ahead[4], self._in_flight(db)):
+                if ahead is not None and ahead[4] and not budget.admits(ahead[4], self._in_flight(db),
+                                                                        self._held(db, budget)):
                     return "full"
         with self.ledger.transaction() as db:
             self._serialise(db)
@@ -186,12 +187,35 @@ class PartQueue:
                 left = db.execute("SELECT count(*) FROM stream_parts WHERE state <> 'done'").fetchone()[0]
                 return "wait" if left else None
             part = Part(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5], row[6], row[7])
-            if part.need and not budget.admits(part.need, self._in_flight(db)):
+            if part.need and budget.room is not None and not budget.admits(part.need, self._in_flight(db),
+                                                                           self._held(db, budget)):
                 return "full"
             lease = db.execute(f"UPDATE stream_parts SET state = 'leased', node = %s, "
                                f"lease = nextval('stream_part_leases'), leased_until = {NOW} + %s WHERE seq = %s "
                                f"RETURNING lease", (node, LEASE_S, part.seq)).fetchone()[0]
             return replace(part, lease=lease)
+
+    def _held(self, db, budget: SpoolBudget) -> int:
+        """What the spool holds now: its epoch stores' shard bytes, summed on
+        `db` when they are indexed beside the queue (one query, not a
+        connection or two per epoch store on every poll)."""
+        import psycopg
+        from psycopg import sql
+
+        for _ in range(3):
+            schemas = spool_schemas(budget.root, self.ledger.url)
+            if schemas is None:
+                return budget.held()
+            if not schemas:
+                return 0
+            total = sql.SQL(" + ").join(sql.SQL("(SELECT coalesce(sum(bytes), 0) FROM {}.shards)").format(
+                sql.Identifier(s)) for s in schemas)
+            try:
+                with db.transaction():  # a savepoint: the lease's transaction outlives a miss
+                    return int(db.execute(sql.SQL("SELECT ") + total).fetchone()[0])
+            except psycopg.errors.UndefinedTable:  # an epoch store dropped (all trained) meanwhile: list again
+                continue
+        return budget.held()
 
     @staticmethod
     def _in_flight(db) -> int:

@@ -35,6 +35,26 @@ def spool_stores(store: Path) -> list[Path]:
     return [d for d in sorted((Path(store) / SPOOL).glob("epoch-*")) if manifest_path(d).exists()]
 
 
+def spool_schemas(store: Path, url: str) -> list[str] | None:
+    """The PostgreSQL schemas of the spool's epoch stores, when every one is
+    indexed on the server and database of `url` (a capture nodes' run):
+    their bytes are then summed in one query on a connection already open.
+    None where one is not."""
+    from tasks.store.ledger.open import LEDGER_JSON
+    from tasks.store.ledger.postgres import same_server
+
+    schemas = []
+    for home in spool_stores(store):
+        try:
+            record = json.loads((home / LEDGER_JSON).read_text())
+        except FileNotFoundError:
+            return None
+        if record.get("backend") != "postgres" or not same_server(record["url"], url):
+            return None
+        schemas.append(record["schema"])
+    return schemas
+
+
 def spooled_bytes(store: Path) -> int:
     """Bytes of the shards the spool's indexes hold now (from the ledgers,
     not a directory listing: a shard is in the spool once committed)."""
