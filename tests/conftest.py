@@ -111,10 +111,10 @@ def attach(server, *, store, **capture) -> dict:
             "store": StoreConfig(path=str(store))}
 
 
-def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_step):
+def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_step, trainer=None):
     """Both sides in this process, as capture_and_train runs them (a
     resumed spool cut back first): the training's result and the capture's
-    report."""
+    report. `trainer`: what trains, if not `train` (a flow, say)."""
     import threading
 
     from flows.stream import capture_task
@@ -136,7 +136,7 @@ def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_s
     thread = threading.Thread(target=capture)
     thread.start()
     try:
-        result = train(cfg, store, on_step=on_step)
+        result = trainer() if trainer else train(cfg, store, on_step=on_step)
     finally:
         thread.join()
     assert not failures, failures

@@ -530,24 +530,9 @@ def test_a_trainer_retried_by_prefect_after_a_failure_completes_as_the_spooled_c
     def trainer():
         return flows.train.train_task(cfg, str(store))
 
-    reports, failures = [], []
-
-    def capture():
-        try:
-            reports.append(capture_task.fn(**params, train=cfg, plan=plan))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            failures.append(e)
-
-    mark_trainer(store, "running")
-    thread = threading.Thread(target=capture)
-    thread.start()
-    try:
-        result = trainer()
-    finally:
-        mark_trainer(store, "finished")
-        thread.join()
-    assert attempts == [1, 2] and not failures, failures
+    result, report = train_beside_capture(params, cfg, plan, store, None, trainer=trainer)
+    assert attempts == [1, 2]
     assert result.resumed_from == {"epoch": 0, "batches_done": 4, "step": 4}
     assert batches(retried) == batches(offline.steps[4:]) and result.steps == offline.result.steps
-    assert reports[0]["spool_peak_bytes"] <= cfg.spool_bytes
+    assert report["spool_peak_bytes"] <= cfg.spool_bytes
     assert not list((store / "spool").glob("epoch-*"))

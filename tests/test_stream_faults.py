@@ -130,7 +130,7 @@ def test_two_trainer_ranks_keep_no_removed_spool_shard_mapped(tiny_model, tmp_pa
     assert shards >= 16 and spooled_bytes(store) > 0
     mark_trainer(store, "running")
     config_file = str(Path(cfg.out_dir) / "train-config.json")
-    seen, ranks, done = [], set(), threading.Event()
+    seen, ranks, done = set(), {}, threading.Event()
 
     def check() -> None:
         while not done.is_set():
@@ -140,8 +140,12 @@ def test_two_trainer_ranks_keep_no_removed_spool_shard_mapped(tiny_model, tmp_pa
                 except OSError:
                     continue
                 if config_file.encode() in cmd and b"torch.distributed.run" not in cmd:
-                    ranks.add(pid)
-            seen.extend(deleted_but_mapped(sorted(ranks), spool))
+                    try:  # (a process a rank forks has its command line and its RANK too)
+                        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    except OSError:
+                        continue
+                    ranks[pid] = next((v[5:].decode() for v in env if v.startswith(b"RANK=")), "?")
+            seen.update(deleted_but_mapped(sorted(ranks), spool))
             time.sleep(0.02)
 
     checker = threading.Thread(target=check)
@@ -151,8 +155,8 @@ def test_two_trainer_ranks_keep_no_removed_spool_shard_mapped(tiny_model, tmp_pa
     finally:
         done.set()
         checker.join()
-    assert len(ranks) == 2 and result.final
-    assert not seen, seen[:5]
+    assert set(ranks.values()) == {"0", "1"} and result.final
+    assert not seen, list(seen)[:5]
     assert not list(spool.glob("epoch-*/shards/*.safetensors")) and spooled_bytes(store) == 0
 
 
