@@ -166,6 +166,26 @@ def section_fields(annotation) -> dict:
 # PGPASSWORD or ~/.pgpass instead, tasks/store/ledger/).
 SECRET_FIELDS = {"api_key", "baseline_api_key"}
 _URL_PASSWORD = re.compile(r"(://[^:/@]*):[^@/]*@")
+_PASSWORD_PARAM = re.compile(r"""\bpassword\s*=\s*('(?:[^'\\]|\\.)*'|[^\s&]*)&?""")
+
+
+def without_password(value: str) -> str:
+    """`value` with any password left out: a URL's (scheme://user:pass@),
+    and every form PostgreSQL accepts, read by libpq's own parser (a URI's
+    ?password=, a key=value conninfo's password=...)."""
+    value = _URL_PASSWORD.sub(r"\1@", value)
+    if "password" not in value:
+        return value
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        parts = conninfo_to_dict(value)
+    except Exception:  # noqa: BLE001 - not a conninfo: any password= in it goes all the same
+        return _PASSWORD_PARAM.sub("", value)
+    if "password" not in parts:
+        return value
+    parts.pop("password")
+    return make_conninfo(**parts)
 
 
 def as_record(values: dict[str, Any]) -> dict:
@@ -182,7 +202,7 @@ def as_record(values: dict[str, Any]) -> dict:
         if key in SECRET_FIELDS:
             return None  # a rerun of the record takes it from the environment
         if isinstance(value, str):
-            return _URL_PASSWORD.sub(r"\1@", value)
+            return without_password(value)
         if isinstance(value, Path):
             return str(value)
         return value
