@@ -122,6 +122,13 @@ def _value(text: str, annotation):
     return text  # pydantic converts "3e-4", "2", "true" to the field's type
 
 
+def _get(out: dict, key: str):
+    *sections, field = key.split(".")
+    for s in sections:
+        out = out.get(s, {})
+    return out.get(field)
+
+
 def _put(out: dict, key: str, value, append: bool) -> None:
     *sections, field = key.split(".")
     target = out
@@ -165,6 +172,9 @@ def parse(flow, argv: list[str]) -> tuple[str | None, dict, bool]:
             raise ConfigError(f"--{name}: unknown key{f' (did you mean --{near[0]}?)' if near else ''}; see --help")
         annotation = keys[key][0]
         if _kind(annotation) == "bool":
+            if negated and has_value:  # --no-verify=false would read as false: refused, not guessed
+                raise ConfigError(f"--{name}={text}: --{name} takes no value; write --{name[3:]}={text} or "
+                                  f"--{name} alone")
             if negated:
                 value = False
             elif has_value:
@@ -182,6 +192,8 @@ def parse(flow, argv: list[str]) -> tuple[str | None, dict, bool]:
                 while _kind(annotation) == "list" and i < len(argv) and not argv[i].startswith("--"):
                     text, i = f"{text} {shlex.quote(argv[i])}", i + 1
             value = _value(text, annotation)
+            if key in seen and _kind(annotation) == "list" and (value is None) != (_get(overrides, key) is None):
+                raise ConfigError(f"--{name}: given as a list and as none; give one of them")
         _put(overrides, key, value, append=key in seen)
         seen.add(key)
     return config_file, overrides, print_config

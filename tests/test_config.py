@@ -150,3 +150,16 @@ def test_a_ledger_password_in_any_form_postgresql_accepts_is_left_out_of_the_rec
     assert "s3" not in kept and "s3" not in to_yaml({"store": StoreConfig(path="/data/store", ledger_url=url)})
     parts = conninfo_to_dict(kept)
     assert (parts["host"], parts["user"], parts["dbname"]) == ("db", "eagle3", "eagle3") and "password" not in parts
+
+
+@pytest.mark.parametrize("argv,refused", [
+    (["--no-verify=false"], r"--no-verify=false: --no-verify takes no value; write --verify=false or --no-verify"),
+    (["--knobs.layers", "1,2,3", "--knobs.layers", "none"], r"--knobs.layers: given as a list and as none"),
+    (["--knobs.layers", "none", "--knobs.layers", "1,2"], r"--knobs.layers: given as a list and as none"),
+])
+def test_contradictory_command_lines_are_refused_naming_the_key(argv, refused):
+    """--no-verify=false read as verify false (its value ignored), and a
+    list key given as a list and then as none raised a TypeError traceback:
+    each is one line naming the key, before anything runs."""
+    with pytest.raises(ConfigError, match=refused):
+        parse(a_flow, argv)
