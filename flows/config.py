@@ -176,16 +176,15 @@ def without_password(value: str) -> str:
     value = _URL_PASSWORD.sub(r"\1@", value)
     if "password" not in value:
         return value
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+    from psycopg.conninfo import conninfo_to_dict
+
+    from tasks.store.ledger.postgres import public_url
 
     try:
         parts = conninfo_to_dict(value)
     except Exception:  # noqa: BLE001 - not a conninfo: any password= in it goes all the same
         return _PASSWORD_PARAM.sub("", value)
-    if "password" not in parts:
-        return value
-    parts.pop("password")
-    return make_conninfo(**parts)
+    return public_url(value) if "password" in parts else value
 
 
 def as_record(values: dict[str, Any]) -> dict:
