@@ -78,6 +78,18 @@ def _model(fn) -> type[BaseModel]:
     return create_model(f"{fn.__name__}_config", __config__=ConfigDict(extra="forbid"), **fields)
 
 
+def checked(rule):
+    """Declare a rule across a flow's parameters: `rule` takes some of them
+    by name and raises ValueError naming the key. resolve() applies it to
+    every config it resolves, so the command line refuses what the flow
+    would, before anything runs; the flow applies it first too (a run from
+    the UI is not resolved here)."""
+    def declare(fn):
+        fn.config_rule = rule
+        return fn
+    return declare
+
+
 def parameters_model(flow) -> type[BaseModel]:
     """The pydantic model of the flow's parameters: each section a nested model."""
     return _model(_function(flow))
@@ -123,7 +135,14 @@ def resolve(flow, *layers: dict) -> dict[str, Any]:
         validated = parameters_model(flow).model_validate(merged)
     except ValidationError as e:
         raise ConfigError(describe(e, flow)) from None
-    return {name: getattr(validated, name) for name in fields}
+    values = {name: getattr(validated, name) for name in fields}
+    rule = getattr(_function(flow), "config_rule", None)
+    if rule is not None:
+        try:
+            rule(**{name: values[name] for name in inspect.signature(rule).parameters if name in values})
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return values
 
 
 def describe(error: ValidationError, flow) -> str:
@@ -143,7 +162,8 @@ def describe(error: ValidationError, flow) -> str:
             lines.append(f"{key}: required, and not given")
         else:
             given = err.get("input")
-            shown = "" if isinstance(given, (dict, BaseModel)) else f" (given: {given!r})"
+            shown = ("" if isinstance(given, (dict, BaseModel)) or loc[-1] in SECRET_FIELDS else
+                     f" (given: {(without_password(given) if isinstance(given, str) else given)!r})")
             lines.append(f"{key}: {err['msg']}{shown}")
     return "\n".join(lines)
 

@@ -28,7 +28,7 @@ from flows.retries import unless_permanent
 from tasks.serve.config import EvaluateConfig
 from tasks.serve.evaluate import Drafter, drafter_at, evaluate_drafters
 from tasks.serve.prompts import PromptSet, prompt_set
-from tasks.server.config import ServerConfig
+from tasks.server.config import ServerConfig, revealed
 from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
@@ -90,7 +90,7 @@ def evaluate_task(server: ServerConfig, drafters: list[Drafter], sets: list[Prom
              ", ".join(s.name for s in sets), evaluate.concurrency)
     report = evaluate_drafters(server, drafters, sets, evaluate, log_dir=out_dir,
                                baseline_url=baseline.url if baseline else None,
-                               baseline_api_key=baseline.api_key if baseline else None)
+                               baseline_api_key=revealed(baseline.api_key) if baseline else None)
     key = artifact_key("evaluation", out_dir)
     create_table_artifact(table=[{k: v for k, v in r.items() if k != "histogram"} for r in report["acceptance"]],
                           key=f"{key}-acceptance", description="acceptance per drafter and prompt set")

@@ -256,3 +256,30 @@ def wait_node(proc: subprocess.Popen, out: Path, timeout_s: float = 600) -> dict
             raise RuntimeError(f"node did not start:\n{log_tail(out)}")
         time.sleep(1)
     return {"proc": proc, **record()}
+
+
+def secrets_found(api: Api, secrets: list[str], *dirs: Path) -> list[str]:
+    """Where any of `secrets` appears: in a flow run's parameters, an
+    artifact, a log line or a deployment Prefect holds (read back through
+    its API, every page), or in a file under `dirs` (kept configs, logs,
+    the store's records). Empty when it appears nowhere."""
+    assert secrets and all(len(s) >= 8 for s in secrets), "a secret to look for, long enough not to match by chance"
+    found = []
+    for kind, path in (("flow run", "/flow_runs/filter"), ("artifact", "/artifacts/filter"),
+                       ("log", "/logs/filter"), ("deployment", "/deployments/filter")):
+        offset = 0
+        while True:
+            page = api.call("POST", path, {"limit": 200, "offset": offset})
+            for record in page:
+                text = json.dumps(record)
+                found += [f"{kind} {record.get('name') or record.get('key') or record.get('id')}: holds secret {i}"
+                          for i, s in enumerate(secrets) if s in text]
+            if len(page) < 200:
+                break
+            offset += 200
+    for d in dirs:
+        for f in Path(d).rglob("*"):
+            if f.is_file() and not f.is_symlink():
+                data = f.read_bytes()
+                found += [f"{f}: holds secret {i}" for i, s in enumerate(secrets) if s.encode() in data]
+    return found

@@ -13,6 +13,7 @@ from flows.cli import described, help_text, parse
 from flows.config import ConfigError, resolve, to_yaml
 from flows.cli import config_from_argv
 from tasks.config import Section
+from tasks.store.config import StoreConfig
 
 
 class Knobs(Section):
@@ -134,20 +135,32 @@ def test_a_section_default_must_be_its_own_defaults():
     "host=db user=eagle3 password=s3cr3t dbname=eagle3",
     "host=db user=eagle3 password='s3 cr3t' dbname=eagle3",
 ])
-def test_a_ledger_password_in_any_form_postgresql_accepts_is_left_out_of_the_record(url):
+def test_a_ledger_password_in_any_form_postgresql_accepts_is_refused_as_a_parameter_and_kept_out_of_records(url):
     """Every form libpq reads a password from (a URL's user:password@, a
-    URI's ?password=, a key=value conninfo): the kept run config, the
-    artifact and --print-config (all as_record) keep the server, the
-    database and the user, never the password (the query and conninfo
-    forms were written verbatim)."""
+    URI's ?password=, a key=value conninfo). As store.ledger_url it is
+    refused before anything runs, naming the key and where the password
+    goes instead: Prefect keeps a run's parameters and shows them in its UI
+    (it was accepted, and sent on to every node's child run). Anywhere a
+    record is written from (the kept run config, the artifact,
+    --print-config: as_record), the server, database and user are kept,
+    never the password (the query and conninfo forms were written
+    verbatim)."""
     from psycopg.conninfo import conninfo_to_dict
 
-    from flows.config import as_record
-    from tasks.store.config import StoreConfig
+    from flows.config import ConfigError, as_record, resolve
 
-    record = as_record({"store": StoreConfig(path="/data/store", ledger_url=url)})
-    kept = record["store"]["ledger_url"]
-    assert "s3" not in kept and "s3" not in to_yaml({"store": StoreConfig(path="/data/store", ledger_url=url)})
+    def flow(store: StoreConfig = StoreConfig()):
+        pass
+
+    with pytest.raises(ConfigError) as refused:
+        resolve(flow, {"store": {"ledger_url": url}})
+    assert str(refused.value).startswith("store.ledger_url: Value error, the URL carries a password")
+    assert "s3" not in str(refused.value) and "$EAGLE3_LEDGER_URL" in str(refused.value)
+    assert resolve(flow, {"store": {"ledger_url": "postgresql://eagle3@db/eagle3"}})["store"].ledger_url
+
+    record = {"store": {"path": "/data/store", "ledger_url": url}}
+    kept = as_record(record)["store"]["ledger_url"]
+    assert "s3" not in kept and "s3" not in to_yaml(record)
     parts = conninfo_to_dict(kept)
     assert (parts["host"], parts["user"], parts["dbname"]) == ("db", "eagle3", "eagle3") and "password" not in parts
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.pg_server import PASSWORD
 from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, wait_for, write_jsonl
-from tests.prefect_stack import (REPO, cli, log_tail, prefect_database, prefect_server, run_processes, start_node,
+from tests.prefect_stack import (REPO, secrets_found, cli, log_tail, prefect_database, prefect_server, run_processes, start_node,
                                  start_prefect_server, stop, stop_node, wait_node)
 
 pytestmark = pytest.mark.server
@@ -205,6 +206,7 @@ def test_two_capture_nodes_feed_one_stream_trainer_through_postgres(stack, tiny_
 
     before = schemas()
     reports, failures, steps, held, killed = [], [], [], [], {}
+    keys = [node_api_key(stack["nodes"][q]["worker_pid"]) for q in QUEUES]
 
     def capture_side() -> None:
         try:
@@ -269,6 +271,16 @@ def test_two_capture_nodes_feed_one_stream_trainer_through_postgres(stack, tiny_
     stored_ids = stored(root)
     assert len(stored_ids) == len(set(stored_ids)) == len(plan.heldout)  # the held-out samples stay, once each
     assert not list((root / "spool").glob("epoch-*")) and schemas() == before + 1  # the store's own schema
+    # The ledger's password and the nodes' keys reached every process by
+    # reference (the environment): no run's parameters, artifact, log line
+    # or kept file holds them.
+    assert not secrets_found(stack["api"], [PASSWORD, *keys], tmp_path)
+
+
+def node_api_key(worker_pid: int) -> str:
+    """The key of a node's server, as its worker's environment holds it."""
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{worker_pid}/environ").read_text().split("\0") if "=" in v)
+    return env["EAGLE3_API_KEY"]
 
 
 def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_path, monkeypatch):

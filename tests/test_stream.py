@@ -35,6 +35,7 @@ from tasks.stream.spool import SpoolBudget, SpoolDeadlock, TrainerStopped, epoch
 from tasks.stream.state import mark_capture, mark_trainer, record_progress, trainer_waiting
 from tasks.stream.parts import cut_parts, part_samples
 from tasks.stream.progress import describe_progress
+from tests.prefect_stack import Api, secrets_found
 from tests.conftest import (attach, demo_rows, random_store, stored_samples, train_beside_capture, wait_for,
                             write_jsonl)
 
@@ -134,6 +135,9 @@ def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(c
     assert readers[0].sample_ids == readers[1].sample_ids and readers[0]._rows == readers[1]._rows
     for counts in ("num_tokens", "num_loss_tokens"):
         assert getattr(readers[0], counts).tolist() == getattr(readers[1], counts).tolist()
+    # Every part's extract subflow took the attached server's key as a
+    # parameter: Prefect holds it masked; the kept configs hold none.
+    assert not secrets_found(Api(prefect_api), [capture_server.api_key], tmp_path)
 
 
 def test_a_capture_that_ended_without_a_sample_stops_the_trainer_naming_it(tiny_model, tmp_path):

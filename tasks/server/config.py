@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from tasks.capture.dump import RID_PREFIX, check_rid_prefix
 from tasks.config import Section
 from tasks.target.models import SMOLLM2
+
+
+def revealed(key: SecretStr | str | None) -> str | None:
+    """A key as the server wants it on a request."""
+    return key.get_secret_value() if isinstance(key, SecretStr) else key
 
 
 class ServerConfig(Section):
@@ -21,10 +26,12 @@ class ServerConfig(Section):
     model: str = Field(SMOLLM2, description=f"target model: a checkpoint folder, or {SMOLLM2!r} (the demo's, "
                                             "converted on first use)")
     url: Optional[str] = Field(None, description="attach to this running capture server instead of launching one")
-    api_key: Optional[str] = Field(None, repr=False, description=(
+    # A SecretStr: Prefect stores a run's parameters as JSON, where pydantic
+    # writes it masked; a subflow called in the same process gets the key.
+    api_key: Optional[SecretStr] = Field(None, description=(
         "attach mode only: the --api-key the attached server was started with (default: $EAGLE3_API_KEY if set, "
-        "else none). A key given here is kept with the run's parameters in Prefect: prefer the environment "
-        "variable. A launched server gets a random key of its own"))
+        "else none). Prefect keeps it masked with the run's parameters; the environment variable keeps it out "
+        "of them altogether. A launched server gets a random key of its own"))
     rid_prefix: str = Field(RID_PREFIX, description=(
         "attach mode only: the rid_prefix in the attached server's capture hook config (the hook's default is "
         f"{RID_PREFIX!r}); the hook captures only rids that start with it. A launched server gets a random "

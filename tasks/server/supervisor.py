@@ -9,8 +9,10 @@ import threading
 import time
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from tasks.capture.config import CaptureConfig
-from tasks.server.config import ServerConfig
+from tasks.server.config import ServerConfig, revealed
 from tasks.server.launch import LaunchSpec, ServerHandle, launch_server, stop_server
 from tasks.server.server_log import LogFollower
 from tasks.sglang_api import ServerError, ServerStopped, server_healthy
@@ -48,10 +50,10 @@ def node_sections(server: ServerConfig, capture: CaptureConfig) -> tuple[ServerC
             capture.model_copy(update={"dump_dir": env["dump_dir"]}))
 
 
-def attach_api_key(given: str | None) -> str | None:
+def attach_api_key(given: SecretStr | None) -> str | None:
     """The API key for an attached server: `given`, else $EAGLE3_API_KEY,
     else none (a server started without --api-key)."""
-    return given or os.environ.get(API_KEY_ENV) or None
+    return revealed(given) or os.environ.get(API_KEY_ENV) or None
 
 
 class ServerSupervisor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tasks.config import Section
 from tasks.store.shards import BF16, StorageDtype
@@ -19,5 +19,18 @@ class StoreConfig(Section):
         "readers still get bf16). Part of the store's identity"))
     ledger_url: Optional[str] = Field(None, description=(
         "where a new store keeps its index: none = SQLite in the store (one machine); a postgresql:// URL, or "
-        "'env' for $EAGLE3_LEDGER_URL, = PostgreSQL (many writers; the password is never written into the "
-        "store: give it in $EAGLE3_LEDGER_URL, PGPASSWORD or ~/.pgpass)"))
+        "'env' for $EAGLE3_LEDGER_URL, = PostgreSQL (many writers). Its password never travels as a parameter: "
+        "give it in $EAGLE3_LEDGER_URL, PGPASSWORD or ~/.pgpass"))
+
+    @field_validator("ledger_url")
+    @classmethod
+    def _no_password(cls, url: str | None) -> str | None:
+        # Prefect keeps a run's parameters in its database and shows them in
+        # its UI; a node's child run would carry them too.
+        from tasks.store.ledger.postgres import has_password
+
+        if url and url != "env" and has_password(url):
+            raise ValueError("the URL carries a password, which Prefect would keep with the run's parameters and "
+                             "show in its UI: give the URL without it and the password in PGPASSWORD or "
+                             "~/.pgpass, or the whole URL in $EAGLE3_LEDGER_URL and ledger_url: env")
+        return url

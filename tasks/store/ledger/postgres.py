@@ -75,6 +75,17 @@ def public_url(url: str) -> str:
     return make_conninfo(**parts)
 
 
+def has_password(url: str) -> bool:
+    """Whether the URL carries a password, in any form libpq reads (a URI's
+    user:pass@ or ?password=, a conninfo's password=...)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        return "password" in conninfo_to_dict(url)
+    except Exception:  # noqa: BLE001 - not one libpq reads: judged by its text
+        return "password" in url or re.search(r"://[^/@:]*:[^@/]*@", url) is not None
+
+
 def describe(url: str) -> str:
     """host:port/dbname (user): names the server in messages, never the password."""
     from psycopg.conninfo import conninfo_to_dict
