@@ -27,7 +27,7 @@ from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
 from flows.verify import VerifyAtEnd, verify_task
 from tasks.capture import extraction, nodes
-from tasks.capture.canary import CanaryTally
+from tasks.capture.canary import refuse_unchecked_logits
 from tasks.capture.config import CaptureConfig
 from tasks.paths import default_dump_root, ensure_private_dir
 from tasks.server.config import ServerConfig
@@ -63,6 +63,7 @@ def plan_task(model: str, capture: CaptureConfig, store: StoreConfig, rows: Opti
               owner: bool = True) -> Planned:
     log = get_run_logger()
     target = Target.load(model, capture.aux_layer_ids)
+    refuse_unchecked_logits(target.config, capture.canary_fraction)
     tokenizer = target.tokenizer()
     opened = create_store(target, tokenizer, capture, store)
     if owner:  # the run holds the store's lock: nobody is writing a temp (a child's siblings may be)
@@ -135,12 +136,9 @@ def reset_dump_dir_task(dump_dir: Path, rid_prefix: str) -> int:
     return removed
 
 
-# Retries and their delays come from the capture section (see _extract_all):
-# these are the defaults for a direct call. A run stopped for failing
-# captures wholesale stays stopped.
-@task(name="extract-batch", cache_policy=NO_CACHE, retries=3,
-      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5,
-      retry_condition_fn=unless_permanent)
+# Retries and their delays come from the capture section (_extract_all). A
+# run stopped for failing captures wholesale stays stopped.
+@task(name="extract-batch", cache_policy=NO_CACHE, retry_condition_fn=unless_permanent)
 def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: Path, planned: Planned,
                        capture: CaptureConfig, guard: extraction.FailureGuard | None = None, node: str = "",
                        parent_run: str | None = None) -> dict:
@@ -237,9 +235,7 @@ def extract_hidden_states(
                 live = launch_task(planned.target, server, dump_dir, log_path)
                 warm_up_task(live, dump_dir, planned.target)
                 reset_dump_dir_task(dump_dir, live.rid_prefix)
-                guard = extraction.FailureGuard(
-                    max_ratio=capture.max_quarantine_ratio, max_consecutive=capture.max_consecutive_failures,
-                    canaries=CanaryTally(max_ratio=capture.canary_max_failed_ratio))
+                guard = extraction.FailureGuard.of_capture(capture)
                 failures = _extract_all(planned, live, dump_dir, capture, guard, node, parent_run)
                 guard.check()  # this reason first: the batches it stopped are its consequence
                 if failures:

@@ -16,6 +16,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.cli import described
+from flows.config import checked
 from flows.extract import extract_hidden_states
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
@@ -32,6 +33,7 @@ from tasks.server.launch import LaunchSpec, launch_server
 from tasks.store.config import StoreConfig
 from tasks.store.lock import hold_lock
 from tasks.target.architectures import load_tokenizer
+from tasks.stream.plan import check_mode
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 
@@ -70,6 +72,7 @@ def regenerate_task(server: ServerConfig, dataset: str, store_dir: str, regenera
 
 @flow(name="eagle3_pipeline")
 @described
+@checked(check_mode)
 def eagle3_pipeline(
     server: ServerConfig = ServerConfig(),
     capture: CaptureConfig = CaptureConfig(),
@@ -88,12 +91,7 @@ def eagle3_pipeline(
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, evaluate."""
     log = get_run_logger()
     baseline_server(server, evaluate)  # refused now, not after the training
-    if mode == "offline" and capture_nodes:
-        raise ValueError(f"capture_nodes {capture_nodes} capture for a stream run: set mode stream, or capture "
-                         f"offline on many nodes with python -m flows.extract_nodes")
-    if mode == "offline" and train.spool_bytes is not None:
-        raise ValueError(f"train.spool_bytes {train.spool_bytes:,} bounds a stream run's disk: set mode stream, or "
-                         f"leave it unset (an offline run keeps every shard in the store)")
+    check_mode(mode, train, capture_nodes)  # as the command line does (a run from the UI is not resolved there)
     store_dir, train_dir = Path(store.path).resolve(), Path(train.out_dir).resolve()
     store = store.model_copy(update={"path": str(store_dir)})
     train = train.model_copy(update={"out_dir": str(train_dir)})

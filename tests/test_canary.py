@@ -282,3 +282,38 @@ def test_a_run_told_the_wrong_checkpoint_stores_nothing_and_stops(capture_server
         run(spare, other, guard=FailureGuard(), last_try=False)
     assert len(ledger.quarantined()) == before
     assert run(spare, tiny_model, guard=FailureGuard()).samples == 4
+
+
+def test_a_target_whose_logits_sglang_softcaps_is_refused_before_anything_runs_naming_the_key(
+        tiny_model, prefect_api, tmp_path):
+    """SGLang caps the logits of any target whose config sets
+    final_logit_softcapping (Gemma's); the canary's head does not, so every
+    canary of such a target would fail mid-run. The extraction refuses it
+    in its plan, naming the key and the way out, before a store is created
+    or a server launched; a stream run's plan refuses it before the trainer
+    starts."""
+    import shutil
+
+    from flows.extract import extract_hidden_states
+    from tasks.capture.canary import CanaryCannotCheck
+    from tasks.capture.config import CaptureConfig
+    from tasks.server.config import ServerConfig
+    from tasks.store.config import StoreConfig
+    from tasks.stream.plan import plan_stream
+    from tasks.train.config import TrainConfig
+    from tests.conftest import demo_rows, write_jsonl
+
+    model = tmp_path / "capped"
+    shutil.copytree(tiny_model, model, symlinks=True)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 30.0}))
+    capture = CaptureConfig(dataset=str(write_jsonl(tmp_path / "data.jsonl", demo_rows(4))), max_length=256)
+    refused = r"^the target's config sets final_logit_softcapping 30\.0: .* set capture\.canary_fraction 0"
+    with pytest.raises(CanaryCannotCheck, match=refused):
+        extract_hidden_states(server=ServerConfig(model=str(model)), capture=capture,
+                              store=StoreConfig(path=str(tmp_path / "store")))
+    assert not (tmp_path / "store" / "manifest.json").exists()
+    with pytest.raises(CanaryCannotCheck, match=refused):
+        plan_stream(str(model), capture, TrainConfig(out_dir=str(tmp_path / "t"), stream=True))
+    canary.refuse_unchecked_logits({**config, "final_logit_softcapping": 30.0}, canary_fraction=0.0)  # opted out
+    canary.refuse_unchecked_logits({**config, "final_logit_softcapping": None}, canary_fraction=0.01)

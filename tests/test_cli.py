@@ -96,3 +96,29 @@ def test_verify_takes_plain_parameters():
 def test_every_flow_has_one_model_of_its_parameters(entry):
     model = parameters_model(load(entry))
     assert set(model.model_fields) == set(parameters(load(entry)))
+
+
+@pytest.mark.parametrize("argv,refused", [
+    (["--capture.aux-layer-ids", "5,2,9"], r"^capture\.aux_layer_ids: .*aux layer ids \[5, 2, 9\]: not ascending"),
+    (["--capture.aux-layer-ids", "2,2,9"], r"^capture\.aux_layer_ids: .*\[2\] repeated"),
+    (["--train.aux-layer-ids", "1,2"], r"^train\.aux_layer_ids: .*fewer than 3"),
+    (["--train.cache-epochs"], r"^train: .*train\.cache_epochs keeps what a spool's budget has room for: set "
+                               r"train\.spool_bytes"),
+    (["--train.stream"], r"^train\.stream: the pipeline trains while capturing with mode stream"),
+    (["--train.spool-bytes", "1000000"], r"^train\.spool_bytes 1,000,000 bounds a stream run's disk"),
+    (["--capture-nodes", "node-a"], r"^capture_nodes \['node-a'\]: they capture for a stream run"),
+])
+def test_settings_that_cannot_work_are_refused_before_anything_runs_naming_the_key(argv, refused):
+    """Each was accepted by --print-config (the layer ids refused only at
+    the server's launch; cache_epochs without a spool and train.stream in
+    an offline run taken silently): now one line naming the key, from the
+    command line, before a run starts."""
+    from flows.pipeline import eagle3_pipeline
+
+    with pytest.raises(ConfigError, match=refused) as e:
+        config_from_argv(eagle3_pipeline, argv)
+    assert "\n" not in str(e.value)
+    # The same settings in stream mode (with a spool for cache_epochs) are a run.
+    if argv[0] in ("--train.cache-epochs", "--train.stream", "--train.spool-bytes", "--capture-nodes"):
+        extra = ["--train.spool-bytes", "1000000"] if argv[0] == "--train.cache-epochs" else []
+        assert config_from_argv(eagle3_pipeline, [*argv, *extra, "--mode", "stream"])[0]["mode"] == "stream"

@@ -147,3 +147,31 @@ def test_tool_calls_are_rendered_or_the_row_refused(tokenizer, tmp_path):
     assert "add" in masked  # the call is what the drafter learns
     ids, _ = tokenize_conversation(tools, [CHAT[0], {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}])
     assert samples[1].input_ids.tolist() == ids
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", b"{broken json\n" + json.dumps({"messages": []}).encode() + b"\n"])
+def test_a_dataset_with_no_usable_row_is_refused_naming_it_and_nothing_is_stored(tiny_model, tmp_path, content):
+    """An empty file, blank lines, or only rows that are rejected: the
+    extraction's plan (and a stream run's) stops with one error naming the
+    file, before a server is launched, instead of a run that stores
+    nothing and passes verification (seen: exit 0, 'verification passed: 0
+    files, 0 samples'). The store keeps no row of it."""
+    from tasks.capture.config import CaptureConfig
+    from tasks.capture.extraction import plan_extraction
+    from tasks.data.dataset import NoUsableRows
+    from tasks.failures import Permanent
+    from tasks.store.ledger.open import open_store
+    from tasks.stream.plan import planned_samples
+    from tests.test_store import MANIFEST
+
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_bytes(content)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ledger = open_store(tmp_path / "store", MANIFEST)
+    with pytest.raises(NoUsableRows, match=rf"^dataset {dataset} has no usable row \((it holds no rows|all 2 rows "
+                                          rf"rejected, e\.g\. row 0: .*)\): give a JSONL.*\(capture\.dataset\)$") as e:
+        plan_extraction(CaptureConfig(dataset=str(dataset)), tok, ledger)
+    assert isinstance(e.value, Permanent)  # no task retry runs it again
+    assert ledger.quarantined().empty and not ledger.captured_ids()
+    with pytest.raises(NoUsableRows):
+        planned_samples([str(dataset)], tok, max_length=256, policy="truncate")

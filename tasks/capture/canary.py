@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tasks.capture.config import CaptureConfig
 from tasks.capture.dump import Capture, CaptureError
 from tasks.failures import Permanent
 from tasks.store.fp8 import E4M3_MAX, dequantize, quantize
@@ -136,6 +137,28 @@ def server_logprobs(meta: dict, input_ids: Sequence[int], *, vocab_size: int | N
             raise CaptureError(f"rid {meta.get('id')}: logprob entry {p} is for token {token}, {sent} was sent")
         out.append(None if value is None else float(value))
     return out
+
+
+class CanaryCannotCheck(Permanent, ValueError):
+    """A target whose served logits the canary's head does not compute."""
+
+
+# SGLang's LogitsProcessor caps the logits of any target whose config sets
+# this (cap * tanh(z / cap)); it also scales them for model classes that pass
+# it a logit_scale, which none of tasks/target/architectures.py's do.
+SOFTCAP = "final_logit_softcapping"
+
+
+def refuse_unchecked_logits(config: dict, canary_fraction: float) -> None:
+    """Refuse, before anything runs, a target whose every canary would fail
+    because SGLang transforms its logits and the canary's head does not."""
+    for section in (config, config.get("text_config") or {}):
+        cap = section.get(SOFTCAP)
+        if canary_fraction and cap is not None and cap > 0:
+            raise CanaryCannotCheck(
+                f"the target's config sets {SOFTCAP} {cap}: SGLang caps its logits (cap * tanh(z / cap)) and the "
+                f"capture canary's head does not, so every canary would fail: set capture.canary_fraction 0 to "
+                f"capture this target without the check")
 
 
 @dataclass(frozen=True)
@@ -343,16 +366,21 @@ def bound(states: torch.Tensor, targets: torch.Tensor, z_t: torch.Tensor, zmax: 
 class CanaryTally:
     """The run's canaries, across batches and threads: stops the run when
     more than `max_ratio` of those checked failed, once `min_failed` have
-    (a single glitch, retried, is not a verdict on the run)."""
+    (a single glitch, retried, is not a verdict on the run). Its limits are
+    the capture section's (of_capture); the defaults, its defaults."""
 
-    max_ratio: float = 0.02
-    min_failed: int = 3
+    max_ratio: float = CaptureConfig.model_fields["canary_max_failed_ratio"].default
+    min_failed: int = CaptureConfig.model_fields["canary_min_failed"].default
     checked: int = 0
     failed: int = 0
     worst_ratio: float = 0.0
     outliers: int = 0
     last: str = ""
     _mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def of_capture(cls, capture: CaptureConfig) -> CanaryTally:
+        return cls(max_ratio=capture.canary_max_failed_ratio, min_failed=capture.canary_min_failed)
 
     def passed(self, result: CanaryResult) -> None:
         with self._mutex:

@@ -19,6 +19,7 @@ from typing import Callable, Sequence, TypeVar
 
 import httpx
 
+from tasks.capture.config import CaptureConfig
 from tasks.capture.dump import (
     RID_PREFIX, Capture, CaptureError, CaptureMissing, CaptureRefused, discard_rid, new_rid, read_capture, remove_capture,
 )
@@ -134,9 +135,9 @@ def capture_many(
     *,
     api_key: str | None = None,
     rid_prefix: str = RID_PREFIX,
-    concurrency: int = 8,
+    concurrency: int = CaptureConfig.model_fields["concurrency"].default,
     aux_layer_ids: Sequence[int] | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = CaptureConfig.model_fields["request_timeout_s"].default,
     read_workers: int | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     dump_wait_s: float = DUMP_WAIT_S,

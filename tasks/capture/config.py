@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tasks.config import Section
 from tasks.data.dataset import DEMO_DATASET
+from tasks.target.layers import AuxLayers
 
 
 class CaptureConfig(Section):
@@ -38,6 +39,9 @@ class CaptureConfig(Section):
         "stop the run when more than this share of the samples tried fail their capture"))
     max_consecutive_failures: int = Field(20, ge=1, description="stop the run after this many failed captures in a "
                                                                 "row")
+    quarantine_min_tried: int = Field(100, ge=1, description=(
+        "samples tried before max_quarantine_ratio is judged during the run (it is judged over every sample at "
+        "the end)"))
     canary_fraction: float = Field(0.01, ge=0, le=1, description=(
         "share of requests (seeded, at least one per batch; 0: none) whose stored final state is checked "
         "against the server's own logprobs of the same request"))
@@ -45,3 +49,11 @@ class CaptureConfig(Section):
         "random positions checked per canary sample (chunk boundaries are always checked too)"))
     canary_max_failed_ratio: float = Field(0.02, ge=0, le=1, description=(
         "stop the run when more than this share of the canary samples disagree with the server"))
+    canary_min_failed: int = Field(3, ge=1, description=(
+        "failed canaries before canary_max_failed_ratio is judged (a single glitch, retried, is no verdict)"))
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _layer_ids(cls, ids: list[int] | None) -> list[int] | None:
+        # Their count, order and repeats now; their range once the target is loaded.
+        return None if ids is None else list(AuxLayers(tuple(ids)).sglang_ids)

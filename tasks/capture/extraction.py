@@ -26,7 +26,7 @@ from tasks.capture.dump import (
 )
 from tasks.failures import Permanent
 from tasks.paths import ensure_private_dir
-from tasks.data.dataset import Rejected, Sample, prepare_samples
+from tasks.data.dataset import Rejected, Sample, prepare_samples, require_usable
 from tasks.sglang_api import ServerStopped, server_healthy
 from tasks.store.handle import Store
 from tasks.store.ledger.index import Ledger
@@ -69,6 +69,8 @@ def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Seq
     samples, rejected = prepare_samples(Path(capture.dataset), tokenizer, max_length=capture.max_length,
                                         policy=capture.max_length_policy,
                                         rows=None if rows is None else frozenset(rows))
+    if rows is None:
+        require_usable(Path(capture.dataset), samples, rejected)
     stored = ledger.captured_ids()
     todo, seen = [], set()
     for s in samples:
@@ -161,15 +163,21 @@ class TooManyFailures(Permanent, RuntimeError):
     quarantining it: something is wrong with the server or the capture."""
 
 
+_CAPTURE = CaptureConfig.model_fields
+
+
 class FailureGuard:
     """Counts capture outcomes across the batches of one run (from any
     thread) and stops the run when captures fail wholesale: after
     `max_consecutive` failed samples in a row, or when more than `max_ratio`
     of the samples tried so far failed (judged once `min_samples` were tried,
     and at the end of the run over everything). Without it, a run whose every
-    capture fails ends Completed with nothing stored."""
+    capture fails ends Completed with nothing stored. Its limits are the
+    capture section's (of_capture); the defaults, its defaults."""
 
-    def __init__(self, *, max_ratio: float = 0.05, max_consecutive: int = 20, min_samples: int = 100,
+    def __init__(self, *, max_ratio: float = _CAPTURE["max_quarantine_ratio"].default,
+                 max_consecutive: int = _CAPTURE["max_consecutive_failures"].default,
+                 min_samples: int = _CAPTURE["quarantine_min_tried"].default,
                  canaries: canary.CanaryTally | None = None):
         self.max_ratio, self.max_consecutive, self.min_samples = max_ratio, max_consecutive, min_samples
         self.canaries = canaries or canary.CanaryTally()
@@ -178,6 +186,11 @@ class FailureGuard:
         self.last_reason = ""
         self.tripped: str | None = None
         self._mutex = threading.Lock()
+
+    @classmethod
+    def of_capture(cls, capture: CaptureConfig) -> FailureGuard:
+        return cls(max_ratio=capture.max_quarantine_ratio, max_consecutive=capture.max_consecutive_failures,
+                   min_samples=capture.quarantine_min_tried, canaries=canary.CanaryTally.of_capture(capture))
 
     def check(self) -> None:
         """Raise TooManyFailures if the run was already stopped, CanaryDisagrees

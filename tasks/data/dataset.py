@@ -22,6 +22,7 @@ from typing import Collection, Iterator
 
 import numpy as np
 
+from tasks.failures import Permanent
 from tasks.paths import DATA_DIR
 
 DEMO_DATASET = DATA_DIR / "demo_conversations.jsonl"
@@ -313,6 +314,21 @@ def tokenize_row(tokenizer, row: dict) -> tuple[list[int], list[int]]:
 def renders_tool_calls(tokenizer) -> bool:
     """Whether the chat template looks at an assistant turn's tool_calls."""
     return "tool_calls" in (tokenizer.chat_template or "")
+
+
+class NoUsableRows(Permanent, ValueError):
+    """A dataset with no row a drafter can train on."""
+
+
+def require_usable(path: Path, samples: list, rejected: list[Rejected]) -> None:
+    """Refuse a dataset none of whose rows is usable, before anything runs:
+    it would otherwise make a run that stores nothing and passes."""
+    if samples:
+        return
+    why = (f"all {len(rejected)} rows rejected, e.g. row {rejected[0].source_row}: {rejected[0].reason}"
+           if rejected else "it holds no rows")
+    raise NoUsableRows(f"dataset {path} has no usable row ({why}): give a JSONL, JSON or Parquet file of "
+                       f"messages, conversations, text or input_ids rows (capture.dataset)")
 
 
 def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "truncate",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from tasks.data.config import RegenerateConfig
 from tasks.data.dataset import Rejected, read_rows, to_messages
 from tasks.sglang_api import client_options
 
@@ -68,7 +69,8 @@ async def _answer_all(url: str, prompts: list[list[int]], sampling: dict, max_ne
 
 
 def regenerate(url: str, source: Path, out_path: Path, tokenizer, *, api_key: str | None = None,
-               sampling: dict = GREEDY, max_new_tokens: int = 256, concurrency: int = 16) -> dict:
+               sampling: dict = GREEDY, max_new_tokens: int = RegenerateConfig.model_fields["max_new_tokens"].default,
+               concurrency: int = 16) -> dict:
     """Write `out_path` (JSONL): each usable row of `source` with the target's
     answer to its last user turn, as `messages` (to read) and as the exact
     token ids with the answer loss-masked (`input_ids`, `loss_mask`: what

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.capture.canary import refuse_unchecked_logits
 from tasks.capture.config import CaptureConfig
-from tasks.data.dataset import Rejected, Sample, prepare_samples
+from tasks.data.dataset import Rejected, Sample, prepare_samples, require_usable
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.store.handle import Store
@@ -46,6 +47,7 @@ def planned_samples(sources: list[str], tokenizer, *, max_length: int,
     out, rejected, seen = [], [], set()
     for source in sources:
         samples, unusable = prepare_samples(Path(source), tokenizer, max_length=max_length, policy=policy)
+        require_usable(Path(source), samples, unusable)
         rejected += unusable
         for s in samples:
             if s.sample_id not in seen:
@@ -129,6 +131,22 @@ def read_planned(store: Path, manifest: dict):
     return table.to_pandas()
 
 
+def check_mode(mode: str, train: TrainConfig, capture_nodes=()) -> None:
+    """Refuse stream settings in a pipeline run that does not stream: an
+    offline run would otherwise take them silently and do something else."""
+    if mode == "stream":
+        return
+    if capture_nodes:
+        raise ValueError(f"capture_nodes {list(capture_nodes)}: they capture for a stream run; set mode stream, or "
+                         f"capture offline on many nodes with python -m flows.extract_nodes")
+    if train.spool_bytes is not None:
+        raise ValueError(f"train.spool_bytes {train.spool_bytes:,} bounds a stream run's disk: set mode stream, or "
+                         f"leave it unset (an offline run keeps every shard in the store)")
+    if train.stream:
+        raise ValueError("train.stream: the pipeline trains while capturing with mode stream (which sets it); with "
+                         "mode offline leave it false")
+
+
 class UnsharedIndex(Permanent, ValueError):
     """A stream run read or written from several hosts on a SQLite index."""
 
@@ -192,6 +210,7 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
     evaluation reads are captured (heldout_read, `served_prompts` the
     evaluation's served prompts), counted in the budget."""
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
+    refuse_unchecked_logits(target.config, capture.canary_fraction)  # before the trainer starts
     dataset = str(Path(capture.dataset).resolve())
     samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
                                         policy=capture.max_length_policy)

@@ -5,7 +5,7 @@ and values only, refused when written under other settings), and where a
 resume starts from it.
 
 It holds the run's identity (the store and the settings that are not
-RESUMABLE), the drafter's trainable weights, the optimizer state, the draft
+resumable ones), the drafter's trainable weights, the optimizer state, the draft
 vocabulary (d2t and the target's vocabulary size), the position (epoch, and
 batches of that epoch's order done: the order is a function of the seed,
 the epoch and the split alone, so the position means the same on any device

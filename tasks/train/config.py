@@ -8,12 +8,18 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.config import Section
 from tasks.failures import Permanent
+from tasks.target.layers import AuxLayers
+
+
+# A setting that is not part of a run's identity: it may change between a
+# run and its resume (how it runs, not what it trains).
+RESUMABLE = {"resumable": True}
 
 
 class TrainConfig(Section):
@@ -30,6 +36,13 @@ class TrainConfig(Section):
     aux_layer_ids: Optional[list[int]] = Field(None, description=(
         "SGLang 'output of layer i' ids of the aux layers the drafter reads, among the store's (default: all of "
         "the store's; three for an EAGLE-3 drafter of SGLang's kind)"))
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _layer_ids(cls, ids: list[int] | None) -> list[int] | None:
+        # Their count, order and repeats now; whether the store holds them when it is opened.
+        return None if ids is None else list(AuxLayers(tuple(ids)).sglang_ids)
+
     draft_vocab_size: int = Field(8192, ge=16, description="draft vocabulary: the N most frequent target tokens")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll depth K (loss weights decay^k)")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight decay per TTT step")
@@ -52,47 +65,48 @@ class TrainConfig(Section):
         "or bf16 force either"))
     vocab_positions: int = Field(2_000_000, ge=1, description=(
         "training positions counted to pick the draft vocabulary: the first ones of the first epoch's batch order"))
-    # Not part of a run's identity (RESUMABLE): they may change between a run and its resume.
-    stream: bool = Field(False, description=(
+    stream: bool = Field(False, json_schema_extra=RESUMABLE, description=(
         "train while the capture runs (the pipeline's mode stream): batches are planned from the dataset's "
         "tokenisation, each sample is read as soon as its shard is committed, and the weights are those of an "
         "offline run over the finished store"))
-    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
-    log_every: int = Field(10, ge=1, description="steps between progress lines in the log")
-    devices: int = Field(1, ge=1, description="GPUs to train on (per node); >1 runs torchrun")
-    accumulate: int = Field(1, ge=1, description="batches per device and optimizer step (gradient accumulation): a "
-                                                 "step takes devices x nnodes x accumulate batches")
-    sharding: Literal["ddp", "fsdp", "hsdp"] = Field("ddp", description=(
+    checkpoint_every: int = Field(50, ge=1, json_schema_extra=RESUMABLE, description="steps between checkpoints")
+    log_every: int = Field(10, ge=1, json_schema_extra=RESUMABLE, description=(
+        "steps between progress lines in the log"))
+    devices: int = Field(1, ge=1, json_schema_extra=RESUMABLE, description=(
+        "GPUs to train on (per node); >1 runs torchrun"))
+    accumulate: int = Field(1, ge=1, json_schema_extra=RESUMABLE, description=(
+        "batches per device and optimizer step (gradient accumulation): a step takes devices x nnodes x "
+        "accumulate batches"))
+    sharding: Literal["ddp", "fsdp", "hsdp"] = Field("ddp", json_schema_extra=RESUMABLE, description=(
         "with more than one device: ddp (every GPU holds the whole drafter and its AdamW state), fsdp (weights, "
         "gradients and AdamW state sharded over all GPUs), hsdp (sharded within a node, replicated across nodes). "
         "The frozen target embedding is never sharded: it has no gradients or optimizer state"))
-    nnodes: int = Field(1, ge=1, description="nodes to train on: run this flow on each, with the same parameters but "
-                                             "node_rank, a shared out_dir and store")
-    node_rank: int = Field(0, ge=0, description="this node, 0..nnodes-1: node 0's run holds out_dir's lock, checks "
-                                                "the export and writes the artifacts; the others only train")
-    rdzv_endpoint: Optional[str] = Field(None, description=(
+    nnodes: int = Field(1, ge=1, json_schema_extra=RESUMABLE, description=(
+        "nodes to train on: run this flow on each, with the same parameters but node_rank, a shared out_dir and "
+        "store"))
+    node_rank: int = Field(0, ge=0, json_schema_extra=RESUMABLE, description=(
+        "this node, 0..nnodes-1: node 0's run holds out_dir's lock, checks the export and writes the artifacts; "
+        "the others only train"))
+    rdzv_endpoint: Optional[str] = Field(None, json_schema_extra=RESUMABLE, description=(
         "nnodes > 1: host:port of one of the nodes (the same on all), where torchrun's c10d rendezvous meets (e.g. "
         "node 0's address, a free port)"))
-    max_nonfinite_steps: int = Field(3, ge=1, description=(
+    max_nonfinite_steps: int = Field(3, ge=1, json_schema_extra=RESUMABLE, description=(
         "optimizer steps in a row whose loss or gradient norm is NaN or infinite that are skipped (gradients "
         "dropped, weights untouched) before the run stops. A safety limit, not a training setting: a run that "
         "stopped on it may be resumed with another"))
-    on_store_change: Literal["refuse", "replan"] = Field("refuse", description=(
+    on_store_change: Literal["refuse", "replan"] = Field("refuse", json_schema_extra=RESUMABLE, description=(
         "a resume whose store has changed since the checkpoint (samples added, removed or altered): refuse (train "
         "in a new out_dir), or replan: start the current epoch again over the store as it is now"))
 
-    spool_bytes: Optional[int] = Field(None, ge=1, description=(
+    spool_bytes: Optional[int] = Field(None, ge=1, json_schema_extra=RESUMABLE, description=(
         "stream: the disk the captured training data may take. Each epoch is captured again into a spool and each "
         "shard removed once trained on (held-out samples are kept in the store); capture waits while the spool is "
         "full. None: keep every shard in the store, captured once"))
-    cache_epochs: bool = Field(False, description=(
+    cache_epochs: bool = Field(False, json_schema_extra=RESUMABLE, description=(
         "stream with spool_bytes: keep the first capture of as many training samples as the budget has room for "
         "beside the spool's working set (the first ones of the first epoch's order), and capture only the others "
         "again in later epochs: fewer target forwards for the same disk"))
 
-    RESUMABLE: ClassVar[tuple[str, ...]] = (
-        "stream", "spool_bytes", "cache_epochs", "checkpoint_every", "log_every", "devices", "accumulate", "sharding", "nnodes", "node_rank", "rdzv_endpoint",
-        "max_nonfinite_steps", "on_store_change")
 
     @field_validator("*", mode="wrap")
     @classmethod
@@ -113,6 +127,9 @@ class TrainConfig(Section):
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint host:port: an address of one of the nodes "
                              f"(the same on every node), where torchrun's rendezvous meets")
+        if self.cache_epochs and self.spool_bytes is None:
+            raise ValueError("train.cache_epochs keeps what a spool's budget has room for: set train.spool_bytes "
+                             "too, or leave cache_epochs false (without a spool every shard is kept anyway)")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} of nnodes {self.nnodes}: node ranks are "
                              f"0..{self.nnodes - 1}")
@@ -120,8 +137,13 @@ class TrainConfig(Section):
 
     def identity(self, store: str | Path) -> dict:
         """What a checkpoint must have been written under to be resumed: the
-        store and every setting but the RESUMABLE ones."""
-        return {"store": str(store), **self.model_dump(exclude=set(self.RESUMABLE))}
+        store and every setting but the resumable ones."""
+        return {"store": str(store), **self.model_dump(exclude=self.resumable())}
+
+    @classmethod
+    def resumable(cls) -> set[str]:
+        """The settings that may change between a run and its resume."""
+        return {name for name, f in cls.model_fields.items() if f.json_schema_extra == RESUMABLE}
 
 
 @dataclass
