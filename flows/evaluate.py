@@ -25,9 +25,9 @@ from pydantic import Field
 from flows.artifacts import artifact_key
 from flows.cli import described
 from flows.retries import unless_permanent
-from tasks.serve.config import EvaluateConfig
-from tasks.serve.evaluate import Drafter, drafter_at, evaluate_drafters
-from tasks.serve.prompts import PromptSet, prompt_set
+from tasks.evaluation.config import EvaluateConfig
+from tasks.evaluation.side_by_side import Drafter, drafter_at, evaluate_drafters
+from tasks.evaluation.prompts import PromptSet, prompt_set
 from tasks.server.config import ServerConfig, revealed
 from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer

@@ -19,6 +19,7 @@ from pydantic import Field
 from flows.artifacts import artifact_key
 from flows.cli import described
 from flows.extract import plan_task
+from flows.node_runs import run_on_node
 from flows.run_record import keep_run_config
 from flows.verify import VerifyAtEnd, verify_task
 from tasks.capture import extraction, nodes
@@ -47,7 +48,7 @@ def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: 
     attempt = flow_run.run_count
 
     def run_share(share: nodes.Share, n: int) -> tuple[str | None, str]:
-        run = nodes.run_on_node(deployment, {**child, "rows": list(share.rows), "node": queue}, queue,
+        run = run_on_node(deployment, {**child, "rows": list(share.rows), "node": queue}, queue,
                                 start_timeout_s=start_timeout_s, name=f"{queue}-share-{share.index}",
                                 idempotency_key=f"{parent}-{attempt}-{queue}-{n}")
         return (None if run.state.is_completed() else f"{run.name} ended {run.state.name}: {run.state.message}",

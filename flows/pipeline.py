@@ -27,7 +27,7 @@ from flows.verify import verify_store
 from tasks.capture.config import CaptureConfig
 from tasks.data import regeneration
 from tasks.data.config import RegenerateConfig
-from tasks.serve.config import EvaluateConfig
+from tasks.evaluation.config import EvaluateConfig
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, launch_server
 from tasks.store.config import StoreConfig

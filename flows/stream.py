@@ -30,10 +30,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows.artifacts import artifact_key
+from flows.node_runs import run_on_node
 from flows.extract import create_store, default_dump_dir, extract_hidden_states, launch_task
 from flows.train import train_drafter
 from tasks.capture.config import CaptureConfig
-from tasks.capture.nodes import run_on_node
 from tasks.server.config import ServerConfig
 from tasks.store.config import StoreConfig
 from tasks.store.lock import hold_lock

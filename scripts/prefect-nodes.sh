@@ -70,7 +70,7 @@ unset PREFECT_API_DATABASE_CONNECTION_URL  # the server's alone
 
 "$prefect" work-pool inspect eagle3 >/dev/null 2>&1 || "$prefect" work-pool create eagle3 --type process
 "$prefect" --no-prompt deploy --all
-.venv/bin/python -c 'from tasks.capture.nodes import ensure_zombie_automation as z; z(90)'
+.venv/bin/python -c 'from flows.node_runs import ensure_zombie_automation as z; z(90)'
 export EAGLE3_LEDGER_URL="postgresql://eagle3:$PW@$HOST:$PGPORT/eagle3"
 PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 "$prefect" worker start --pool eagle3 --work-queue default &
 pids+=($!)

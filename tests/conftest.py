@@ -215,7 +215,7 @@ def tiny_pipeline(capture_server, float32_server, tiny_store, prefect_api) -> tu
     once). The plain outputs come from the session's float32 server, by
     URL (a launched baseline: tests/test_serving.py)."""
     from flows.pipeline import eagle3_pipeline
-    from tasks.serve.config import EvaluateConfig
+    from tasks.evaluation.config import EvaluateConfig
 
     run_dir = Path(tiny_store).parent
     cfg = tiny_train_config(run_dir / "train")

@@ -16,7 +16,7 @@ from flows.pipeline import eagle3_pipeline
 from tasks.capture import canary
 from tasks.capture.client import capture_many
 from tasks.capture.config import CaptureConfig
-from tasks.serve.config import EvaluateConfig
+from tasks.evaluation.config import EvaluateConfig
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, build_command, cpu_attention_backend, hook_spec, launch_server
 from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \

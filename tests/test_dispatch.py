@@ -8,7 +8,6 @@ import pytest
 
 import logging
 
-from tasks.capture import nodes
 from tasks.capture.nodes import Dispatcher, feed_node
 from tasks.store.lock import LockHeld, check_held_by, hold_lock
 from tasks.store.manifest import StoreError
@@ -175,6 +174,9 @@ def test_a_node_busy_for_too_long_is_drained_saying_so():
 def test_the_prefect_api_is_retried_patiently_then_given_up(monkeypatch):
     import httpx
 
+    from flows import node_runs
+    from flows.node_runs import patiently
+
     calls = []
 
     def flaky():
@@ -183,10 +185,10 @@ def test_the_prefect_api_is_retried_patiently_then_given_up(monkeypatch):
             raise httpx.ConnectError("refused")
         return "run"
 
-    monkeypatch.setattr(nodes.time, "sleep", lambda s: None)
-    assert nodes._patiently(flaky, what="watch x") == "run" and len(calls) == 3
+    monkeypatch.setattr(node_runs.time, "sleep", lambda s: None)
+    assert patiently(flaky, what="watch x") == "run" and len(calls) == 3
     with pytest.raises(RuntimeError, match="could not watch x: the Prefect API failed"):
-        nodes._patiently(lambda: (_ for _ in ()).throw(httpx.ConnectError("down")), what="watch x", patience_s=5)
+        patiently(lambda: (_ for _ in ()).throw(httpx.ConnectError("down")), what="watch x", patience_s=5)
 
 
 def test_samples_left_when_every_node_is_drained():

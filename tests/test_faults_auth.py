@@ -33,7 +33,7 @@ from tasks.capture.extraction import Endpoint, extract_batch, reset_dump_dir, wa
 from tasks.capture.hook import make_capture_hook
 from tasks.data.dataset import Sample
 from tasks.data.regeneration import regenerate
-from tasks.serve.generate import generate_all
+from tasks.evaluation.generate import generate_all
 from tasks.server.health import wait_healthy
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, ServerHandle, launch_server

@@ -89,3 +89,14 @@ def test_stream_mode_lives_in_its_own_package_of_plain_modules():
         text = (REPO / "flows" / flow).read_text()
         assert not re.search(r"^from flows\.stream import", text, re.M), flow
         assert not re.search(r"^class \w+\((RuntimeError|Exception)", text, re.M), flow
+
+
+def test_no_module_under_tasks_imports_prefect_or_flows():
+    """tasks/ is plain functions, testable without Prefect; what talks to
+    Prefect (child runs, automations, artifacts) lives in flows/. Any
+    import, at the top or inside a function (nodes.py had run_deployment
+    and the heartbeat automation inside its functions)."""
+    found = [f"{m.relative_to(REPO)}:{n}" for m in (REPO / "tasks").rglob("*.py")
+             for n, line in enumerate(m.read_text().splitlines(), 1)
+             if re.match(r"^\s*(from|import) (prefect|flows)\b", line)]
+    assert not found, found

@@ -50,7 +50,7 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
     try:
         cli(["work-pool", "create", "eagle3", "--type", "process"], env)
         cli(["--no-prompt", "deploy", "--name", "extract-node", "--name", "stream-node"], env)
-        done = subprocess.run([sys.executable, "-c", "from tasks.capture.nodes import ensure_zombie_automation as z; "
+        done = subprocess.run([sys.executable, "-c", "from flows.node_runs import ensure_zombie_automation as z; "
                                f"print(z({ZOMBIE_AFTER_S}))"], cwd=REPO, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         started = {q: start_node(q, str(tiny_model), env, LOGS, "--server.max-total-tokens", "16384",

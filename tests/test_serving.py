@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flows.evaluate import baseline_server
-from tasks.serve.acceptance import acceptance
-from tasks.serve.config import EvaluateConfig
-from tasks.serve.evaluate import Drafter, SpeculationChangedOutput, evaluate_drafters, greedy_changes
-from tasks.serve.generate import GenerationRun, serving_dtype
-from tasks.serve.prompts import humaneval_problems, prompt_set, render
+from tasks.evaluation.acceptance import acceptance
+from tasks.evaluation.config import EvaluateConfig
+from tasks.evaluation.side_by_side import Drafter, SpeculationChangedOutput, evaluate_drafters, greedy_changes
+from tasks.evaluation.generate import GenerationRun, serving_dtype
+from tasks.evaluation.prompts import humaneval_problems, prompt_set, render
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import LaunchSpec, build_command

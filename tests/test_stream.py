@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from flows.artifacts import artifact_key
 from flows.extract import extract_hidden_states
 from tasks.capture.config import CaptureConfig
-from tasks.serve.config import EvaluateConfig
+from tasks.evaluation.config import EvaluateConfig
 from flows.stream import capture_task
 from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store

@@ -1,6 +1,6 @@
 """The training loop over a verified store: prepare once (split, draft
 vocabulary, drafter; tasks/train/prepare.py), train with TTT, evaluate on
-held-out samples per epoch (tasks/train/evaluate.py), checkpoint atomically
+held-out samples per epoch (tasks/train/heldout.py), checkpoint atomically
 with the data position (tasks/train/checkpoint.py), export at the end.
 
 Each epoch's batch order is a function of the seed, the epoch and the
@@ -31,7 +31,7 @@ from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, CheckpointWriter, read_checkpoint, resume_position
 from tasks.train.config import TrainConfig, TrainingError, TrainResult
 from tasks.train.data import assign_batches, plan_batches, prefetch, split_fingerprint
-from tasks.train.evaluate import describe, evaluate
+from tasks.train.heldout import describe, evaluate
 from tasks.train.export import export_drafter
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from itertools import cycle, islice
 from typing import Sequence
 
-from tasks.serve.generate import GenerationRun, generate_all
+from tasks.evaluation.generate import GenerationRun, generate_all
 
 logger = logging.getLogger("eagle3.serving")
 

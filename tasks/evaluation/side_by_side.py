@@ -5,8 +5,8 @@ settings, in one run.
 The plain target runs once (launched, or the attached server): its greedy
 outputs per set and its sweep. Then each drafter's speculative server runs
 in turn, one server at a time: greedy outputs per set (which must equal the
-plain ones), acceptance greedy and sampled (tasks/serve/acceptance.py), and
-the same sweep (tasks/serve/sweep.py). Every server the launcher starts has
+plain ones), acceptance greedy and sampled (tasks/evaluation/acceptance.py), and
+the same sweep (tasks/evaluation/sweep.py). Every server the launcher starts has
 the prefix cache off, so a repeated prompt costs what a new one does.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Sequence
 import httpx
 
 from tasks.failures import Permanent
-from tasks.serve.acceptance import acceptance
-from tasks.serve.generate import GenerationRun, generate_all, serving_dtype
-from tasks.serve.config import EvaluateConfig
-from tasks.serve.prompts import PromptSet
-from tasks.serve.sweep import SweepPoint, sweep
+from tasks.evaluation.acceptance import acceptance
+from tasks.evaluation.generate import GenerationRun, generate_all, serving_dtype
+from tasks.evaluation.config import EvaluateConfig
+from tasks.evaluation.prompts import PromptSet
+from tasks.evaluation.sweep import SweepPoint, sweep
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import LaunchSpec, check_serves, launch_server
