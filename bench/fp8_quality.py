@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flows.cli import run_dir_and_values
+from flows.demo import run_dir_and_values
 from flows.demo import DEMO_CONFIG
 from flows.pipeline import eagle3_pipeline
 from tasks.paths import REPO_ROOT

@@ -14,11 +14,6 @@ list (`[1, 14, 26]`), and a list key given twice adds to itself. A boolean alone
 `none` sets an optional key to None. `--print-config` prints the resolved
 config and exits; `--help` lists every key with its default and description.
 
-Prefect 3.9 takes the UI form's descriptions of the flow's parameters from a
-Google-style `Args:` docstring section only, so `described` writes that
-section from the same declarations (apply it under `@flow`); a section's
-fields carry their own descriptions into the form.
-
 Ctrl-C or SIGTERM stops a run: its server is stopped, its lock freed, what
 it committed kept; the command exits 128 + the signal's number with one line
 saying what was kept and how to resume. A second signal while it stops is
@@ -32,36 +27,14 @@ import signal
 import sys
 import textwrap
 import typing
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from flows.config import ConfigError, is_section, load_file, parameters, resolve, section_fields, strip, to_yaml
+from flows.config import (ConfigError, description, is_section, load_file, parameters, resolve, section_fields,
+                          strip, to_yaml)
 
 TRUE, FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
-
-
-def _description(annotation, default=None) -> str:
-    if typing.get_origin(annotation) is typing.Annotated:
-        text = next((m.description for m in typing.get_args(annotation)[1:] if getattr(m, "description", None)), "")
-        if text:
-            return text
-    if is_section(annotation):
-        # The section's own docstring: pydantic's BaseModel has one of its own.
-        doc = inspect.cleandoc(strip(annotation).__dict__.get("__doc__") or "")
-        return " ".join(doc.split("\n\n")[0].split())
-    return ""
-
-
-def described(fn):
-    """Append an `Args:` section, made from the parameters' descriptions,
-    to the flow function's docstring."""
-    lines = [f"    {name}: {text}" for name, (annotation, _) in parameters(fn).items()
-             if (text := _description(annotation))]
-    if lines:
-        fn.__doc__ = (inspect.getdoc(fn) or "") + "\n\nArgs:\n" + "\n".join(lines) + "\n"
-    return fn
 
 
 def _keys(flow) -> dict[str, tuple[Any, Any, str]]:
@@ -73,7 +46,7 @@ def _keys(flow) -> dict[str, tuple[Any, Any, str]]:
                 keys[f"{name}.{field}"] = (info.annotation, info.get_default(call_default_factory=True),
                                            info.description or "")
         else:
-            keys[name] = (annotation, default, _description(annotation))
+            keys[name] = (annotation, default, description(annotation))
     return keys
 
 
@@ -217,12 +190,12 @@ def help_text(flow, prog: str) -> str:
 
     for name, (annotation, default) in parameters(flow).items():
         if is_section(annotation):
-            out += ["", f"{name}: {_description(annotation)}"]
+            out += ["", f"{name}: {description(annotation)}"]
             for field, info in section_fields(annotation).items():
                 entry(f"{name}.{field}", info.annotation, info.get_default(call_default_factory=True),
                       info.description or "")
         else:
-            entry(name, annotation, default, _description(annotation))
+            entry(name, annotation, default, description(annotation))
     return "\n".join(out) + "\n"
 
 
@@ -231,25 +204,6 @@ def config_from_argv(flow, argv: list[str]) -> tuple[dict, bool]:
     config_file, overrides, print_config = parse(flow, argv)
     layers = [load_file(config_file)] if config_file else []
     return resolve(flow, *layers, overrides), print_config
-
-
-def run_dir_and_values(flow, argv: list[str], default_config: Path, default_run_dir: Path, usage: str,
-                       prog: str) -> tuple[Path, dict] | None:
-    """A bench's command line: `--run-dir DIR`, then the flow's own (run
-    file `default_config` unless --config is given). None after printing
-    `usage` and the flow's options for --help."""
-    argv = list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(usage + "\n\n" + help_text(flow, prog).split("\n", 1)[1])
-        return None
-    run_dir = default_run_dir
-    if "--run-dir" in argv:
-        i = argv.index("--run-dir")
-        run_dir = Path(argv[i + 1])
-        del argv[i:i + 2]
-    if "--config" not in argv:
-        argv = ["--config", str(default_config), *argv]
-    return run_dir, config_from_argv(flow, argv)[0]
 
 
 def run_cli(flow, prog: str, argv: list[str] | None = None):
@@ -288,6 +242,8 @@ def run_cli(flow, prog: str, argv: list[str] | None = None):
             result = flow(**values)
     except KeyboardInterrupt:
         signum = received[0] if received else signal.SIGINT
+        from flows.run_record import kept
+
         what = kept(values)
         print(f"{prog}: stopped by {signal.Signals(signum).name}; "
               + (f"{what}; run the same command again to resume" if what else "run the same command again"),
@@ -296,23 +252,3 @@ def run_cli(flow, prog: str, argv: list[str] | None = None):
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
     return result
-
-
-def kept(values: dict) -> str:
-    """What a stopped run leaves for its rerun, from its parameters."""
-    parts = []
-    if (store := values.get("store")) is not None and getattr(store, "path", None):
-        parts.append(f"{_stored(store.path)} in {Path(store.path).resolve()} kept")
-    if (train := values.get("train")) is not None and getattr(train, "out_dir", None):
-        parts.append(f"training checkpoints in {Path(train.out_dir).resolve()} kept")
-    return "; ".join(parts)
-
-
-def _stored(path: str) -> str:
-    from tasks.store.handle import Store
-
-    try:
-        summary = Store.open(path).ledger.summary()
-    except Exception:  # no store yet, or its index unreachable: say what is certain
-        return "the samples committed"
-    return f"{summary['samples']:,} samples ({summary['tokens']:,} tokens)"

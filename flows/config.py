@@ -78,6 +78,30 @@ def _model(fn) -> type[BaseModel]:
     return create_model(f"{fn.__name__}_config", __config__=ConfigDict(extra="forbid"), **fields)
 
 
+def description(annotation, default=None) -> str:
+    if typing.get_origin(annotation) is typing.Annotated:
+        text = next((m.description for m in typing.get_args(annotation)[1:] if getattr(m, "description", None)), "")
+        if text:
+            return text
+    if is_section(annotation):
+        # The section's own docstring: pydantic's BaseModel has one of its own.
+        doc = inspect.cleandoc(strip(annotation).__dict__.get("__doc__") or "")
+        return " ".join(doc.split("\n\n")[0].split())
+    return ""
+
+
+def described(fn):
+    """Append an `Args:` section, made from the parameters' descriptions,
+    to the flow function's docstring: Prefect 3.9 takes the UI form's
+    descriptions of a flow's parameters from a Google-style `Args:` section
+    only (apply it under `@flow`); a section's fields carry their own."""
+    lines = [f"    {name}: {text}" for name, (annotation, _) in parameters(fn).items()
+             if (text := description(annotation))]
+    if lines:
+        fn.__doc__ = (inspect.getdoc(fn) or "") + "\n\nArgs:\n" + "\n".join(lines) + "\n"
+    return fn
+
+
 def checked(rule):
     """Declare a rule across a flow's parameters: `rule` takes some of them
     by name and raises ValueError naming the key. resolve() applies it to

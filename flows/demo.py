@@ -34,6 +34,26 @@ CPU_NOTE = (" — on this CPU the drafter's attention runs as plain-PyTorch stan
             "kernels, so this is not the GPU figure")
 
 
+def run_dir_and_values(flow, argv: list[str], default_config: Path, default_run_dir: Path, usage: str,
+                       prog: str) -> tuple[Path, dict] | None:
+    """A bench's command line on the demo's pipeline (bench/variants.py,
+    fp8_quality.py): `--run-dir DIR`, then the flow's own (run file
+    `default_config` unless --config is given). None after printing
+    `usage` and the flow's options for --help."""
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage + "\n\n" + help_text(flow, prog).split("\n", 1)[1])
+        return None
+    run_dir = default_run_dir
+    if "--run-dir" in argv:
+        i = argv.index("--run-dir")
+        run_dir = Path(argv[i + 1])
+        del argv[i:i + 2]
+    if "--config" not in argv:
+        argv = ["--config", str(default_config), *argv]
+    return run_dir, config_from_argv(flow, argv)[0]
+
+
 def check_against_reference(store, model_path, count: int) -> dict:
     """Worst per-token cosine between stored (bf16) states and an fp32 HF
     forward, over `count` samples spread across the store."""

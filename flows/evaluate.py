@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
 from flows.artifacts import artifact_key
-from flows.cli import described
+from flows.config import described
 from flows.retries import unless_permanent
 from tasks.evaluation.config import EvaluateConfig
 from tasks.evaluation.side_by_side import Drafter, drafter_at, evaluate_drafters

@@ -22,7 +22,7 @@ from prefect.tasks import exponential_backoff
 from pydantic import Field
 
 from flows.artifacts import artifact_key
-from flows.cli import described
+from flows.config import described
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
 from flows.verify import VerifyAtEnd, verify_task

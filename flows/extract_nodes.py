@@ -17,7 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from flows.artifacts import artifact_key
-from flows.cli import described
+from flows.config import described
 from flows.extract import plan_task
 from flows.node_runs import run_on_node
 from flows.run_record import keep_run_config

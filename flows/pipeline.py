@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from flows.cli import described
+from flows.config import described
 from flows.config import checked
 from flows.extract import extract_hidden_states
 from flows.retries import unless_permanent

@@ -29,3 +29,24 @@ def keep_run_config(path: Path, flow: str, describes: str | Path) -> Path:
                              key=artifact_key(f"run-config-{flow.replace('_', '-')}", describes),
                              description=f"resolved config of this {flow} run")
     return path
+
+
+def kept(values: dict) -> str:
+    """What a stopped command-line run leaves for its rerun, from its
+    parameters (flows/cli.py says it)."""
+    parts = []
+    if (store := values.get("store")) is not None and getattr(store, "path", None):
+        parts.append(f"{_stored(store.path)} in {Path(store.path).resolve()} kept")
+    if (train := values.get("train")) is not None and getattr(train, "out_dir", None):
+        parts.append(f"training checkpoints in {Path(train.out_dir).resolve()} kept")
+    return "; ".join(parts)
+
+
+def _stored(path: str) -> str:
+    from tasks.store.handle import Store
+
+    try:
+        summary = Store.open(path).ledger.summary()
+    except Exception:  # no store yet, or its index unreachable: say what is certain
+        return "the samples committed"
+    return f"{summary['samples']:,} samples ({summary['tokens']:,} tokens)"

@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 from prefect import flow, get_run_logger
 from pydantic import Field
 
-from flows.cli import described
+from flows.config import described
 from flows.extract import extract_hidden_states
 from tasks.capture.config import CaptureConfig
 from tasks.server.config import ServerConfig

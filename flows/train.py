@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
 from flows.artifacts import artifact_key
-from flows.cli import described
+from flows.config import described
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
 from tasks.store.lock import hold_lock

@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
 from flows.artifacts import artifact_key
-from flows.cli import described
+from flows.config import described
 from tasks.failures import Permanent
 from tasks.store.config import StoreConfig
 from tasks.store.prune import prune_gone

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from pydantic import Field
 
-from flows.cli import described, help_text, parse
+from flows.cli import help_text, parse
+from flows.config import described
 from flows.config import ConfigError, resolve, to_yaml
 from flows.cli import config_from_argv
 from tasks.config import Section
