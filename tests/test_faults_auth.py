@@ -434,3 +434,15 @@ def test_a_key_whose_random_part_starts_with_a_dash_still_starts_the_server(tmp_
     cfg = capture_config(tmp_path, "d").with_secrets()
     args, _ = parsed_by_sglang(cfg)
     assert args.api_key == cfg.api_key and "-" + "x" * 31 in cfg.api_key
+
+
+def test_the_launchers_flag_table_names_each_option_as_sglang_spells_it():
+    """The table that makes the command line, the refusals and the log's
+    summary names each flag exactly as SGLang's parser does, and its option
+    as SGLang's own setting: a flag SGLang renamed would otherwise be passed
+    to a server that refuses it, or a repeat of it go unrefused."""
+    from tasks.server.flags import FLAGS, SHOWN, _sglang_options
+
+    options = _sglang_options()
+    assert {f.flag: options.get(f.flag) for f in FLAGS} == {f.flag: f.option for f in FLAGS}
+    assert len({f.option for f in FLAGS}) == len(FLAGS) and "api_key" in SHOWN and "host" not in SHOWN

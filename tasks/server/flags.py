@@ -1,8 +1,11 @@
 """Which SGLang flags the launcher owns, and which break capture.
 
 The launcher sets some of SGLang's options itself, from the launch spec and
-its server section or always (tasks/server/launch.py build_command). Given again in extra_args
-such a flag would silently win or lose (SGLang keeps the last one), so the
+its server section or always: one table (FLAGS) makes each server's command
+line (tasks/server/launch.py build_command), says which flags extra_args may
+not repeat and what to set instead, and which settings the run's log shows
+(server_log.py). Given again in extra_args such a flag would silently win
+or lose (SGLang keeps the last one), so the
 server would not be the one the config, the flow's parameters and the store
 describe: it is refused, naming what to set instead. Flags are matched as
 SGLang's own parser reads them (aliases and abbreviations included).
@@ -10,54 +13,125 @@ SGLang's own parser reads them (aliases and abbreviations included).
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
 
 # Server flags that break capture: two-batch overlap captures only some
 # layers (DeepSeek) or none (Qwen-MoE); attention context parallelism splits
 # a request's tokens over ranks.
 CAPTURE_INCOMPATIBLE_FLAGS = ("--enable-two-batch-overlap", "--attn-cp-size", "--attention-context-parallel-size")
 
-# By SGLang's own name for the option: what to set instead, in the run's
-# config (server.*, capture.*, serve.*) or, for what the caller decides, the
-# LaunchSpec.
-_USE_INSTEAD = {
-    "model_path": "server.model",
-    "host": "LaunchSpec.host",
-    "port": "LaunchSpec.port",
-    "dtype": "server.dtype",
-    "tp_size": "server.tp_size",
-    "dp_size": "server.dp_size",
-    "attn_dp_size": "server.dp_size with server.dp_attention",
-    "enable_dp_attention": "server.dp_attention",
-    "max_total_tokens": "server.max_total_tokens",
-    "disable_radix_cache": "nothing: every server the launcher starts runs without the prefix cache",
-    "enable_return_aux_hidden_states": "LaunchSpec.capture",
-    "return_aux_hidden_state_layer_ids": "capture.aux_layer_ids",
-    "forward_hooks": "LaunchSpec.capture_module: a capture server's hooks are the launcher's",
-    "speculative_algorithm": "nothing: only the evaluation's servers speculate, each with a trained drafter "
-                             "(LaunchSpec.draft_model_path)",
-    "speculative_draft_model_path": "nothing: only the evaluation's servers speculate, each with a trained "
-                                    "drafter (LaunchSpec.draft_model_path)",
-    "speculative_num_steps": "evaluate.num_steps",
-    "speculative_eagle_topk": "nothing: the evaluation serves a top-1 chain (LaunchSpec.speculative_eagle_topk)",
-    "speculative_num_draft_tokens": "evaluate.num_steps (a top-1 chain verifies num_steps + 1 tokens)",
-    "api_key": "nothing: the launcher gives each server its own key (to attach to a server you started, "
-               "server.api_key)",
-    "config": "the options themselves in extra_args: the launcher passes its own --config",
-    "chunked_prefill_size": "server.chunked_prefill_size",
-    "mem_fraction_static": "server.mem_fraction_static",
-    "sleep_on_idle": "LaunchSpec.sleep_on_idle",
-    "cuda_graph_backend_prefill": "nothing: prefill CUDA graph replay would skip the capture hook",
-    "attention_backend": "--attention-backend spelt in full: the launcher then leaves its own out",
-    "trust_remote_code": "--trust-remote-code spelt in full: the launcher then leaves its own out",
-}
-# Owned whatever the launcher's command holds: the secrets and the options
-# file, the flags that would turn a server into a speculative one behind its
-# config, and data-parallel attention, which server.dp_attention decides.
-_ALWAYS_OWNED = ("api_key", "config", "speculative_algorithm", "speculative_draft_model_path",
-                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-                 "attn_dp_size", "enable_dp_attention")
-_CAPTURE_OWNED = ("forward_hooks", "enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids")
+# The flags the launcher owns, in one table: each server's command line is
+# made from it (command_flags), a flag repeated in extra_args is refused
+# naming what to set instead (refuse_owned_flags), and the run's log shows
+# the settings it marks (server_log.py). `args`: the flag's arguments on this
+# server's command line ([] a switch, None left out). `owned`: "set" while
+# the launcher sets it, "always" (the secrets and the options file, the flags
+# that would turn a server speculative behind its config, data-parallel
+# attention), "capture" on a capture server.
+@dataclass(frozen=True)
+class Flag:
+    flag: str
+    instead: str
+    args: Callable[[Decided], list[str] | None]
+    owned: Literal["set", "always", "capture"] = "set"
+    shown: bool = True
+
+    @property
+    def option(self) -> str:
+        """SGLang's name for it (ServerArgs' field)."""
+        return self.flag[2:].replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Decided:
+    """One server's launch as the table reads it: its spec (a LaunchSpec)
+    and what the launcher decided beside it for this machine."""
+    spec: Any
+    port: int
+    cpu: bool
+    dtype: str
+    attention_backend: str | None  # None: SGLang's default, or the user's own flag
+    trust_remote_code: bool
+
+
+def _server(c: Decided):
+    return c.spec.server
+
+
+def _drafting(c: Decided, args: list[str]) -> list[str] | None:
+    return args if c.spec.draft_model_path is not None else None
+
+
+def _if_set(value) -> list[str] | None:
+    return None if value is None else [str(value)]
+
+
+SPECULATE = ("nothing: only the evaluation's servers speculate, each with a trained drafter "
+             "(LaunchSpec.draft_model_path)")
+FLAGS: tuple[Flag, ...] = (
+    Flag("--model-path", "server.model", lambda c: [str(_server(c).model)]),
+    Flag("--host", "LaunchSpec.host", lambda c: [c.spec.host], shown=False),
+    Flag("--port", "LaunchSpec.port", lambda c: [str(c.port)], shown=False),
+    Flag("--dtype", "server.dtype", lambda c: [c.dtype]),
+    Flag("--tp-size", "server.tp_size", lambda c: [str(_server(c).tp_size)]),
+    # Attention groups are SGLang's --attn-dp-size since 0.5.23 (its
+    # --enable-dp-attention is deprecated); then there are no replicas.
+    Flag("--dp-size", "server.dp_size", lambda c: [str(1 if _server(c).dp_attention else _server(c).dp_size)]),
+    Flag("--attn-dp-size", "server.dp_size with server.dp_attention",
+         lambda c: [str(_server(c).dp_size)] if _server(c).dp_attention else None, owned="always"),
+    Flag("--enable-dp-attention", "server.dp_attention", lambda c: None, owned="always", shown=False),
+    Flag("--max-total-tokens", "server.max_total_tokens", lambda c: [str(_server(c).max_total_tokens)]),
+    # Tokens the prefix cache serves are not recomputed, so never reach the hook.
+    Flag("--disable-radix-cache", "nothing: every server the launcher starts runs without the prefix cache",
+         lambda c: []),
+    Flag("--enable-return-aux-hidden-states", "LaunchSpec.capture", lambda c: [] if c.spec.capture else None,
+         owned="capture"),
+    Flag("--speculative-algorithm", SPECULATE,
+         lambda c: ["EAGLE3"] if c.spec.capture or c.spec.draft_model_path is not None else None, owned="always"),
+    Flag("--return-aux-hidden-state-layer-ids", "capture.aux_layer_ids",
+         lambda c: [*map(str, c.spec.aux_layer_ids)] if c.spec.capture and c.spec.aux_layer_ids is not None
+         else None, owned="capture"),
+    Flag("--speculative-draft-model-path", SPECULATE, lambda c: _drafting(c, [str(c.spec.draft_model_path)]),
+         owned="always"),
+    Flag("--speculative-num-steps", "evaluate.num_steps",
+         lambda c: _drafting(c, [str(c.spec.speculative_num_steps)]), owned="always"),
+    Flag("--speculative-eagle-topk", "nothing: the evaluation serves a top-1 chain (LaunchSpec.speculative_eagle_topk)",
+         lambda c: _drafting(c, [str(c.spec.speculative_eagle_topk)]), owned="always"),
+    Flag("--speculative-num-draft-tokens", "evaluate.num_steps (a top-1 chain verifies num_steps + 1 tokens)",
+         lambda c: _drafting(c, [str(c.spec.speculative_num_draft_tokens)]), owned="always"),
+    Flag("--trust-remote-code", "--trust-remote-code spelt in full: the launcher then leaves its own out",
+         lambda c: [] if c.trust_remote_code else None, shown=False),
+    Flag("--attention-backend", "--attention-backend spelt in full: the launcher then leaves its own out",
+         lambda c: _if_set(c.attention_backend)),
+    Flag("--chunked-prefill-size", "server.chunked_prefill_size", lambda c: _if_set(_server(c).chunked_prefill_size)),
+    Flag("--mem-fraction-static", "server.mem_fraction_static", lambda c: _if_set(_server(c).mem_fraction_static)),
+    # SGLang's scheduler otherwise busy-polls a core while idle (bench/idle_cpu.py).
+    Flag("--sleep-on-idle", "LaunchSpec.sleep_on_idle", lambda c: [] if c.spec.sleep_on_idle else None, shown=False),
+    # Prefill CUDA graph replay skips Python forward hooks: no captures.
+    Flag("--cuda-graph-backend-prefill", "nothing: prefill CUDA graph replay would skip the capture hook",
+         lambda c: None if c.cpu else ["disabled"], shown=False),
+    # The key and the hooks go in the private options file (run_secrets.py).
+    Flag("--api-key", "nothing: the launcher gives each server its own key (to attach to a server you started, "
+                      "server.api_key)", lambda c: None, owned="always"),
+    Flag("--config", "the options themselves in extra_args: the launcher passes its own --config", lambda c: None,
+         owned="always", shown=False),
+    Flag("--forward-hooks", "LaunchSpec.capture_module: a capture server's hooks are the launcher's", lambda c: None,
+         owned="capture", shown=False),
+)
+_BY_OPTION = {f.option: f for f in FLAGS}
+# SGLang's settings the run's log shows from its start-up line (server_log.py).
+SHOWN = ("device", *(f.option for f in FLAGS if f.shown))
+
+
+def command_flags(decided: Decided) -> list[str]:
+    """The launcher's flags on this server's command line, from the table."""
+    out = []
+    for f in FLAGS:
+        args = f.args(decided)
+        if args is not None:
+            out += [f.flag, *args]
+    return out
 
 
 @functools.cache
@@ -96,18 +170,16 @@ def refuse_capture_incompatible(extra_args: Sequence[str]) -> None:
 
 def refuse_owned_flags(extra_args: Sequence[str], launcher_args: Sequence[str], *, capture: bool) -> None:
     """Raise ValueError for a flag in `extra_args` that sets an option the
-    launcher sets (in `launcher_args`, or always its own)."""
+    launcher owns (one it set in `launcher_args`, or always owns)."""
     given = [a.split("=", 1)[0] for a in extra_args if a.startswith("--")]
     if not given:
         return
-    owned = {_option_name(a) for a in launcher_args if a.startswith("--")} | set(_ALWAYS_OWNED)
-    if capture:
-        owned |= set(_CAPTURE_OWNED)
+    owned = {_option_name(a) for a in launcher_args if a.startswith("--")}
+    owned |= {f.option for f in FLAGS if f.owned == "always" or (capture and f.owned == "capture")}
     for flag in given:
         name = _option_name(flag)
         if name in owned:
             canonical = "--" + name.replace("_", "-")
             spelt = "" if flag == canonical else f" (SGLang reads it as {canonical})"
-            instead = _USE_INSTEAD.get(name, "its LaunchSpec or server setting")
             raise ValueError(f"server.extra_args must not set {flag}{spelt}: the launcher sets it itself and "
-                             f"SGLang would keep only one of the two. Use {instead} instead")
+                             f"SGLang would keep only one of the two. Use {_BY_OPTION[name].instead} instead")

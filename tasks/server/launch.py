@@ -29,7 +29,7 @@ from typing import Sequence
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present, resolve_dtype, server_environment
-from tasks.server.flags import gives_flag, refuse_capture_incompatible, refuse_owned_flags
+from tasks.server.flags import Decided, command_flags, gives_flag, refuse_capture_incompatible, refuse_owned_flags
 from tasks.server.health import PortTaken, wait_healthy
 from tasks.server.processes import pidfile_for, reap_orphan, stop_group, write_pidfile
 from tasks.server.run_secrets import redact, run_secrets, write_options_file
@@ -188,55 +188,22 @@ def hook_spec(spec: LaunchSpec) -> list[dict]:
 def build_command(spec: LaunchSpec, port: int, *, cpu: bool) -> list[str]:
     """The server's command line, less the API key and the capture hooks:
     launch_server adds those as `--config` and a private file
-    (write_options_file)."""
+    (write_options_file). Its flags come from the launcher's table
+    (flags.py FLAGS), then the user's extra_args."""
     server = spec.server
-    cmd = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(server.model),
-        "--host", spec.host, "--port", str(port),
-        "--dtype", server_dtype(spec, cpu=cpu),
-        "--tp-size", str(server.tp_size),
-        # Attention groups are SGLang's --attn-dp-size since 0.5.23 (its
-        # --enable-dp-attention is deprecated); then there are no replicas.
-        "--dp-size", str(1 if server.dp_attention else server.dp_size),
-        "--max-total-tokens", str(server.max_total_tokens),
-        "--disable-radix-cache",
-    ]
-    if server.dp_attention:
-        cmd += ["--attn-dp-size", str(server.dp_size)]
     if spec.capture and spec.draft_model_path is not None:
         raise ValueError("a capture server cannot also serve a drafter: its EAGLE3 mode is capture-only "
                          "(set capture=False to serve speculative decoding)")
     if spec.capture:
         refuse_capture_incompatible(server.extra_args)
-        cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
-        if spec.aux_layer_ids is not None:
-            cmd += ["--return-aux-hidden-state-layer-ids", *map(str, spec.aux_layer_ids)]
-    if spec.draft_model_path is not None:
-        cmd += [
-            "--speculative-algorithm", "EAGLE3",
-            "--speculative-draft-model-path", str(spec.draft_model_path),
-            "--speculative-num-steps", str(spec.speculative_num_steps),
-            "--speculative-eagle-topk", str(spec.speculative_eagle_topk),
-            "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens),
-        ]
     arch = _architecture(spec)
-    if arch and arch.remote_code and not gives_flag(server.extra_args, "--trust-remote-code"):
-        cmd += ["--trust-remote-code"]
     backend = cpu_attention_backend(spec) if cpu else None
-    if backend and not gives_flag(server.extra_args, "--attention-backend"):
-        # SGLang's only CPU backend for EAGLE and for MLA; the operators it
-        # needs come from tasks/server/cpu/spec_ops.py (see server_environment).
-        cmd += ["--attention-backend", backend]
-    if server.chunked_prefill_size is not None:
-        cmd += ["--chunked-prefill-size", str(server.chunked_prefill_size)]
-    if server.mem_fraction_static is not None:
-        cmd += ["--mem-fraction-static", str(server.mem_fraction_static)]
-    if spec.sleep_on_idle:
-        cmd += ["--sleep-on-idle"]
-    if not cpu:
-        # Prefill CUDA graph replay skips Python forward hooks: no captures.
-        cmd += ["--cuda-graph-backend-prefill", "disabled"]
+    # SGLang's only CPU backend for EAGLE and for MLA; the operators it needs
+    # come from tasks/server/cpu/spec_ops.py (see server_environment).
+    decided = Decided(spec, port, cpu, server_dtype(spec, cpu=cpu),
+                      backend if not gives_flag(server.extra_args, "--attention-backend") else None,
+                      bool(arch and arch.remote_code) and not gives_flag(server.extra_args, "--trust-remote-code"))
+    cmd = [sys.executable, "-m", "sglang.launch_server", *command_flags(decided)]
     refuse_owned_flags(server.extra_args, cmd, capture=spec.capture)
     return cmd + list(server.extra_args)
 

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from tasks.server.flags import SHOWN
 from tasks.server.run_secrets import redact
 
 
@@ -27,19 +28,10 @@ def log_tail(path: Path, lines: int = 40, hidden: Sequence[str | None] = ()) -> 
 
 
 # SGLang logs all of its ~400 settings at start-up as one line of some 20,000
-# characters (`server_args={...}`); the run's log gets these, the server's
-# log keeps the line whole.
-SUMMARY_KEYS = (
-    "model_path", "device", "dtype", "tp_size", "dp_size", "attn_dp_size", "attention_backend",
-    "chunked_prefill_size", "max_total_tokens", "mem_fraction_static", "disable_radix_cache",
-    "enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids", "speculative_algorithm",
-    "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
-    "speculative_num_draft_tokens", "api_key",
-)
-
-
+# characters (`server_args={...}`); the run's log gets those the launcher's
+# table marks (flags.py SHOWN), the server's log keeps the line whole.
 def summarize_server_args(line: str, where: Path) -> str | None:
-    """SGLang's start-up line of its settings cut to SUMMARY_KEYS (those it
+    """SGLang's start-up line of its settings cut to SHOWN (those it
     sets), with a pointer to `where` the whole line is; None for any other
     line."""
     head, found, settings = line.partition("server_args=")
@@ -49,7 +41,7 @@ def summarize_server_args(line: str, where: Path) -> str | None:
         values = ast.literal_eval(settings)
     except (ValueError, SyntaxError):
         return None
-    shown = ", ".join(f"{k}={values[k]!r}" for k in SUMMARY_KEYS if values.get(k) is not None)
+    shown = ", ".join(f"{k}={values[k]!r}" for k in SHOWN if values.get(k) is not None)
     return f"{head}server_args: {shown} (all of them: {where})"
 
 
