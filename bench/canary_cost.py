@@ -62,7 +62,7 @@ def smollm2(samples: int) -> dict:
     from tasks.data.dataset import DEMO_DATASET, prepare_samples
     from tasks.paths import default_dump_root
     from tasks.server.config import ServerConfig
-    from tasks.server.launch import LaunchSpec, launch_server
+    from tasks.server.launch import CaptureSpec, launch_server
     from tasks.store.handle import Store
     from tasks.store.ledger.open import open_store
     from tasks.store.manifest import build_manifest
@@ -74,7 +74,7 @@ def smollm2(samples: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="canary-bench-"))
     dump_dir = default_dump_root() / f"canary-bench-{time.time_ns()}"
     try:
-        spec = LaunchSpec(ServerConfig(model=str(target.path), max_total_tokens=65536), dump_dir=dump_dir,
+        spec = CaptureSpec(ServerConfig(model=str(target.path), max_total_tokens=65536), dump_dir=dump_dir,
                           aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
         with launch_server(spec, work / "server.log", timeout_s=600) as server:
             endpoint = Endpoint(server.url, dump_dir, target.layers.sglang_ids, target.path, api_key=server.api_key,

@@ -36,7 +36,7 @@ from tasks.capture.extraction import Endpoint, extract_batch
 from tasks.data.dataset import DEMO_DATASET, prepare_samples
 from tasks.paths import default_dump_root
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.launch import CaptureSpec, LaunchSpec, launch_server
 from tasks.sglang_api import auth_headers
 from tasks.store.handle import Store
 from tasks.store.ledger.open import open_ledger, open_store
@@ -119,7 +119,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="e3-bench-"))
     dump_dir = default_dump_root() / f"bench-{work.name}"
     try:
-        base = LaunchSpec(ServerConfig(model=str(model)), dump_dir=dump_dir)
+        base = CaptureSpec(ServerConfig(model=str(model)), dump_dir=dump_dir)
         t_plain = plain_prefill(replace(base, capture=False), id_lists, 2 * args.concurrency, work / "plain.log")
 
         store = work / "store"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tasks.capture.client import probe_capture
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.launch import CaptureSpec, launch_server
 from tasks.server.processes import group_members
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (the tiny models) is not installed
@@ -38,7 +38,7 @@ def group_cpu_s(pgid: int) -> float:
 
 def idle_cpu(model: Path, work: Path, sleep_on_idle: bool, idle_s: float) -> float:
     """Cores used, on average, by the idle server's process group."""
-    cfg = LaunchSpec(ServerConfig(model=str(model), max_total_tokens=8192), dump_dir=work / "dumps",
+    cfg = CaptureSpec(ServerConfig(model=str(model), max_total_tokens=8192), dump_dir=work / "dumps",
                      sleep_on_idle=sleep_on_idle)
     with launch_server(cfg, work / f"server-{sleep_on_idle}.log") as server:
         probe_capture(server.url, cfg.dump_dir, api_key=server.api_key, rid_prefix=server.rid_prefix)

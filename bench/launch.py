@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.workers import WORKERS_SWITCH
-from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.launch import CaptureSpec, launch_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (the tiny models) is not installed
 from tests.tiny_models import TINY, ensure_model  # noqa: E402
@@ -24,7 +24,7 @@ from tests.tiny_models import TINY, ensure_model  # noqa: E402
 
 def launch_s(model: Path, work: Path, workers: str) -> float:
     os.environ[WORKERS_SWITCH] = workers  # the server's environment starts from this one
-    spec = LaunchSpec(ServerConfig(model=str(model), max_total_tokens=8192), dump_dir=work / "dumps")
+    spec = CaptureSpec(ServerConfig(model=str(model), max_total_tokens=8192), dump_dir=work / "dumps")
     t0 = time.monotonic()
     with launch_server(spec, work / f"server-{workers}.log"):
         return time.monotonic() - t0

@@ -29,7 +29,7 @@ from flows.extract import extract_hidden_states  # noqa: E402
 from flows.stream import capture_task  # noqa: E402
 from tasks.capture.config import CaptureConfig  # noqa: E402
 from tasks.server.config import ServerConfig  # noqa: E402
-from tasks.server.launch import LaunchSpec, launch_server  # noqa: E402
+from tasks.server.launch import CaptureSpec, launch_server  # noqa: E402
 from tasks.store.config import StoreConfig  # noqa: E402
 from tasks.store.verification import verify_store  # noqa: E402
 from tasks.train.config import TrainConfig  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
     dataset = write_jsonl(work / "data.jsonl", demo_rows(args.samples))
     train_cfg = dict(draft_vocab_size=512, ttt_steps=3, epochs=args.epochs, tokens_per_batch=2048,
                      vocab_positions=4096)
-    spec = LaunchSpec(ServerConfig(model=str(model), max_total_tokens=16384), dump_dir=work / "dumps")
+    spec = CaptureSpec(ServerConfig(model=str(model), max_total_tokens=16384), dump_dir=work / "dumps")
     with launch_server(spec, work / "server.log", timeout_s=600) as server:
         def sections(store: Path) -> dict:
             return {"server": ServerConfig(model=str(model), url=server.url, api_key=server.api_key,

@@ -31,7 +31,7 @@ from tasks.capture.canary import refuse_unchecked_logits
 from tasks.capture.config import CaptureConfig
 from tasks.paths import default_dump_root, ensure_private_dir
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, check_serves
+from tasks.server.launch import CaptureSpec, check_serves
 from tasks.server.supervisor import ServerSupervisor, node_sections
 from tasks.store.config import StoreConfig
 from tasks.store.handle import Store
@@ -107,7 +107,7 @@ def launch_task(target: Target, server: ServerConfig, dump_dir: Path, log_path: 
         log.info("attaching to the SGLang server at %s (rid prefix %r, %s)", server.url, server.rid_prefix,
                  "with an API key" if supervisor.api_key else "no API key")
     else:
-        spec = LaunchSpec(server=server.model_copy(update={"model": str(target.path)}), dump_dir=dump_dir,
+        spec = CaptureSpec(server=server.model_copy(update={"model": str(target.path)}), dump_dir=dump_dir,
                           aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
         supervisor = ServerSupervisor(spec, log_path)
         log.info("launching SGLang on %s (tp %d, dp %d%s), log: %s", target.path, server.tp_size, server.dp_size,

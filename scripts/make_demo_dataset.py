@@ -20,7 +20,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
 
 def main() -> None:
     model = resolve_model(SMOLLM2)
-    spec = LaunchSpec(ServerConfig(model=str(model)), dump_dir=cache_root() / "unused-dumps", capture=False)
+    spec = LaunchSpec(ServerConfig(model=str(model)))
     with launch_server(spec, cache_root() / "logs" / "make-demo-dataset.log") as server:
         result = regenerate(server.url, DATA_DIR / "demo_prompts.jsonl", DATA_DIR / "demo_conversations.jsonl",
                             AutoTokenizer.from_pretrained(model), api_key=server.api_key, sampling=SAMPLING,

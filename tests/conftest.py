@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from tasks.server.config import ServerConfig  # noqa: E402
-from tasks.server.launch import LaunchSpec, launch_server  # noqa: E402
+from tasks.server.launch import CaptureSpec, launch_server  # noqa: E402
 from tasks.target.layers import AuxLayers  # noqa: E402
 from tasks.train.config import TrainConfig  # noqa: E402
 from tests.tiny_models import TINY, ensure_model  # noqa: E402
@@ -50,10 +50,10 @@ def session_servers(tiny_model, tmp_path_factory) -> dict:
     from tasks.target.architectures import LLAMA
 
     specs = {
-        "capture": LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=16384,
+        "capture": CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=16384,
                                            chunked_prefill_size=CHUNKED_PREFILL),
                               dump_dir=tmp_path_factory.mktemp("dumps")),
-        "float32": LaunchSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
+        "float32": CaptureSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
                               dump_dir=tmp_path_factory.mktemp("float32-dumps"),
                               aux_layer_ids=LLAMA.sglang_layer_ids(FIVE_LAYER_IDS)),
     }

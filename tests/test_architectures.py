@@ -18,7 +18,7 @@ from tasks.capture.client import capture_many
 from tasks.capture.config import CaptureConfig
 from tasks.evaluation.config import EvaluateConfig
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, build_command, cpu_attention_backend, hook_spec, launch_server
+from tasks.server.launch import CaptureSpec, build_command, cpu_attention_backend, hook_spec, launch_server
 from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \
     architecture_of
 from tasks.store.config import StoreConfig
@@ -63,14 +63,14 @@ def test_kimi_sizes_come_from_text_config_and_its_stack_is_the_language_model():
 
 
 def test_the_capture_hooks_target_the_stack_and_its_first_layer(tmp_path):
-    cfg = LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, capture_module="language_model.model")
+    cfg = CaptureSpec(ServerConfig(model="m"), dump_dir=tmp_path, capture_module="language_model.model")
     targets = [spec["target_modules"] for spec in hook_spec(cfg)]
     assert targets == [["language_model.model.layers.0"], ["language_model.model"]]
 
 
 @pytest.mark.parametrize("flag", ["--enable-two-batch-overlap", "--attn-cp-size=2"])
 def test_flags_that_break_capture_are_refused(tmp_path, flag):
-    cfg = LaunchSpec(ServerConfig(model="m", extra_args=[flag]), dump_dir=tmp_path, capture_module="model")
+    cfg = CaptureSpec(ServerConfig(model="m", extra_args=[flag]), dump_dir=tmp_path, capture_module="model")
     with pytest.raises(ValueError, match="not supported on a capture server"):
         build_command(cfg, 1234, cpu=True)
 
@@ -81,11 +81,11 @@ def test_mla_targets_get_the_intel_amx_backend_on_a_cpu_only(tmp_path, arch, bac
     # torch_native, SGLang's CPU default, has no MLA path: the first prefill
     # of a DeepSeek-V3 or Kimi target dies there.
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
-    cfg = LaunchSpec(ServerConfig(model=str(tmp_path)), dump_dir=tmp_path / "d")
+    cfg = CaptureSpec(ServerConfig(model=str(tmp_path)), dump_dir=tmp_path / "d")
     assert cpu_attention_backend(cfg) == backend
     on_cpu, on_gpu = build_command(cfg, 1, cpu=True), build_command(cfg, 1, cpu=False)
     assert ("--attention-backend" in on_cpu) == (backend is not None) and "--attention-backend" not in on_gpu
-    own = LaunchSpec(ServerConfig(model=str(tmp_path), extra_args=["--attention-backend=x"]), dump_dir=tmp_path / "d")
+    own = CaptureSpec(ServerConfig(model=str(tmp_path), extra_args=["--attention-backend=x"]), dump_dir=tmp_path / "d")
     assert "--attention-backend" not in build_command(own, 1, cpu=True)  # the user's choice stands
 
 
@@ -93,7 +93,7 @@ def test_mla_targets_get_the_intel_amx_backend_on_a_cpu_only(tmp_path, arch, bac
 def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
     from tasks.sglang_api import ServerError
 
-    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=tmp_path / "dumps",
+    cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=tmp_path / "dumps",
                      capture_module="no_such_module")
     with pytest.raises(ServerError, match="attached to no module"):
         launch_server(cfg, tmp_path / "server.log", timeout_s=600)
@@ -132,7 +132,7 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     extra = ["--trust-remote-code"] if arch is KIMI_K25 else []
     section = ServerConfig(model=str(model), max_total_tokens=8192, chunked_prefill_size=256, dtype=dtype,
                            extra_args=extra)
-    spec = LaunchSpec(section, dump_dir=tmp_path / "dumps", aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids))
+    spec = CaptureSpec(section, dump_dir=tmp_path / "dumps", aux_layer_ids=arch.sglang_layer_ids(layers.sglang_ids))
     reference = load_reference_model(str(model), getattr(torch, dtype))
 
     def check(i, capture):

@@ -70,14 +70,14 @@ def test_a_run_file_with_data_parallel_attention_reaches_sglangs_command_line(tm
 
     from flows.extract import extract_hidden_states
     from sglang.srt.server_args import ServerArgs
-    from tasks.server.launch import LaunchSpec, build_command
+    from tasks.server.launch import CaptureSpec, build_command
 
     run = tmp_path / "run.yaml"
     run.write_text("server: {model: /models/m, tp_size: 2, dp_size: 2}\n")
     values, _ = config_from_argv(extract_hidden_states, ["--config", str(run), "--server.dp-attention"])
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    cmd = build_command(LaunchSpec(values["server"], dump_dir=tmp_path, capture_module="model"), 1234, cpu=True)
+    cmd = build_command(CaptureSpec(values["server"], dump_dir=tmp_path, capture_module="model"), 1234, cpu=True)
     args = parser.parse_args(cmd[3:])
     assert (args.tp_size, args.attn_dp_size) == (2, 2)
 

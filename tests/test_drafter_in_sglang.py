@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.launch import SpeculativeSpec, launch_server
 from tasks.sglang_api import auth_headers
 from tasks.target.layers import AuxLayers, default_aux_layer_ids
 from tasks.target.reference import load_reference_model, reference_states
@@ -150,9 +150,9 @@ def served(request, tmp_path_factory) -> Served:
     probe = d / "probe"
     hooks = [{"name": "draft_probe", "target_modules": ["model"],
               "hook_factory": "tests.sglang_draft_probe:make_probe", "config": {"out_dir": str(probe)}}]
-    cfg = LaunchSpec(ServerConfig(model=str(target_path), dtype="float32", max_total_tokens=8192,
-                                  extra_args=["--forward-hooks", json.dumps(hooks)]),
-                     dump_dir=d / "unused", capture=False, draft_model_path=result.drafter_dir)
+    cfg = SpeculativeSpec(ServerConfig(model=str(target_path), dtype="float32", max_total_tokens=8192,
+                                       extra_args=["--forward-hooks", json.dumps(hooks)]),
+                          draft_model_path=result.drafter_dir)
     with launch_server(cfg, ARTIFACTS / f"draft-probe-server-{target}-{variant}.log", timeout_s=600) as server:
         reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()

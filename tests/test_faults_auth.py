@@ -36,7 +36,7 @@ from tasks.data.regeneration import regenerate
 from tasks.evaluation.generate import generate_all
 from tasks.server.health import wait_healthy
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, ServerHandle, launch_server
+from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, launch_server
 from tasks.server.server_log import LogFollower
 from tasks.server.supervisor import API_KEY_ENV, ServerSupervisor, attach_api_key
 from tasks.sglang_api import ServerError, auth_headers, server_healthy
@@ -65,9 +65,11 @@ def fake_sglang(monkeypatch):
     return launched
 
 
-def capture_config(tmp_path, name="dumps", server: dict | None = None, **kw) -> LaunchSpec:
-    return LaunchSpec(ServerConfig(model="m", **(server or {})), dump_dir=tmp_path / name, capture_module="model",
-                      cpu=False, **kw)
+def capture_config(tmp_path, name="dumps", server: dict | None = None, capture: bool = True, **kw) -> LaunchSpec:
+    section = ServerConfig(model="m", **(server or {}))
+    if not capture:  # a plain server
+        return LaunchSpec(section, cpu=False, **kw)
+    return CaptureSpec(section, dump_dir=tmp_path / name, capture_module="model", cpu=False, **kw)
 
 
 def logged_commands(log: Path) -> list[str]:
@@ -264,7 +266,7 @@ def check_health(fake, tmp_path):
     attached = ServerSupervisor(ServerConfig(url=url, api_key=key))
     attached.start()
     attached.recover()  # healthy: nothing to do
-    handle = ServerHandle(LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, api_key=key),
+    handle = ServerHandle(CaptureSpec(ServerConfig(model="m"), dump_dir=tmp_path, api_key=key),
                           SimpleNamespace(poll=lambda: None), url, tmp_path / "server.log")
     wait_healthy(handle, timeout_s=5)
     assert len(fake.requests) == 4
@@ -379,14 +381,14 @@ OWNED = [
     (["--enable-dp-attention"], {}, "server.dp_attention"),
     (["--max-total-tokens", "1"], {}, "server.max_total_tokens"),
     (["--disable-radix-cache"], {}, "without the prefix cache"),
-    (["--enable-return-aux-hidden-states"], {}, "LaunchSpec.capture"),
+    (["--enable-return-aux-hidden-states"], {}, "CaptureSpec"),
     (["--return-aux-hidden-state-layer-ids", "1", "2", "3"], {}, "capture.aux_layer_ids"),
-    (["--speculative-algorithm", "NGRAM"], {}, "LaunchSpec.draft_model_path"),
-    (["--speculative-draft-model-path", "d"], {}, "LaunchSpec.draft_model_path"),
+    (["--speculative-algorithm", "NGRAM"], {}, "SpeculativeSpec.draft_model_path"),
+    (["--speculative-draft-model-path", "d"], {}, "SpeculativeSpec.draft_model_path"),
     (["--speculative-num-steps", "5"], {}, "evaluate.num_steps"),
-    (["--speculative-eagle-topk", "2"], {}, "LaunchSpec.speculative_eagle_topk"),
+    (["--speculative-eagle-topk", "2"], {}, "SpeculativeSpec.speculative_eagle_topk"),
     (["--speculative-num-draft-tokens", "8"], {}, "a top-1 chain verifies"),
-    (["--forward-hooks", "[]"], {}, "LaunchSpec.capture_module"),
+    (["--forward-hooks", "[]"], {}, "CaptureSpec.capture_module"),
     (["--api-key", "k"], {}, "server.api_key"),
     (["--config", "x.yaml"], {}, "the launcher passes its own --config"),
     (["--chunked-prefill-size", "64"], {"chunked_prefill_size": 128}, "server.chunked_prefill_size"),

@@ -13,7 +13,7 @@ from tasks.capture.config import CaptureConfig
 from tasks.capture.extraction import CRASH_LIMIT, Endpoint, ServerUnavailable, extract_batch
 from tasks.data.dataset import Sample
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec
+from tasks.server.launch import CaptureSpec
 from tasks.server.supervisor import ServerSupervisor
 from tasks.store.ledger.open import open_ledger
 from tasks.store.handle import Store
@@ -44,7 +44,7 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
                                      max_length=512, policy="truncate", sources=["data.jsonl"]))
     crash = {"name": "crash_on_poison", "target_modules": ["model.embed_tokens"],
              "hook_factory": "tests.sglang_crash_hook:make_crash_hook", "config": {"poison": POISON}}
-    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096, max_restarts=CRASH_LIMIT),
+    cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096, max_restarts=CRASH_LIMIT),
                      dump_dir=tmp_path / "dumps", extra_hooks=(crash,))
     server = ServerSupervisor(cfg, ARTIFACTS / "crash-loop-server.log")
     server.start()

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.launch import CaptureSpec, launch_server
 from tasks.server.processes import group_members, pidfile_for, reap_orphan, start_ticks
 from tests.test_extract_flow import servers_logging_to
 
@@ -46,15 +46,15 @@ def test_a_server_orphaned_by_a_killed_run_is_stopped_by_the_next_launch(tiny_mo
 import os, signal
 from pathlib import Path
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
-launch_server(LaunchSpec(ServerConfig(model={str(tiny_model)!r}, max_total_tokens=4096), dump_dir=Path({str(dumps)!r})),
+from tasks.server.launch import CaptureSpec, launch_server
+launch_server(CaptureSpec(ServerConfig(model={str(tiny_model)!r}, max_total_tokens=4096), dump_dir=Path({str(dumps)!r})),
               Path({str(log)!r}), timeout_s=600)
 os.kill(os.getpid(), signal.SIGKILL)
 """], cwd=ROOT, timeout=900)
     assert run.returncode == -signal.SIGKILL
     orphans = servers_logging_to(log)
     assert len(orphans) == 1 and pidfile_for(log).exists()  # the server outlived its run
-    cfg = LaunchSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=dumps)
+    cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=dumps)
     with caplog.at_level("WARNING", logger="eagle3.server"):
         server = launch_server(cfg, log, timeout_s=600)
     with server:

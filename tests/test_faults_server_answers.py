@@ -16,7 +16,7 @@ from tasks.capture.config import CaptureConfig
 from tasks.capture.extraction import Endpoint, FailureGuard, TooManyFailures, extract_batch
 from tasks.data.dataset import Sample
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.launch import CaptureSpec, launch_server
 from tasks.sglang_api import ServerError
 from tasks.store.handle import Store
 from tasks.store.ledger.open import open_ledger, open_store
@@ -94,7 +94,7 @@ def test_a_port_another_process_holds_is_refused_before_anything_starts(tmp_path
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        cfg = LaunchSpec(ServerConfig(model=str(tmp_path)), dump_dir=tmp_path / "d", port=port)
+        cfg = CaptureSpec(ServerConfig(model=str(tmp_path)), dump_dir=tmp_path / "d", port=port)
         t0 = time.monotonic()
         with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is taken by another process"):
             launch_server(cfg, tmp_path / "server.log")

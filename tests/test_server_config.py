@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, build_command
+from tasks.server.launch import CaptureSpec, build_command
 
 
 def sglang_reads(cmd: list[str]) -> argparse.Namespace:
@@ -41,7 +41,7 @@ def test_a_setting_sglang_or_the_launcher_cannot_use_is_refused_where_it_is_give
 
 
 def test_data_parallel_attention_reaches_sglang_as_attention_groups(tmp_path):
-    spec = LaunchSpec(ServerConfig(model="m", tp_size=4, dp_size=2, dp_attention=True), dump_dir=tmp_path,
+    spec = CaptureSpec(ServerConfig(model="m", tp_size=4, dp_size=2, dp_attention=True), dump_dir=tmp_path,
                       capture_module="model")
     args = sglang_reads(build_command(spec, 1234, cpu=True))
     # SGLang 0.5.23's own reading of the deprecated `--dp-size 2 --enable-dp-attention`.
@@ -50,7 +50,7 @@ def test_data_parallel_attention_reaches_sglang_as_attention_groups(tmp_path):
 
 
 def test_data_parallel_replicas_reach_sglang_as_replicas(tmp_path):
-    spec = LaunchSpec(ServerConfig(model="m", tp_size=2, dp_size=3), dump_dir=tmp_path, capture_module="model")
+    spec = CaptureSpec(ServerConfig(model="m", tp_size=2, dp_size=3), dump_dir=tmp_path, capture_module="model")
     args = sglang_reads(build_command(spec, 1234, cpu=True))
     assert (args.tp_size, args.attn_dp_size, args.dp_size) == (2, 1, 3)
     assert spec.ranks == 6  # each replica has its own tensor-parallel ranks
@@ -59,14 +59,14 @@ def test_data_parallel_replicas_reach_sglang_as_replicas(tmp_path):
 def test_the_section_gives_the_command_its_settings(tmp_path):
     server = ServerConfig(model="/models/m", dtype="float16", max_total_tokens=4096, chunked_prefill_size=-1,
                           mem_fraction_static=0.5, extra_args=["--max-running-requests", "8"])
-    args = sglang_reads(build_command(LaunchSpec(server, dump_dir=tmp_path, capture_module="model"), 1234, cpu=True))
+    args = sglang_reads(build_command(CaptureSpec(server, dump_dir=tmp_path, capture_module="model"), 1234, cpu=True))
     assert (args.model_path, args.dtype, args.max_total_tokens, args.chunked_prefill_size,
             args.mem_fraction_static, args.max_running_requests) == ("/models/m", "float16", 4096, -1, 0.5, 8)
 
 
 def test_a_launch_spec_of_an_attached_server_is_refused(tmp_path):
     with pytest.raises(ValueError, match="server.url is 'http://h:1': that server is attached to"):
-        LaunchSpec(ServerConfig(url="http://h:1"), dump_dir=tmp_path)
+        CaptureSpec(ServerConfig(url="http://h:1"), dump_dir=tmp_path)
 
 
 def test_a_node_takes_the_server_section_from_its_command_line():

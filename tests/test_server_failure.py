@@ -3,7 +3,7 @@ import time
 import pytest
 
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, launch_server
+from tasks.server.launch import CaptureSpec, launch_server
 from tasks.server.processes import group_members
 from tasks.sglang_api import ServerError
 
@@ -20,7 +20,7 @@ def test_bad_model_path_fails_fast_with_log_tail_and_leaves_no_process(tmp_path,
         return proc
 
     monkeypatch.setattr("tasks.server.launch.subprocess.Popen", spy)
-    cfg = LaunchSpec(ServerConfig(model=str(tmp_path / "no-such-model")), dump_dir=tmp_path / "dumps")
+    cfg = CaptureSpec(ServerConfig(model=str(tmp_path / "no-such-model")), dump_dir=tmp_path / "dumps")
     t0 = time.monotonic()
     with pytest.raises(ServerError) as err:
         launch_server(cfg, tmp_path / "server.log", timeout_s=300)
@@ -86,7 +86,7 @@ def test_a_launch_whose_port_was_taken_is_retried_on_another_port_unless_the_por
         return f"served on {port}"
 
     monkeypatch.setattr(launch, "_launch", taken_once)
-    spec = LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path)
+    spec = CaptureSpec(ServerConfig(model="m"), dump_dir=tmp_path)
     assert launch.launch_server(spec, tmp_path / "log") == f"served on {tried[1]}"
     assert len(tried) == 2 and launch.PORT_RANGE[0] <= tried[0] <= launch.PORT_RANGE[1]
     tried.clear()

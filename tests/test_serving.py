@@ -19,7 +19,7 @@ from tasks.evaluation.generate import GenerationRun, serving_dtype
 from tasks.evaluation.prompts import humaneval_problems, prompt_set, render
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
-from tasks.server.launch import LaunchSpec, build_command
+from tasks.server.launch import CaptureSpec, LaunchSpec, SpeculativeSpec, build_command
 from tasks.target.architectures import load_tokenizer
 from tests.conftest import ARTIFACTS
 from tests.random_drafter import export_random_drafter
@@ -89,8 +89,11 @@ def test_a_running_baseline_sets_the_dtype_and_a_different_one_is_refused(captur
     assert baseline_server(attached, EvaluateConfig()) is None
     assert baseline_server(attached, EvaluateConfig(baseline="attached")) is attached
     # Another running server of the target, by URL, with its own key (or none).
-    elsewhere = baseline_server(attached, EvaluateConfig(baseline="http://deploy:30000", baseline_api_key="k"))
-    assert (elsewhere.url, elsewhere.api_key, elsewhere.model) == ("http://deploy:30000", "k", model)
+    elsewhere = baseline_server(attached, EvaluateConfig(baseline="http://deploy:30000",
+                                                         baseline_api_key="k3y-elsewhere"))
+    assert (elsewhere.url, elsewhere.api_key.get_secret_value(), elsewhere.model) == (
+        "http://deploy:30000", "k3y-elsewhere", model)
+    assert "k3y" not in repr(elsewhere) and elsewhere.model_dump(mode="json")["api_key"] == "**********"
     with pytest.raises(ValueError, match="give 'launch', 'attached' or the http"):
         EvaluateConfig(baseline="plain")
     with pytest.raises(ValueError, match="baseline_api_key is for a baseline server at a URL"):
@@ -98,8 +101,8 @@ def test_a_running_baseline_sets_the_dtype_and_a_different_one_is_refused(captur
 
 
 def test_speculative_server_command(tmp_path):
-    cfg = LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, capture=False, draft_model_path="d",
-                     speculative_num_steps=5, speculative_eagle_topk=2, speculative_num_draft_tokens=8)
+    cfg = SpeculativeSpec(ServerConfig(model="m"), draft_model_path="d", speculative_num_steps=5,
+                          speculative_eagle_topk=2, speculative_num_draft_tokens=8)
     cmd = build_command(cfg, 1234, cpu=True)
     flags = dict(zip(cmd, cmd[1:]))
     assert flags["--speculative-algorithm"] == "EAGLE3" and flags["--speculative-draft-model-path"] == "d"
@@ -108,10 +111,12 @@ def test_speculative_server_command(tmp_path):
     assert flags["--attention-backend"] == "intel_amx"
     assert "--enable-return-aux-hidden-states" not in cmd
     assert "--attention-backend" not in build_command(cfg, 1234, cpu=False)
-    assert "--speculative-algorithm" not in build_command(LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path,
-                                                                     capture=False), 1234, cpu=True)
-    with pytest.raises(ValueError, match="capture server cannot also serve a drafter"):
-        build_command(LaunchSpec(ServerConfig(model="m"), dump_dir=tmp_path, draft_model_path="d"), 1234, cpu=True)
+    assert "--speculative-algorithm" not in build_command(LaunchSpec(ServerConfig(model="m")), 1234, cpu=True)
+    # A capture server has no drafter to serve, a plain or speculative one no dump dir.
+    with pytest.raises(TypeError, match="draft_model_path"):
+        CaptureSpec(ServerConfig(model="m"), dump_dir=tmp_path, draft_model_path="d")
+    with pytest.raises(TypeError, match="dump_dir"):
+        SpeculativeSpec(ServerConfig(model="m"), dump_dir=tmp_path, draft_model_path="d")
 
 
 def test_acceptance_is_pooled_and_a_mean_of_means_from_the_raw_counts():

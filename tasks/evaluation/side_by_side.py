@@ -17,7 +17,7 @@ import json
 import logging
 import shlex
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Sequence
@@ -32,7 +32,7 @@ from tasks.evaluation.prompts import PromptSet
 from tasks.evaluation.sweep import SweepPoint, sweep
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
-from tasks.server.launch import LaunchSpec, check_serves, launch_server
+from tasks.server.launch import LaunchSpec, SpeculativeSpec, check_serves, launch_server
 from tasks.sglang_api import ServerError, server_says
 from tasks.train.launch import result_from_dir
 from tasks.train.loop import RESULT
@@ -93,7 +93,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
     if baseline_url is not None:
         check_serves(baseline_url, Path(server.model), api_key=baseline_api_key)
     dtype = serving_dtype(server.model, cfg.dtype, baseline_url, baseline_api_key)
-    plain = LaunchSpec(server.model_copy(update={"dtype": dtype}), dump_dir=log_dir / "unused-dumps", capture=False)
+    plain = LaunchSpec(server.model_copy(update={"dtype": dtype}))
     commands: dict[str, str] = {}
 
     def generate(url, api_key, prompts, tag, temperature=0.0) -> GenerationRun:
@@ -136,8 +136,9 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
 
     rows, sweep_rows, changed, raw = [], [], {}, []
     for j, d in enumerate(drafters):
-        spec = replace(plain, draft_model_path=str(d.path), speculative_num_steps=d.num_steps,
-                       speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1, extra_hooks=d.hooks)
+        spec = SpeculativeSpec(plain.server, draft_model_path=str(d.path), speculative_num_steps=d.num_steps,
+                               speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1,
+                               extra_hooks=d.hooks)
         greedy, sampled, points = launched(d.name, f"drafter{j}", spec, True)
         differ = greedy_changes(plain_greedy, greedy)
         changed.update({f"{d.name} on {name}": prompts for name, prompts in differ.items()})

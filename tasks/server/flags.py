@@ -59,8 +59,8 @@ def _server(c: Decided):
     return c.spec.server
 
 
-def _drafting(c: Decided, args: list[str]) -> list[str] | None:
-    return args if c.spec.draft_model_path is not None else None
+def _drafting(c: Decided, args) -> list[str] | None:
+    return args() if c.spec.speculative else None
 
 
 def _if_set(value) -> list[str] | None:
@@ -68,7 +68,7 @@ def _if_set(value) -> list[str] | None:
 
 
 SPECULATE = ("nothing: only the evaluation's servers speculate, each with a trained drafter "
-             "(LaunchSpec.draft_model_path)")
+             "(SpeculativeSpec.draft_model_path)")
 FLAGS: tuple[Flag, ...] = (
     Flag("--model-path", "server.model", lambda c: [str(_server(c).model)]),
     Flag("--host", "LaunchSpec.host", lambda c: [c.spec.host], shown=False),
@@ -85,21 +85,22 @@ FLAGS: tuple[Flag, ...] = (
     # Tokens the prefix cache serves are not recomputed, so never reach the hook.
     Flag("--disable-radix-cache", "nothing: every server the launcher starts runs without the prefix cache",
          lambda c: []),
-    Flag("--enable-return-aux-hidden-states", "LaunchSpec.capture", lambda c: [] if c.spec.capture else None,
-         owned="capture"),
+    Flag("--enable-return-aux-hidden-states", "CaptureSpec (a capture server)",
+         lambda c: [] if c.spec.capture else None, owned="capture"),
     Flag("--speculative-algorithm", SPECULATE,
-         lambda c: ["EAGLE3"] if c.spec.capture or c.spec.draft_model_path is not None else None, owned="always"),
+         lambda c: ["EAGLE3"] if c.spec.capture or c.spec.speculative else None, owned="always"),
     Flag("--return-aux-hidden-state-layer-ids", "capture.aux_layer_ids",
          lambda c: [*map(str, c.spec.aux_layer_ids)] if c.spec.capture and c.spec.aux_layer_ids is not None
          else None, owned="capture"),
-    Flag("--speculative-draft-model-path", SPECULATE, lambda c: _drafting(c, [str(c.spec.draft_model_path)]),
-         owned="always"),
+    Flag("--speculative-draft-model-path", SPECULATE,
+         lambda c: _drafting(c, lambda: [str(c.spec.draft_model_path)]), owned="always"),
     Flag("--speculative-num-steps", "evaluate.num_steps",
-         lambda c: _drafting(c, [str(c.spec.speculative_num_steps)]), owned="always"),
-    Flag("--speculative-eagle-topk", "nothing: the evaluation serves a top-1 chain (LaunchSpec.speculative_eagle_topk)",
-         lambda c: _drafting(c, [str(c.spec.speculative_eagle_topk)]), owned="always"),
+         lambda c: _drafting(c, lambda: [str(c.spec.speculative_num_steps)]), owned="always"),
+    Flag("--speculative-eagle-topk",
+         "nothing: the evaluation serves a top-1 chain (SpeculativeSpec.speculative_eagle_topk)",
+         lambda c: _drafting(c, lambda: [str(c.spec.speculative_eagle_topk)]), owned="always"),
     Flag("--speculative-num-draft-tokens", "evaluate.num_steps (a top-1 chain verifies num_steps + 1 tokens)",
-         lambda c: _drafting(c, [str(c.spec.speculative_num_draft_tokens)]), owned="always"),
+         lambda c: _drafting(c, lambda: [str(c.spec.speculative_num_draft_tokens)]), owned="always"),
     Flag("--trust-remote-code", "--trust-remote-code spelt in full: the launcher then leaves its own out",
          lambda c: [] if c.trust_remote_code else None, shown=False),
     Flag("--attention-backend", "--attention-backend spelt in full: the launcher then leaves its own out",
@@ -116,7 +117,7 @@ FLAGS: tuple[Flag, ...] = (
                       "server.api_key)", lambda c: None, owned="always"),
     Flag("--config", "the options themselves in extra_args: the launcher passes its own --config", lambda c: None,
          owned="always", shown=False),
-    Flag("--forward-hooks", "LaunchSpec.capture_module: a capture server's hooks are the launcher's", lambda c: None,
+    Flag("--forward-hooks", "CaptureSpec.capture_module: a capture server's hooks are the launcher's", lambda c: None,
          owned="capture", shown=False),
 )
 _BY_OPTION = {f.option: f for f in FLAGS}

@@ -1,5 +1,6 @@
-"""Launch an SGLang server and stop it: a capture server, or a plain or
-EAGLE-3 speculative one for generation and serving checks.
+"""Launch an SGLang server and stop it: a capture server (CaptureSpec), or a
+plain (LaunchSpec) or EAGLE-3 speculative one (SpeculativeSpec) for
+generation and serving checks.
 
 The server is stock SGLang: capture is switched on with its own flags
 (`--enable-return-aux-hidden-states --speculative-algorithm EAGLE3`) and the
@@ -24,7 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.config import ServerConfig
@@ -51,28 +52,20 @@ STOP_GRACE_S = 20.0
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """A server to launch: the user's server section, its model a checkpoint
-    folder (tasks/target/models.py resolve_model), and what the caller
-    decides beside it."""
+    """A plain server to launch (baselines, generation): the user's server
+    section, its model a checkpoint folder (tasks/target/models.py
+    resolve_model), and what the caller decides beside it. A capture server
+    is a CaptureSpec, a speculative one a SpeculativeSpec: neither has the
+    other's fields, so neither can be asked for both."""
+    capture: ClassVar[bool] = False
+    speculative: ClassVar[bool] = False
+
     server: ServerConfig
-    dump_dir: Path
-    capture: bool = True  # False: a plain server (baselines, generation)
-    aux_layer_ids: Sequence[int] | None = None  # SGLang convention; None = its default
-    # The module the capture hook attaches to; None: the decoder stack of
-    # the model's architecture (tasks/target/architectures.py).
-    capture_module: str | None = None
-    # With capture=False: serve EAGLE-3 speculative decoding with this drafter
-    # (an SGLang LlamaForCausalLMEagle3 directory).
-    draft_model_path: str | None = None
-    speculative_num_steps: int = 3
-    speculative_eagle_topk: int = 1
-    speculative_num_draft_tokens: int = 4
     # Rids the capture hook captures, and the key every request must carry.
     # None: launch_server draws fresh random ones for this server
     # (with_secrets); a relaunch from the same spec keeps them.
     rid_prefix: str | None = None
     api_key: str | None = field(default=None, repr=False)
-    capture_all: bool = False
     cpu: bool | None = None  # None: decide from the hardware
     # SGLang's scheduler otherwise busy-polls a core at 100% while idle
     # (bench/idle_cpu.py); with it, it waits on its sockets and wakes at once.
@@ -97,6 +90,31 @@ class LaunchSpec:
         """This spec with a fresh random rid prefix and API key where it has none."""
         rid_prefix, api_key = run_secrets(self.rid_prefix, self.api_key)
         return dataclasses.replace(self, rid_prefix=rid_prefix, api_key=api_key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureSpec(LaunchSpec):
+    """A capture server: its hook writes each captured request into dump_dir."""
+    capture: ClassVar[bool] = True
+
+    dump_dir: Path
+    aux_layer_ids: Sequence[int] | None = None  # SGLang convention; None = its default
+    # The module the capture hook attaches to; None: the decoder stack of
+    # the model's architecture (tasks/target/architectures.py).
+    capture_module: str | None = None
+    capture_all: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeSpec(LaunchSpec):
+    """A server of EAGLE-3 speculative decoding with a trained drafter (an
+    SGLang LlamaForCausalLMEagle3 directory)."""
+    speculative: ClassVar[bool] = True
+
+    draft_model_path: str
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
 
 
 # Below the kernel's ephemeral range (where bind(0) and every outgoing
@@ -166,7 +184,7 @@ def cpu_attention_backend(spec: LaunchSpec) -> str | None:
     """On a CPU: the attention backend this server needs (None: SGLang's
     default). Speculative decoding and MLA targets need intel_amx, which runs
     on the operators of tasks/server/cpu/spec_ops.py here."""
-    if spec.draft_model_path is not None:
+    if spec.speculative:
         return "intel_amx"
     arch = _architecture(spec)
     return arch.cpu_attention_backend if arch else None
@@ -191,9 +209,6 @@ def build_command(spec: LaunchSpec, port: int, *, cpu: bool) -> list[str]:
     (write_options_file). Its flags come from the launcher's table
     (flags.py FLAGS), then the user's extra_args."""
     server = spec.server
-    if spec.capture and spec.draft_model_path is not None:
-        raise ValueError("a capture server cannot also serve a drafter: its EAGLE3 mode is capture-only "
-                         "(set capture=False to serve speculative decoding)")
     if spec.capture:
         refuse_capture_incompatible(server.extra_args)
     arch = _architecture(spec)

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from tasks.paths import REPO_ROOT, default_dump_root
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec
+from tasks.server.launch import CaptureSpec
 from tasks.server.supervisor import API_KEY_ENV, NODE_ENV, ServerSupervisor
 from tasks.target.checkpoint import Target
 
@@ -54,16 +54,16 @@ def ensure_queue(pool: str, queue: str, env: dict) -> None:
 
 
 def node_launch(queue: str, server: ServerConfig, aux_layer_ids: Sequence[int] | None = None,
-                dump_dir: str | None = None) -> LaunchSpec:
+                dump_dir: str | None = None) -> CaptureSpec:
     """The node's capture server: the section's settings on its target, the
     aux layers the runs sent to it capture."""
     target = Target.load(server.model, aux_layer_ids)
-    return LaunchSpec(server.model_copy(update={"model": str(target.path)}),
+    return CaptureSpec(server.model_copy(update={"model": str(target.path)}),
                       dump_dir=Path(dump_dir or default_dump_root() / f"node-{queue}"),
                       aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
 
 
-def run_node(queue: str, spec: LaunchSpec, pool: str, log_dir: Path) -> None:
+def run_node(queue: str, spec: CaptureSpec, pool: str, log_dir: Path) -> None:
     """Serve the node until its worker ends or the process is told to stop;
     prints one JSON line (queue, server_url, server_pid, worker_pid, logs)
     once both are up.
