@@ -49,8 +49,8 @@ def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: 
 
     def run_share(share: nodes.Share, n: int) -> tuple[str | None, str]:
         run = run_on_node(deployment, {**child, "rows": list(share.rows), "node": queue}, queue,
-                                start_timeout_s=start_timeout_s, name=f"{queue}-share-{share.index}",
-                                idempotency_key=f"{parent}-{attempt}-{queue}-{n}")
+                          start_timeout_s=start_timeout_s, name=f"{queue}-share-{share.index}",
+                          idempotency_key=f"{parent}-{attempt}-{queue}-{n}")
         return (None if run.state.is_completed() else f"{run.name} ended {run.state.name}: {run.state.message}",
                 run.name)
 

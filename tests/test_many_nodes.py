@@ -283,6 +283,9 @@ def node_api_key(worker_pid: int) -> str:
     return env["EAGLE3_API_KEY"]
 
 
+START_TIMEOUT_S = 90
+
+
 def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_path, monkeypatch):
     """Both nodes fall silent under a running share at once (one wait for
     the heartbeat automation serves both), each its own way:
@@ -303,9 +306,11 @@ def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_pat
 
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
     api, out, victim = stack["api"], tmp_path / "parent.out", stack["nodes"]["node-b"]
-    # Two first shares of 32 samples (seconds of capture each: both are caught running).
+    # Two first shares of 32 samples (seconds of capture each: both are caught running). The start
+    # timeout is also how long node-a may stay busy: node-a's child may be stopped before its first
+    # batch, and a whole share takes ~40 s on this machine once it goes on (30 s drained it, seen once).
     proc = run_parent(stack, tmp_path, 64, "--capture.batch-size", "2", "--batches-per-child", "16",
-                      "--start-timeout-s", "30")
+                      "--start-timeout-s", str(START_TIMEOUT_S))
     store = str(tmp_path / "store")
 
     def both_running() -> dict | None:
@@ -343,8 +348,9 @@ def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_pat
 
     runs = children(api, store=store)
     later_b = [r for r in runs if r["work_queue_name"] == "node-b" and r["id"] != first["node-b"]["id"]]
-    assert later_b and all(r["state_type"] == "CANCELLED" and "no worker on queue 'node-b' started it within 30 s"
-                           in r["state"]["message"] for r in later_b), [r["state"] for r in later_b]
+    cancelled = f"no worker on queue 'node-b' started it within {START_TIMEOUT_S} s"
+    assert later_b and all(r["state_type"] == "CANCELLED" and cancelled in r["state"]["message"]
+                           for r in later_b), [r["state"] for r in later_b]
     refused = [r for r in runs if NODE_BUSY in (r["state"]["message"] or "")]
     assert refused and {(r["work_queue_name"], r["state_type"]) for r in refused} == {("node-a", "FAILED")}
     by_node = {r["queue"]: r for r in result["nodes"]}
