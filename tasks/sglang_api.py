@@ -1,7 +1,7 @@
 """Talking to an SGLang server over HTTP: the client options every request
 of ours carries (the server's API key, one TLS context) and its health
 check. Below both the launcher (tasks/server) and the clients that capture,
-generate and check (tasks/capture, tasks/data, tasks/serve), which need a
+generate and check (tasks/capture, tasks/data, tasks/evaluation), which need a
 server's address and key, never how it was started."""
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def server_says(url: str, endpoint: str, key: str, what: str, *, api_key: str | 
     /server_info), or ServerError saying the server did not tell `what`."""
     try:
         with httpx.Client(timeout=30.0, **client_options(api_key)) as client:
-            return client.get(f"{url}{endpoint}").json()[key]
+            response = client.get(f"{url}{endpoint}")
+        if response.status_code in (401, 403):
+            raise ServerError(f"{url}{endpoint} refused the request ({response.status_code}): the server wants "
+                              f"{'another' if api_key else 'an'} API key, the --api-key it was started with")
+        return response.json()[key]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ServerError(f"{url}{endpoint} did not say {what} ({e!r}): is it an SGLang server?") from None

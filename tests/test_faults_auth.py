@@ -35,10 +35,10 @@ from tasks.data.dataset import Sample
 from tasks.data.regeneration import regenerate
 from tasks.evaluation.generate import generate_all
 from tasks.server.health import wait_healthy
-from tasks.server.config import ServerConfig
-from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, launch_server
+from tasks.server.config import API_KEY_ENV, ServerConfig
+from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, check_serves, launch_server
 from tasks.server.server_log import LogFollower
-from tasks.server.supervisor import API_KEY_ENV, ServerSupervisor, attach_api_key
+from tasks.server.supervisor import ServerSupervisor, attach_api_key
 from tasks.sglang_api import ServerError, auth_headers, server_healthy
 from tasks.store.ledger.open import open_store
 from tasks.store.handle import Store
@@ -314,6 +314,10 @@ def test_a_real_server_wants_its_key_and_captures_only_its_own_prefix(capture_se
                            headers=auth_headers("wrong-key")).status_code == 401
         public = client.post(url, json={**body, "rid": "e3-xyz"}, headers=auth_headers(server.api_key))
         assert public.status_code == 200 and public.json()["meta_info"]["prompt_tokens"] == 3
+    # Attaching with the wrong key says so, not that the answer lacked a field.
+    with pytest.raises(ServerError, match=r"/model_info refused the request \(401\): the server wants another API"):
+        check_serves(server.url, Path(server.spec.server.model), api_key="wrong-key")
+    check_serves(server.url, Path(server.spec.server.model), api_key=server.api_key)
     (refused,) = capture_many(server.url, dump_dir, [[5, 6, 7]], lambda i, c: c.rid, rid_prefix=server.rid_prefix)
     assert "HTTP 401" in str(refused)
     # The hook's writer works in order: once this capture's dump is read

@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from tasks.store.ledger.open import open_store

@@ -94,6 +94,11 @@ def test_a_running_baseline_sets_the_dtype_and_a_different_one_is_refused(captur
     assert (elsewhere.url, elsewhere.api_key.get_secret_value(), elsewhere.model) == (
         "http://deploy:30000", "k3y-elsewhere", model)
     assert "k3y" not in repr(elsewhere) and elsewhere.model_dump(mode="json")["api_key"] == "**********"
+    # A config saved with the mask in the key's place is refused, not sent to a server as its key.
+    with pytest.raises(ValueError, match=r"'\*{10}' is the mask .* set \$EAGLE3_API_KEY"):
+        ServerConfig.model_validate(elsewhere.model_dump(mode="json"))
+    with pytest.raises(ValueError, match=r"'\*{10}' is the mask .* set \$EAGLE3_BASELINE_API_KEY"):
+        EvaluateConfig(baseline="http://deploy:30000", baseline_api_key="**********")
     with pytest.raises(ValueError, match="give 'launch', 'attached' or the http"):
         EvaluateConfig(baseline="plain")
     with pytest.raises(ValueError, match="baseline_api_key is for a baseline server at a URL"):

@@ -20,6 +20,7 @@ from flows.artifacts import artifact_key
 from flows.extract import extract_hidden_states
 from tasks.capture.config import CaptureConfig
 from tasks.evaluation.config import EvaluateConfig
+from tasks.server.config import API_KEY_ENV
 from flows.stream import capture_task
 from tasks.data.dataset import prepare_samples
 from tasks.store.verification import verify_store
@@ -354,11 +355,14 @@ def test_a_spooled_run_killed_mid_epoch_resumes_within_its_budget_on_the_offline
     with pytest.raises(SpoolTooSmall, match=r"train.spool_bytes 1,000 cannot hold .* bytes"):
         plan_stream(str(tiny_model), params["capture"], cfg.model_copy(update={"spool_bytes": 1000}))
 
-    run = {"mode": "stream", **{k: v.model_dump(mode="json") for k, v in params.items()},
+    # The key as a user keeps it out of a config file: in the environment
+    # (a dumped config has the mask in its place, which is refused).
+    run = {"mode": "stream", **{k: v.model_dump(mode="json", exclude={"api_key"}) for k, v in params.items()},
            "train": cfg.model_dump(mode="json")}
     (tmp_path / "run.json").write_text(json.dumps(run))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, API_KEY_ENV: capture_server.api_key}
     proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--config", str(tmp_path / "run.json")],
-                            cwd=REPO, env={**os.environ, "PREFECT_API_URL": prefect_api}, start_new_session=True,
+                            cwd=REPO, env=env, start_new_session=True,
                             stdout=open(tmp_path / "stdout", "w"), stderr=open(tmp_path / "stderr", "w"))
     try:
         wait_for(lambda: read_position(tmp_path / "store")[0] == 1 and read_position(tmp_path / "store")[1] > 0,

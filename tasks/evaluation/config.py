@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.config import Section
+from tasks.server.config import api_key_type
+
+BASELINE_API_KEY_ENV = "EAGLE3_BASELINE_API_KEY"
 
 
 class EvaluateConfig(Section):
@@ -36,7 +39,7 @@ class EvaluateConfig(Section):
         "the same target (its key in baseline_api_key), e.g. the deployment the drafter is for. A running "
         "baseline's dtype is the speculative servers' too, so the target is not launched twice. Its tokens/s "
         "are that server's as it runs (a capture server's include the hook)"))
-    baseline_api_key: Optional[SecretStr] = Field(None, description=(
+    baseline_api_key: api_key_type(BASELINE_API_KEY_ENV) = Field(None, description=(
         "the --api-key of the baseline server at a URL (evaluate.baseline), if it has one (default: "
         "$EAGLE3_BASELINE_API_KEY if set); never kept with a run's recorded config"))
     num_steps: Optional[int] = Field(None, ge=1, description=(

@@ -5,9 +5,9 @@ section inside its LaunchSpec (tasks/server/launch.py); the supervisor takes
 it for attach mode and relaunches (tasks/server/supervisor.py)."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 
 from tasks.capture.dump import RID_PREFIX, check_rid_prefix
 from tasks.config import Section
@@ -19,6 +19,24 @@ def revealed(key: SecretStr | str | None) -> str | None:
     return key.get_secret_value() if isinstance(key, SecretStr) else key
 
 
+# Where the key of a server the user started with --api-key comes from when
+# no key is given: unlike a flow parameter, it is not stored with the run.
+API_KEY_ENV = "EAGLE3_API_KEY"
+MASK = str(SecretStr("key"))  # what pydantic writes in a key's place: a dumped config, Prefect's record
+
+
+def api_key_type(env: str):
+    """An optional API key that refuses the mask: a config saved from a run
+    or its Prefect record has the mask where the key was, and sent as a key
+    it gets a 401 far from the cause. `env`: the variable that can hold it."""
+    def not_masked(key: SecretStr | None) -> SecretStr | None:
+        if key is not None and key.get_secret_value() == MASK:
+            raise ValueError(f"{MASK!r} is the mask a saved config or Prefect's record shows in place of a key, "
+                             f"not the key: give the key itself, or leave it out and set ${env}")
+        return key
+    return Annotated[Optional[SecretStr], AfterValidator(not_masked)]
+
+
 class ServerConfig(Section):
     """The capture server: the target it serves, how it is laid out over devices, the SGLang flags beside
     that; or the URL of one you started, to attach to."""
@@ -28,7 +46,7 @@ class ServerConfig(Section):
     url: Optional[str] = Field(None, description="attach to this running capture server instead of launching one")
     # A SecretStr: Prefect stores a run's parameters as JSON, where pydantic
     # writes it masked; a subflow called in the same process gets the key.
-    api_key: Optional[SecretStr] = Field(None, description=(
+    api_key: api_key_type(API_KEY_ENV) = Field(None, description=(
         "attach mode only: the --api-key the attached server was started with (default: $EAGLE3_API_KEY if set, "
         "else none). Prefect keeps it masked with the run's parameters; the environment variable keeps it out "
         "of them altogether. A launched server gets a random key of its own"))

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Sequence
 
 from tasks.paths import REPO_ROOT, default_dump_root
-from tasks.server.config import ServerConfig
+from tasks.server.config import API_KEY_ENV, ServerConfig
 from tasks.server.launch import CaptureSpec
-from tasks.server.supervisor import API_KEY_ENV, NODE_ENV, ServerSupervisor
+from tasks.server.supervisor import NODE_ENV, ServerSupervisor
 from tasks.target.checkpoint import Target
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))

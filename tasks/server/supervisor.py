@@ -12,17 +12,12 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from tasks.capture.config import CaptureConfig
-from tasks.server.config import ServerConfig, revealed
+from tasks.server.config import API_KEY_ENV, ServerConfig, revealed
 from tasks.server.launch import LaunchSpec, ServerHandle, launch_server, stop_server
 from tasks.server.server_log import LogFollower
 from tasks.sglang_api import ServerError, ServerStopped, server_healthy
 
 logger = logging.getLogger("eagle3.server")
-
-# Where the key of a server the user started with --api-key comes from when
-# no key is given: unlike a flow parameter, it is not stored with the run.
-API_KEY_ENV = "EAGLE3_API_KEY"
-
 
 # A node's capture server, as its worker's environment describes it
 # (tasks/server/node.py sets these): the child runs of a fanned-out
