@@ -75,7 +75,7 @@ def smollm2(samples: int) -> dict:
     dump_dir = default_dump_root() / f"canary-bench-{time.time_ns()}"
     try:
         spec = CaptureSpec(ServerConfig(model=str(target.path), max_total_tokens=65536), dump_dir=dump_dir,
-                          aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
+                           aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
         with launch_server(spec, work / "server.log", timeout_s=600) as server:
             endpoint = Endpoint(server.url, dump_dir, target.layers.sglang_ids, target.path, api_key=server.api_key,
                                 rid_prefix=server.rid_prefix)

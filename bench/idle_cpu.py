@@ -39,7 +39,7 @@ def group_cpu_s(pgid: int) -> float:
 def idle_cpu(model: Path, work: Path, sleep_on_idle: bool, idle_s: float) -> float:
     """Cores used, on average, by the idle server's process group."""
     cfg = CaptureSpec(ServerConfig(model=str(model), max_total_tokens=8192), dump_dir=work / "dumps",
-                     sleep_on_idle=sleep_on_idle)
+                      sleep_on_idle=sleep_on_idle)
     with launch_server(cfg, work / f"server-{sleep_on_idle}.log") as server:
         probe_capture(server.url, cfg.dump_dir, api_key=server.api_key, rid_prefix=server.rid_prefix)
         time.sleep(5)  # start-up work settles

@@ -78,7 +78,9 @@ def _model(fn) -> type[BaseModel]:
     return create_model(f"{fn.__name__}_config", __config__=ConfigDict(extra="forbid"), **fields)
 
 
-def description(annotation, default=None) -> str:
+def description(annotation) -> str:
+    """What the UI form says of a parameter: its Field's description, else
+    its section's docstring."""
     if typing.get_origin(annotation) is typing.Annotated:
         text = next((m.description for m in typing.get_args(annotation)[1:] if getattr(m, "description", None)), "")
         if text:

@@ -108,7 +108,7 @@ def launch_task(target: Target, server: ServerConfig, dump_dir: Path, log_path: 
                  "with an API key" if supervisor.api_key else "no API key")
     else:
         spec = CaptureSpec(server=server.model_copy(update={"model": str(target.path)}), dump_dir=dump_dir,
-                          aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
+                           aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
         supervisor = ServerSupervisor(spec, log_path)
         log.info("launching SGLang on %s (tp %d, dp %d%s), log: %s", target.path, server.tp_size, server.dp_size,
                  ", dp attention" if server.dp_attention else "", log_path)

@@ -37,7 +37,7 @@ def run_on_node(deployment: str, parameters: dict, queue: str, *, start_timeout_
     # The same idempotency key on every try: a retried call gets the child
     # the first one created, never a second one.
     run = patiently(lambda: run_deployment(deployment, parameters=parameters, work_queue_name=queue, timeout=0,
-                                            idempotency_key=idempotency_key, flow_run_name=name), what="start")
+                                           idempotency_key=idempotency_key, flow_run_name=name), what="start")
     created = time.monotonic()
     with get_client(sync_client=True) as client:
         while True:

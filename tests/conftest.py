@@ -51,11 +51,11 @@ def session_servers(tiny_model, tmp_path_factory) -> dict:
 
     specs = {
         "capture": CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=16384,
-                                           chunked_prefill_size=CHUNKED_PREFILL),
-                              dump_dir=tmp_path_factory.mktemp("dumps")),
+                                            chunked_prefill_size=CHUNKED_PREFILL),
+                               dump_dir=tmp_path_factory.mktemp("dumps")),
         "float32": CaptureSpec(ServerConfig(model=str(tiny_model), dtype="float32", max_total_tokens=8192),
-                              dump_dir=tmp_path_factory.mktemp("float32-dumps"),
-                              aux_layer_ids=LLAMA.sglang_layer_ids(FIVE_LAYER_IDS)),
+                               dump_dir=tmp_path_factory.mktemp("float32-dumps"),
+                               aux_layer_ids=LLAMA.sglang_layer_ids(FIVE_LAYER_IDS)),
     }
     with ExitStack() as running, ThreadPoolExecutor(len(specs)) as pool:
         started = {name: pool.submit(launch_server, spec, ARTIFACTS / f"{name}-server.log", timeout_s=600)

@@ -94,7 +94,7 @@ def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
     from tasks.sglang_api import ServerError
 
     cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096), dump_dir=tmp_path / "dumps",
-                     capture_module="no_such_module")
+                      capture_module="no_such_module")
     with pytest.raises(ServerError, match="attached to no module"):
         launch_server(cfg, tmp_path / "server.log", timeout_s=600)
 

@@ -45,7 +45,7 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
     crash = {"name": "crash_on_poison", "target_modules": ["model.embed_tokens"],
              "hook_factory": "tests.sglang_crash_hook:make_crash_hook", "config": {"poison": POISON}}
     cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096, max_restarts=CRASH_LIMIT),
-                     dump_dir=tmp_path / "dumps", extra_hooks=(crash,))
+                      dump_dir=tmp_path / "dumps", extra_hooks=(crash,))
     server = ServerSupervisor(cfg, ARTIFACTS / "crash-loop-server.log")
     server.start()
     unavailable = []

@@ -41,7 +41,7 @@ def test_a_setting_sglang_or_the_launcher_cannot_use_is_refused_where_it_is_give
 
 def test_data_parallel_attention_reaches_sglang_as_attention_groups(tmp_path):
     spec = CaptureSpec(ServerConfig(model="m", tp_size=4, dp_size=2, dp_attention=True), dump_dir=tmp_path,
-                      capture_module="model")
+                       capture_module="model")
     args = sglang_reads(build_command(spec, 1234, cpu=True))
     # SGLang 0.5.23's own reading of the deprecated `--dp-size 2 --enable-dp-attention`.
     assert (args.tp_size, args.attn_dp_size, args.dp_size, args.enable_dp_attention) == (4, 2, 1, False)

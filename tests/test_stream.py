@@ -78,7 +78,7 @@ def batches(steps: list[dict]) -> list[tuple]:
 
 @pytest.mark.server
 def test_a_stream_run_trains_while_capturing_and_ends_with_the_offline_weights(capture_server, prefect_api,
-                                                                                tiny_model, tmp_path):
+                                                                               tiny_model, tmp_path):
     bad = ["{broken json", {"messages": []}, {"messages": [{"role": "wizard", "content": "hi"}]}]
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS) + bad)
     params = attach(capture_server, store=tmp_path / "store", dataset=str(dataset), batch_size=4, max_length=256)
@@ -147,7 +147,7 @@ def test_a_capture_that_ended_without_a_sample_stops_the_trainer_naming_it(tiny_
     store = random_store(d, tiny_model, 16, max_length=64)
     write_jsonl(d / "data.jsonl", demo_rows(20))  # four rows the capture never stored
     missing = {s.sample_id for s in prepare_samples(d / "data.jsonl", load_tokenizer(tiny_model), max_length=64,
-                                                     rows=range(16, 20))[0]}
+                                                    rows=range(16, 20))[0]}
     mark_capture(store, "failed", "RuntimeError: 1 batches failed after their retries")
     with pytest.raises(TrainingError, match=r"capture into .* ended \(failed: RuntimeError: 1 batches failed.*"
                                             r"without storing sample (\w+) \(row (1[6-9])\)") as e:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from tasks.config import Section
 from tasks.data.dataset import DEMO_DATASET
-from tasks.target.layers import AuxLayers
+from tasks.target.layers import AuxLayerIds
 
 
 class CaptureConfig(Section):
@@ -19,7 +19,7 @@ class CaptureConfig(Section):
         "itself)"))
     max_length: int = Field(2048, ge=1, description="longest sample in tokens")
     max_length_policy: Literal["truncate", "skip"] = Field("truncate", description="what to do with a longer sample")
-    aux_layer_ids: Optional[list[int]] = Field(None, description=(
+    aux_layer_ids: AuxLayerIds = Field(None, description=(
         "SGLang 'output of layer i' ids of the aux layers to store: three or more, ascending, up to n-2 "
         "(default SGLang's three: [1, n//2-1, n-4]). A store with more serves drafters on any of its layers "
         "(train.aux_layer_ids); an attached server or a node's must capture these"))
@@ -51,9 +51,3 @@ class CaptureConfig(Section):
         "stop the run when more than this share of the canary samples disagree with the server"))
     canary_min_failed: int = Field(3, ge=1, description=(
         "failed canaries before canary_max_failed_ratio is judged (a single glitch, retried, is no verdict)"))
-
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _layer_ids(cls, ids: list[int] | None) -> list[int] | None:
-        # Their count, order and repeats now; their range once the target is loaded.
-        return None if ids is None else list(AuxLayers(tuple(ids)).sglang_ids)

@@ -212,12 +212,12 @@ def build_command(spec: LaunchSpec, port: int, *, cpu: bool) -> list[str]:
     if spec.capture:
         refuse_capture_incompatible(server.extra_args)
     arch = _architecture(spec)
-    backend = cpu_attention_backend(spec) if cpu else None
-    # SGLang's only CPU backend for EAGLE and for MLA; the operators it needs
-    # come from tasks/server/cpu/spec_ops.py (see server_environment).
+    # A backend or remote code the user gives in full replaces the launcher's.
     decided = Decided(spec, port, cpu, server_dtype(spec, cpu=cpu),
-                      backend if not gives_flag(server.extra_args, "--attention-backend") else None,
-                      bool(arch and arch.remote_code) and not gives_flag(server.extra_args, "--trust-remote-code"))
+                      attention_backend=(cpu_attention_backend(spec) if cpu and not gives_flag(
+                          server.extra_args, "--attention-backend") else None),
+                      trust_remote_code=(bool(arch and arch.remote_code)
+                                         and not gives_flag(server.extra_args, "--trust-remote-code")))
     cmd = [sys.executable, "-m", "sglang.launch_server", *command_flags(decided)]
     refuse_owned_flags(server.extra_args, cmd, capture=spec.capture)
     return cmd + list(server.extra_args)

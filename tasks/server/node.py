@@ -59,8 +59,8 @@ def node_launch(queue: str, server: ServerConfig, aux_layer_ids: Sequence[int] |
     aux layers the runs sent to it capture."""
     target = Target.load(server.model, aux_layer_ids)
     return CaptureSpec(server.model_copy(update={"model": str(target.path)}),
-                      dump_dir=Path(dump_dir or default_dump_root() / f"node-{queue}"),
-                      aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
+                       dump_dir=Path(dump_dir or default_dump_root() / f"node-{queue}"),
+                       aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
 
 
 def run_node(queue: str, spec: CaptureSpec, pool: str, log_dir: Path) -> None:

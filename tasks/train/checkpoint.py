@@ -41,7 +41,7 @@ def load_checkpoint(path: Path) -> dict:
         # torch wraps the one useful line in paragraphs of general advice.
         paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]
         why = " ".join(p for p in paragraphs if not p.startswith(("Weights only load failed", "Check the doc",
-                                                                   "Please file an issue"))) or str(e)
+                                                                  "Please file an issue"))) or str(e)
         raise CheckpointMismatch(f"checkpoint {path} cannot be loaded as plain tensors and values ({why[:300]}); it "
                             f"is not one this trainer wrote, or it is damaged: delete it to start over") from e
 

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.config import Section
 from tasks.failures import Permanent
-from tasks.target.layers import AuxLayers
+from tasks.target.layers import AuxLayerIds
 
 
 # A setting that is not part of a run's identity: it may change between a
@@ -33,16 +33,9 @@ class TrainConfig(Section):
     variant: Literal["eagle3", "eagle3.1"] = Field("eagle3", description=(
         "the drafter: eagle3, or eagle3.1 (an RMSNorm per aux state before fc, and draft steps fed the normed "
         "output; SGLang's fc_norm and norm_output). The capture is the same"))
-    aux_layer_ids: Optional[list[int]] = Field(None, description=(
+    aux_layer_ids: AuxLayerIds = Field(None, description=(
         "SGLang 'output of layer i' ids of the aux layers the drafter reads, among the store's (default: all of "
         "the store's; three for an EAGLE-3 drafter of SGLang's kind)"))
-
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _layer_ids(cls, ids: list[int] | None) -> list[int] | None:
-        # Their count, order and repeats now; whether the store holds them when it is opened.
-        return None if ids is None else list(AuxLayers(tuple(ids)).sglang_ids)
-
     draft_vocab_size: int = Field(8192, ge=16, description="draft vocabulary: the N most frequent target tokens")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll depth K (loss weights decay^k)")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight decay per TTT step")
@@ -106,7 +99,6 @@ class TrainConfig(Section):
         "stream with spool_bytes: keep the first capture of as many training samples as the budget has room for "
         "beside the spool's working set (the first ones of the first epoch's order), and capture only the others "
         "again in later epochs: fewer target forwards for the same disk"))
-
 
     @field_validator("*", mode="wrap")
     @classmethod
