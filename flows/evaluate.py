@@ -26,14 +26,13 @@ from flows.artifacts import artifact_key
 from flows.config import described
 from flows.retries import unless_permanent
 from tasks.evaluation.config import BASELINE_API_KEY_ENV, EvaluateConfig
-from tasks.evaluation.side_by_side import Drafter, drafter_at, evaluate_drafters
 from tasks.evaluation.prompts import PromptSet, prompt_set
+from tasks.evaluation.side_by_side import Drafter, drafter_at, evaluate_drafters
 from tasks.server.config import ServerConfig, revealed
 from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
-
 
 
 def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerConfig | None:

@@ -15,8 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from flows.config import described
-from flows.config import checked
+from flows.config import checked, described
 from flows.extract import extract_hidden_states
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
@@ -32,8 +31,8 @@ from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, launch_server
 from tasks.store.config import StoreConfig
 from tasks.store.lock import hold_lock
-from tasks.target.architectures import load_tokenizer
 from tasks.stream.plan import check_mode
+from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 
