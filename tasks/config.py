@@ -12,7 +12,11 @@ a flow parameter's default. Unlike pydantic's own, this `model_copy`
 validates the copy: a changed setting is checked like a given one."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated, Optional
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+from tasks.target.layers import AuxLayers
 
 
 class Section(BaseModel):
@@ -22,3 +26,15 @@ class Section(BaseModel):
         if not update:
             return super().model_copy(deep=deep)
         return type(self).model_validate({**self.model_dump(), **update})
+
+
+def _checked_ids(ids: list[int] | None) -> list[int] | None:
+    return None if ids is None else list(AuxLayers(tuple(ids)).sglang_ids)
+
+
+# A setting's aux layer ids (SGLang's convention), checked for their count,
+# order and repeats when given; their range once the target is loaded
+# (AuxLayers.for_model), whether a store holds them when it is opened.
+# Here, not in tasks/target/layers.py, which the capture hook and the GPU
+# bench import without pydantic.
+AuxLayerIds = Annotated[Optional[list[int]], AfterValidator(_checked_ids)]

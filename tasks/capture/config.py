@@ -6,9 +6,8 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from tasks.config import Section
+from tasks.config import AuxLayerIds, Section
 from tasks.data.dataset import DEMO_DATASET
-from tasks.target.layers import AuxLayerIds
 
 
 class CaptureConfig(Section):

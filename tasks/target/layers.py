@@ -9,9 +9,6 @@ that records layer ids records both.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Optional
-
-from pydantic import AfterValidator
 
 # An EAGLE-3 drafter reads three; a store may hold more (one capture for
 # several drafters: other triples, or five-layer DFlash-style drafters).
@@ -94,13 +91,3 @@ class AuxLayers:
             f"outputs of layers {list(self.sglang_ids)} (SGLang) = "
             f"HF hidden_states{list(self.hf_hidden_state_indices)}; final state {FINAL_STATE_NORM}"
         )
-
-
-def _checked_ids(ids: list[int] | None) -> list[int] | None:
-    return None if ids is None else list(AuxLayers(tuple(ids)).sglang_ids)
-
-
-# A setting's aux layer ids (SGLang's convention), checked for their count,
-# order and repeats when given; their range once the target is loaded
-# (AuxLayers.for_model), whether a store holds them when it is opened.
-AuxLayerIds = Annotated[Optional[list[int]], AfterValidator(_checked_ids)]

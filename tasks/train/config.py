@@ -12,9 +12,8 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from tasks.config import Section
+from tasks.config import AuxLayerIds, Section
 from tasks.failures import Permanent
-from tasks.target.layers import AuxLayerIds
 
 
 # A setting that is not part of a run's identity: it may change between a
