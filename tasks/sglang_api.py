@@ -43,6 +43,17 @@ def client_options(api_key: str | None, transport=None) -> dict:
     return {"headers": auth_headers(api_key), **network}
 
 
+def server_down(error: Exception) -> bool:
+    """A request's error that means the server may be down (not an answer)."""
+    return isinstance(error, httpx.TransportError)
+
+
+def was_in_flight(error: Exception) -> bool:
+    """The request reached the server before it went down (a refused
+    connection never did): a suspect if the server crashed."""
+    return server_down(error) and not isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
 def server_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 30.0) -> bool:
     """Whether the server answers /health. SGLang serves /health without the
     key, but every request we make carries it: one rule, nothing to keep

@@ -32,7 +32,8 @@ from tasks.capture.config import CaptureConfig
 from tasks.capture.extraction import Endpoint, extract_batch, reset_dump_dir, warm_up
 from tasks.capture.hook import make_capture_hook
 from tasks.data.dataset import Sample
-from tasks.data.regeneration import regenerate
+from tasks.regeneration.config import RegenerateConfig
+from tasks.regeneration.stage import regenerate
 from tasks.evaluation.generate import generate_all
 from tasks.server.health import wait_healthy
 from tasks.server.config import API_KEY_ENV, ServerConfig
@@ -281,8 +282,11 @@ def serve(fake, tmp_path):
 def regenerate_answers(fake, tmp_path):
     source = tmp_path / "data.jsonl"
     source.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    tokenizer = SimpleNamespace(apply_chat_template=lambda messages, **kw: {"input_ids": [1, 2, 3]})
-    result = regenerate("http://fake", source, tmp_path / "out.jsonl", tokenizer, api_key=fake.key, max_new_tokens=2)
+    tokenizer = SimpleNamespace(apply_chat_template=lambda messages, **kw: {"input_ids": [1, 2, 3]},
+                                decode=lambda ids, **kw: "ok", encode=lambda text, **kw: [9, 9], chat_template="")
+    (tmp_path / "config.json").write_text("{}")
+    result = regenerate("http://fake", source, tmp_path / "answers", tokenizer, tmp_path,
+                        RegenerateConfig(max_new_tokens=2), api_key=fake.key)
     assert result["rows"] == 1 and len(fake.requests) == 1
 
 

@@ -1,7 +1,8 @@
 """A sample that crashes the server every time it is sent: the run names it,
 quarantines it after it has been in flight, alone, at a second crash, and
 stores every other sample of its batch; the crash counts outlive the run, so
-a rerun does not crash-loop either."""
+a rerun does not crash-loop either. The same for a conversation whose
+regeneration crashes the server (on the same server: one launch)."""
 from __future__ import annotations
 
 import random
@@ -12,6 +13,10 @@ import pytest
 from tasks.capture.config import CaptureConfig
 from tasks.capture.extraction import CRASH_LIMIT, Endpoint, ServerUnavailable, extract_batch
 from tasks.data.dataset import Sample
+from tasks.regeneration.answer_store import AnswerStore
+from tasks.regeneration.answers import Asker
+from tasks.regeneration.config import RegenerateConfig
+from tasks.regeneration.stage import ServerDown, answer_batch, plan_regeneration, provenance
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec
 from tasks.server.supervisor import ServerSupervisor
@@ -22,7 +27,7 @@ from tasks.target.layers import AuxLayers
 from tasks.store.ledger.open import open_store
 from tasks.store.manifest import build_manifest
 from tasks.target.architectures import architecture_at, load_tokenizer
-from tests.conftest import ARTIFACTS
+from tests.conftest import ARTIFACTS, write_jsonl
 
 pytestmark = pytest.mark.server
 
@@ -44,11 +49,12 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
                                      max_length=512, policy="truncate", sources=["data.jsonl"]))
     crash = {"name": "crash_on_poison", "target_modules": ["model.embed_tokens"],
              "hook_factory": "tests.sglang_crash_hook:make_crash_hook", "config": {"poison": POISON}}
-    cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096, max_restarts=CRASH_LIMIT),
+    # Relaunched after each crash: the capture's two, then the regeneration's.
+    cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096, max_restarts=2 * CRASH_LIMIT),
                       dump_dir=tmp_path / "dumps", extra_hooks=(crash,))
     server = ServerSupervisor(cfg, ARTIFACTS / "crash-loop-server.log")
     server.start()
-    unavailable = []
+    unavailable, regeneration = [], []
     try:
         for attempt in range(4):  # as the flow's batch task retries
             try:
@@ -60,10 +66,11 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
                 unavailable.append(str(e))
         else:
             pytest.fail(f"the batch never completed: {unavailable}")
+        answers = regenerate_on_a_crashing_server(server, tiny_model, tmp_path, regeneration)
     finally:
         server.stop()
     # Crash 1: s6 in flight with others; crash 2: s6 sent alone; then it is quarantined.
-    assert len(unavailable) == CRASH_LIMIT and server.restarts == CRASH_LIMIT, unavailable
+    assert len(unavailable) == CRASH_LIMIT, unavailable
     assert "s6 (crash 1)" in unavailable[0] and unavailable[1].endswith("s6 (crash 2)"), unavailable
     assert result.quarantined == ["s6"]
     ledger = open_ledger(store)
@@ -73,3 +80,33 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
     assert ledger.crash_counts()["s6"] == CRASH_LIMIT
     assert all(n == 1 for i, n in ledger.crash_counts().items() if i != "s6")  # innocents: in flight once
     assert verify_store(store, recheck_source=False, write_report=False).ok
+    # The regeneration: the poisoned conversation (row 2) in flight at the first crash with
+    # the others, alone at the second, then quarantined; the others answered.
+    assert len(regeneration) == CRASH_LIMIT and server.restarts == 2 * CRASH_LIMIT, regeneration
+    poisoned = answers.quarantined()
+    assert [(row, attempts) for _, row, _, attempts in poisoned] == [(2, CRASH_LIMIT)], poisoned
+    assert "SGLang server crashes" in poisoned[0][2] and regeneration[1].endswith(f"{poisoned[0][0]} (crash 2)")
+    assert [row for row, _ in answers.read()] == [0, 1, 3, 4, 5] and all(r["ok"] for r in answers.verify())
+
+
+def regenerate_on_a_crashing_server(server: ServerSupervisor, model, tmp_path, down: list) -> AnswerStore:
+    """Six conversations, row 2 asking about the poison's text, answered
+    batch by batch as the flow's retried task does; `down` gets each
+    ServerDown's message."""
+    tokenizer = load_tokenizer(model)
+    poison = tokenizer.decode(POISON)
+    assert tokenizer.encode(poison, add_special_tokens=False) == POISON
+    source = write_jsonl(tmp_path / "conversations.jsonl", [
+        {"messages": [{"role": "user", "content": f"Say something about {poison if k == 2 else k}."}]}
+        for k in range(6)])
+    cfg = RegenerateConfig(max_new_tokens=4, concurrency=6)
+    answers = AnswerStore(tmp_path / "answers", provenance(source, model, cfg))
+    asker = Asker(server.url, tokenizer, cfg, api_key=server.api_key)
+    batch = plan_regeneration(source, answers, cfg, tokenizer).todo
+    for attempt in range(4):
+        try:
+            answer_batch(asker, answers, batch, on_down=server.recover)
+            return answers
+        except ServerDown as e:
+            down.append(str(e))
+    pytest.fail(f"the regeneration batch never completed: {down}")

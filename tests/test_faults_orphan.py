@@ -101,9 +101,10 @@ def test_pipelines_on_sibling_stores_regenerate_into_their_own_stores(tmp_path):
     """The pipeline's regenerated answers and their server's log and pid
     record sat in <store>/.. too: each now lies in its own store, which its
     run holds locked."""
-    from flows.pipeline import regeneration_paths
+    from flows.pipeline import answers_dir
+    from flows.regenerate import server_log
 
     a, b = (tmp_path / "stores" / name for name in ("a", "b"))
-    (data_a, log_a), (data_b, log_b) = regeneration_paths(a), regeneration_paths(b)
+    (data_a, log_a), (data_b, log_b) = ((answers_dir(s), server_log(answers_dir(s))) for s in (a, b))
     assert {data_a, log_a, pidfile_for(log_a)}.isdisjoint({data_b, log_b, pidfile_for(log_b)})
     assert all(p.is_relative_to(a) for p in (data_a, log_a, pidfile_for(log_a)))

@@ -1,40 +1,63 @@
-"""Regeneration: which part of a conversation the target answers, and the
-answers themselves, token for token, from a real SGLang server."""
+"""Regeneration: which turns the target answers and with what in its
+context, the answers themselves token for token from a real SGLang server,
+a killed run resumed, and a reasoning template's switch and budget."""
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 
+import httpx
 import pytest
 import torch
 
-from tasks.data.regeneration import prompt_messages, regenerate
-from tests.conftest import demo_rows, write_jsonl
+from tasks.data.dataset import prepare_samples
+from tasks.regeneration.answer_store import AnswerStore, AnswersMismatch
+from tasks.regeneration.config import RegenerateConfig
+from tasks.regeneration.stage import provenance, regenerate
+from tasks.regeneration.turns import answer_points, prompt_messages, render_prompt
+from tasks.server.config import API_KEY_ENV
+from tests.conftest import demo_rows, wait_for, write_jsonl
+from tests.prefect_stack import REPO
+
+USER, ASSISTANT = "user", "assistant"
 
 
-def test_the_last_user_turn_is_answered_and_later_turns_dropped():
-    row = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
-                        {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
-                        {"role": "assistant", "content": "old answer"}]}
-    assert [m["content"] for m in prompt_messages(row)] == ["s", "a", "b", "c"]
+def turn(role: str, text: str) -> dict:
+    return {"role": role, "content": text}
+
+
+def test_which_user_turns_are_answered():
+    messages = [turn("system", "s"), turn(USER, "a"), turn(ASSISTANT, "b"), turn(USER, "c"), turn(USER, "d"),
+                turn(ASSISTANT, "old answer"), turn(USER, "e")]
+    assert answer_points(messages, "all") == [1, 4, 6]  # "c" was never answered: it stays, unanswered
+    assert answer_points(messages, "last") == [6]
+    assert [m["content"] for m in prompt_messages({"messages": messages[:6]})] == ["s", "a", "b", "c", "d"]
     sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "x"}]}
-    assert prompt_messages(sharegpt) == [{"role": "user", "content": "q"}]
-
-
-def test_a_conversation_without_a_user_turn_is_refused():
+    assert prompt_messages(sharegpt) == [turn(USER, "q")]
     with pytest.raises(ValueError, match="no user turn"):
-        prompt_messages({"messages": [{"role": "system", "content": "s"}]})
+        answer_points([turn("system", "s")], "all")
+
+
+def generate(server, ids: list[int], n: int) -> list[int]:
+    r = httpx.post(f"{server.url}/generate", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=120,
+                   json={"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": n}})
+    return r.raise_for_status().json()["output_ids"]
 
 
 @pytest.mark.server
-def test_regenerated_answers_are_the_targets_greedy_tokens(tiny_model, float32_server, tmp_path):
+def test_the_last_turns_answer_is_the_targets_greedy_tokens(tiny_model, float32_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = write_jsonl(tmp_path / "data.jsonl", demo_rows(3) + ["{broken"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    result = regenerate(float32_server.url, source, tmp_path / "out.jsonl", tokenizer,
-                        api_key=float32_server.api_key, max_new_tokens=12)
-    assert (result["rows"], result["skipped"]) == (3, 1)
-    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    result = regenerate(float32_server.url, source, tmp_path / "out", tokenizer, tiny_model,
+                        RegenerateConfig(turns="last", max_new_tokens=12), api_key=float32_server.api_key)
+    assert (result["rows"], result["rejected"]) == (3, 1)
+    rows = [row for _, row in AnswerStore(tmp_path / "out").read()]
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     for row, original in zip(rows, demo_rows(3)):
         assert row["messages"][:-1] == original["messages"][:-1]
@@ -46,3 +69,152 @@ def test_regenerated_answers_are_the_targets_greedy_tokens(tiny_model, float32_s
         # The prompt and the target's own greedy answer, token for token.
         assert row["input_ids"] == greedy[0, :prompt_len + answered].tolist()
         assert answered == 12 or row["input_ids"][-1] == tokenizer.eos_token_id
+
+
+@pytest.mark.server
+def test_every_turn_is_answered_with_the_targets_own_earlier_answers(tiny_model, float32_server, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    conversation = [turn("system", "Be brief."), turn(USER, "Name a colour."), turn(ASSISTANT, "Red, said a human."),
+                    turn(USER, "And a fruit?"), turn(ASSISTANT, "Apple, said a human."), turn(USER, "Why?")]
+    source = write_jsonl(tmp_path / "data.jsonl", [{"id": "c1", "messages": conversation}])
+    regenerate(float32_server.url, source, tmp_path / "out", tokenizer, tiny_model,
+               RegenerateConfig(max_new_tokens=8), api_key=float32_server.api_key)
+    (_, row), = AnswerStore(tmp_path / "out").read()
+    messages = row["messages"]
+    assert row["id"] == "c1" and row["turns"] == 3
+    assert [m["role"] for m in messages] == ["system", USER, ASSISTANT, USER, ASSISTANT, USER, ASSISTANT]
+    assert [m["content"] for m in messages if m["role"] != ASSISTANT] == [
+        m["content"] for m in conversation if m["role"] != ASSISTANT]
+    assert not any("said a human" in m["content"] for m in messages)
+    # Each answer is what the server gives for the context holding the target's earlier answers.
+    for k in (2, 4, 6):
+        context = render_prompt(tokenizer, messages[:k], None)
+        answer = generate(float32_server, context, 8)
+        assert tokenizer.decode(answer, skip_special_tokens=True).strip() == messages[k]["content"]
+    # The row is the last turn's context and answer, token for token; the
+    # earlier answers (the target's) are loss tokens, the rest not.
+    context = render_prompt(tokenizer, messages[:6], None)
+    assert row["input_ids"] == context + generate(float32_server, context, 8)
+    masked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert all(messages[k]["content"] in masked for k in (2, 4, 6))
+    assert "Name a colour" not in masked and "Be brief" not in masked
+
+
+@pytest.mark.server
+def test_a_killed_regeneration_resumes_and_answers_each_conversation_once(tiny_model, float32_server, prefect_api,
+                                                                          tmp_path):
+    """SIGKILLed once its first shard is committed, the flow is started
+    again: it answers only the rest, and the answers equal an uninterrupted
+    run's (greedy, one request at a time)."""
+    source = write_jsonl(tmp_path / "data.jsonl", demo_rows(8))
+    out = tmp_path / "answers"
+    argv = [sys.executable, "-m", "flows.regenerate", "--dataset", str(source), "--server.model", str(tiny_model),
+            "--server.url", float32_server.url, "--regenerate.out", str(out), "--regenerate.batch-size", "2",
+            "--regenerate.concurrency", "1", "--regenerate.max-new-tokens", "24", "--regenerate.turns", "last"]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, API_KEY_ENV: float32_server.api_key}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "stderr", "w"))
+    try:
+        wait_for(lambda: (out / "index.sqlite").exists() and AnswerStore(out).summary()["shards"] >= 1, proc,
+                 tmp_path / "stderr")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = AnswerStore(out).summary()
+    assert 2 <= before["rows"] < 8, before
+    kept = {p.name: p.read_bytes() for p in out.glob("answers-*.jsonl")}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = AnswerStore(out)
+    assert store.summary()["rows"] == 8 and store.summary()["quarantined"] == 0
+    assert [r for r, _ in store.read()] == list(range(8))  # each conversation once, under its source row
+    # What the killed run committed stays as it was (a shard it left half written, if any, was written again).
+    indexed = {name for name, in store._rows("SELECT name FROM shards")}
+    assert all(kept[name] == (out / name).read_bytes() for name in kept if name in indexed)
+    assert len(indexed) == 4 and all(r["ok"] for r in store.verify())
+    uninterrupted = tmp_path / "uninterrupted"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    regenerate(float32_server.url, source, uninterrupted, tokenizer, tiny_model,
+               RegenerateConfig(turns="last", max_new_tokens=24, concurrency=1, batch_size=2),
+               api_key=float32_server.api_key)
+    assert [r for _, r in store.read()] == [r for _, r in AnswerStore(uninterrupted).read()]
+    # The capture reads the directory as its dataset: each row's exact ids and mask, under its source row.
+    samples, rejected = prepare_samples(out, tokenizer, max_length=4096, rows={1, 6})
+    assert not rejected and [(s.source_row, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples] == [
+        (r, row["input_ids"], row["loss_mask"]) for r, row in store.read() if r in (1, 6)]
+    # A corrupt byte is found, naming its shard; the answers, opened for other settings, are refused.
+    name = sorted(indexed)[0]
+    damaged = bytearray((out / name).read_bytes())
+    damaged[10] ^= 1
+    (out / name).write_bytes(bytes(damaged))
+    bad = [r for r in store.verify() if not r["ok"]]
+    assert [r["shard"] for r in bad] == [name] and "sha256" in bad[0]["problems"][0], bad
+    with pytest.raises(AnswersMismatch, match=r"made from another settings .*max_new_tokens': 24"):
+        AnswerStore(out, provenance(source, tiny_model, RegenerateConfig(turns="last", max_new_tokens=25)))
+
+
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}"
+    "{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+class Recording(httpx.AsyncBaseTransport):
+    """Sends every request on to the real server, keeping its body."""
+
+    def __init__(self):
+        self.bodies, self.real = [], httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request):
+        self.bodies.append(json.loads(request.content))
+        return await self.real.handle_async_request(request)
+
+
+@pytest.mark.server
+def test_a_reasoning_templates_switch_reaches_the_server_and_dropped_reasoning_is_not_trained_on(
+        tiny_model, float32_server, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tasks.regeneration.answers import Asker, answer_all
+    from tasks.regeneration.turns import Conversation
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    conv = Conversation("c", 0, (turn(USER, "Think, then answer."),))
+    marker = tokenizer.encode("</think>", add_special_tokens=False)
+
+    def ask(**settings):
+        transport = Recording()
+        asker = Asker(float32_server.url, tokenizer, RegenerateConfig(**settings), api_key=float32_server.api_key,
+                      transport=transport)
+        row, = asyncio.run(answer_all(asker, [conv]))
+        assert not isinstance(row, Exception), row
+        return row, transport.bodies
+
+    # Thinking on, with a budget: the reasoning is cut at 4 tokens and closed,
+    # then answered on a budget of its own; dropped, the row holds the answer
+    # after the context a request without thinking gets.
+    row, sent = ask(thinking=True, max_reasoning_tokens=4, max_new_tokens=6, keep_reasoning=False)
+    reasoning_request, answer_request = sent
+    assert tokenizer.decode(reasoning_request["input_ids"]).endswith("<|im_start|>assistant\n<think>\n")
+    assert reasoning_request["sampling_params"]["max_new_tokens"] == 4
+    prompt = reasoning_request["input_ids"]
+    reasoning = answer_request["input_ids"][len(prompt):]
+    assert answer_request["input_ids"][:len(prompt)] == prompt and reasoning[-len(marker):] == marker
+    assert answer_request["sampling_params"]["max_new_tokens"] == 6
+    answer = generate(float32_server, answer_request["input_ids"], 6)
+    without = render_prompt(tokenizer, [turn(USER, "Think, then answer.")], False)
+    assert row["input_ids"] == without + answer and row["loss_mask"] == [0] * len(without) + [1] * len(answer)
+    assert row["answer_tokens"] == len(reasoning) + len(answer)
+    assert "</think>" not in row["messages"][-1]["content"]
+    # Kept, the row is the reasoning and the answer as the target produced them.
+    kept, _ = ask(thinking=True, max_reasoning_tokens=4, max_new_tokens=6)
+    assert kept["input_ids"] == prompt + reasoning + answer
+    # Thinking off: the switch reaches the template, which closes the reasoning itself.
+    _, sent = ask(thinking=False, max_new_tokens=6)
+    assert tokenizer.decode(sent[0]["input_ids"]).endswith("<think>\n\n</think>\n\n")

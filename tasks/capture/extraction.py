@@ -27,7 +27,7 @@ from tasks.capture.dump import (
 from tasks.failures import Permanent
 from tasks.paths import ensure_private_dir
 from tasks.data.dataset import Rejected, Sample, prepare_samples, require_usable
-from tasks.sglang_api import ServerStopped, server_healthy
+from tasks.sglang_api import ServerStopped, server_down, server_healthy, was_in_flight
 from tasks.store.handle import Store
 from tasks.store.ledger.index import Ledger
 from tasks.store.manifest import StoreError
@@ -263,16 +263,6 @@ class BatchResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _server_down(error: Exception) -> bool:
-    return isinstance(error, httpx.TransportError)
-
-
-def _was_in_flight(error: Exception) -> bool:
-    """The request reached the server before it went down (a refused
-    connection never did)."""
-    return _server_down(error) and not isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout))
-
-
 # A failed request's dump can land after it failed, while the server still
 # runs it: at most a request timeout later (capture.request_timeout_s,
 # default 600 s). Its rid is swept for this long.
@@ -350,9 +340,9 @@ class _BatchCapture:
                             rid_prefix=e.rid_prefix, concurrency=width, aux_layer_ids=e.aux_layer_ids,
                             read_workers=self.store_workers, transport=e.transport, dump_wait_s=e.dump_wait_s,
                             timeout_s=self.cfg.request_timeout_s, canaries=canaries, failed=self.failed_rids)
-        down = [o for o in outs if isinstance(o, Exception) and _server_down(o)]
+        down = [o for o in outs if isinstance(o, Exception) and server_down(o)]
         if down and not server_healthy(e.url, api_key=e.api_key):
-            in_flight = [s.sample_id for s, o in zip(group, outs) if isinstance(o, Exception) and _was_in_flight(o)]
+            in_flight = [s.sample_id for s, o in zip(group, outs) if isinstance(o, Exception) and was_in_flight(o)]
             crash = lambda: self.store.ledger.record_crash(in_flight) if in_flight else {}  # noqa: E731
             try:
                 if e.on_down is not None:

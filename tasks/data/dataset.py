@@ -1,6 +1,8 @@
 """Datasets: rows in, token ids and loss masks out.
 
-Accepted files: JSONL, JSON (a list of rows) or Parquet. Accepted rows:
+Accepted files: JSONL, JSON (a list of rows) or Parquet, or a directory of
+the target's regenerated answers (tasks/regeneration/answer_store.py).
+Accepted rows:
 - OpenAI `messages`: [{"role": "system"|"user"|"assistant", "content": ...}]
 - ShareGPT `conversations`: [{"from": "system"|"human"|"gpt", "value": ...}]
 - plain `text` (every token is a loss token)
@@ -78,6 +80,11 @@ def read_rows(path: Path, *, max_row_bytes: int = MAX_ROW_BYTES,
         raise FileNotFoundError(f"dataset {path} does not exist")
     if rows is not None and not isinstance(rows, (set, frozenset, range)):
         rows = frozenset(rows)  # looked up once a line
+    if path.is_dir():  # the target's answers (tasks/regeneration), under their source rows
+        from tasks.regeneration.answer_store import AnswerStore
+
+        yield from AnswerStore(path).read(rows)
+        return
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -255,29 +262,31 @@ def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
     return messages
 
 
-def _render(tokenizer, messages, **kw) -> list[int]:
+def render_template(tokenizer, messages, **kw) -> list[int]:
+    """The chat template's token ids for `messages` (`kw`: its options)."""
     return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"])
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer, messages: list[dict], **template_kwargs) -> tuple[list[int], list[int]]:
     """Token ids through the target's chat template, and the assistant mask.
 
     Uses the template's own `{% generation %}` markers where it has them;
     otherwise each assistant turn's span is the difference between the
     conversation rendered up to its generation prompt and up to its end.
+    `template_kwargs` go to the template (a reasoning target's switch).
     """
     template = tokenizer.chat_template or ""
     if "{% generation %}" in template or "{%- generation %}" in template:
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+                                            return_assistant_tokens_mask=True, **template_kwargs)
         return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
-    ids = _render(tokenizer, messages)
+    ids = render_template(tokenizer, messages, **template_kwargs)
     mask = [0] * len(ids)
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _render(tokenizer, messages[:k], add_generation_prompt=True) if k else []
-        end = _render(tokenizer, messages[: k + 1])
+        start = render_template(tokenizer, messages[:k], add_generation_prompt=True, **template_kwargs) if k else []
+        end = render_template(tokenizer, messages[: k + 1], **template_kwargs)
         if ids[: len(start)] != start or ids[: len(end)] != end:
             raise ValueError("the chat template does not render conversations prefix-stably; "
                              "add {% generation %} markers to it to define the loss mask")

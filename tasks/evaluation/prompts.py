@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from tasks.data.dataset import Rejected, read_rows
-from tasks.data.regeneration import prompt_messages
+from tasks.regeneration.turns import prompt_messages
 from tasks.train.data import heldout_prompts
 
 STANDARD_SETS = ("heldout", "humaneval")

@@ -1,16 +1,64 @@
 """Whether and how a dataset's answers are rewritten by the target first:
-the regenerate section of a pipeline's config (tasks/config.py)."""
+the regenerate section of a run's config (tasks/config.py)."""
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
 
 from tasks.config import Section
 
 
 class RegenerateConfig(Section):
-    """Replace every answer with the target's own (greedy) before capture: drafters learn best from the
-    target's outputs."""
+    """Replace the answers with the target's own before capture: drafters learn best from the target's
+    outputs. Resumable: a rerun answers only the conversations not yet answered under the same settings."""
 
-    enabled: bool = Field(False, description="regenerate the answers, on a plain SGLang server of the target, "
-                                             "before capture (reused while source, model and settings match)")
-    max_new_tokens: int = Field(256, ge=1, description="longest regenerated answer, in tokens")
+    enabled: bool = Field(False, description=(
+        "pipeline: regenerate the answers before capture, on a plain SGLang server of the target (launched, or "
+        "server.url attached)"))
+    turns: Literal["all", "last"] = Field("all", description=(
+        "all: every assistant turn, turn k answered with the target's own earlier answers in its context; "
+        "last: only the last user turn (earlier assistant turns kept as the dataset has them)"))
+    max_new_tokens: int = Field(256, ge=1, description="longest answer of a turn, in tokens (after any reasoning)")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature (0: greedy, as served by default)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold (with temperature > 0)")
+    repetition_penalty: float = Field(1.0, gt=0, description="SGLang's repetition penalty (1: none)")
+    seed: int = Field(0, ge=0, description=(
+        "sampling seed: each request's is derived from it and the conversation's id, so a rerun draws the same"))
+    thinking: Optional[bool] = Field(None, description=(
+        "reasoning targets: the chat template's enable_thinking switch (none: the template's default)"))
+    reasoning_end: str = Field("</think>", description=(
+        "the text that ends a reasoning part (the target's reasoning parser's end marker)"))
+    max_reasoning_tokens: Optional[int] = Field(None, ge=1, description=(
+        "a reasoning part's own budget: cut there and closed with reasoning_end, the answer then gets "
+        "max_new_tokens of its own (none: the reasoning counts against max_new_tokens)"))
+    keep_reasoning: bool = Field(True, description=(
+        "keep the reasoning in the training rows (a drafter for a reasoning target drafts it too), or drop it "
+        "(the rows hold the answers only)"))
+    batch_size: int = Field(64, ge=1, description="conversations per batch task and per answer shard")
+    concurrency: int = Field(16, ge=1, description="requests in flight per batch")
+    attempts: int = Field(3, ge=1, description="tries per conversation before it is quarantined with its error")
+    batch_retries: int = Field(3, ge=0, description=(
+        "retries of a batch task that failed as a whole (the server went down), with growing delays"))
+    request_timeout_s: float = Field(3600.0, gt=0, description="one request's limit (a long answer on a slow server)")
+    max_quarantine_ratio: float = Field(0.05, ge=0, le=1, description=(
+        "stop the run when more than this share of the conversations tried fail (judged once 100 were tried)"))
+    out: Optional[str] = Field(None, description=(
+        "where the answer shards and their index go (default: <store>/regenerated; flows.regenerate requires it)"))
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_reasoning_tokens is not None and not self.reasoning_end:
+            raise ValueError("regenerate.max_reasoning_tokens closes a reasoning part with regenerate.reasoning_end: "
+                             "give the target's end marker")
+        return self
+
+    def sampling(self) -> dict:
+        """SGLang sampling parameters (seeds are per request: answers.py)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "repetition_penalty": self.repetition_penalty}
+
+    def identity(self) -> dict:
+        """The settings that decide an answer: a conversation answered under
+        other ones is answered again."""
+        return self.model_dump(include={"turns", "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed", "thinking",
+                                        "reasoning_end", "max_reasoning_tokens", "keep_reasoning"})

@@ -1,115 +1,97 @@
-"""Regenerate a dataset's answers with the target itself.
+"""What the target is asked, turn by turn, and the training row its answers
+make.
 
 A drafter is scored on guessing the target's own next token; it learns that
-best from text the target wrote. This keeps every conversation up to its
-last user turn and asks the target (a plain SGLang server) for the answer,
-greedily by default, as the serving check and most deployments decode.
+best from text the target wrote. With turns "all", a conversation is
+replayed as a deployment serves it: the system and user turns kept, each
+user turn that was answered (or ends the conversation) answered by the
+target, with its own earlier answers in the context, rendered by the chat
+template from their text as a serving stack renders a history. With
+"last", only the last user turn is answered and the earlier assistant turns
+stay as the dataset has them (and out of the loss: the target never said
+them).
+
+The training row is the last turn's context and answer, token for token as
+the target produced the answer (decoding and re-tokenising need not give
+back the same ids); the earlier answers, as the template rendered them, are
+loss tokens too with turns "all".
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import logging
-import os
-import time
-from pathlib import Path
+from dataclasses import dataclass
 
-import httpx
+from tasks.data.dataset import render_template, to_messages, tokenize_conversation
 
-from tasks.data.config import RegenerateConfig
-from tasks.data.dataset import Rejected, read_rows, to_messages
-from tasks.sglang_api import client_options
 
-logger = logging.getLogger("eagle3.regeneration")
+@dataclass(frozen=True)
+class Conversation:
+    """A dataset row to answer: `row_id` names it and the settings it is
+    answered under (answer_store.py keys everything by it)."""
+    row_id: str
+    source_row: int
+    messages: tuple
+    extra: tuple = ()  # the row's own "id", kept with its answer
 
-GREEDY = {"temperature": 0.0}
+
+def row_id(messages: list[dict], settings: dict) -> str:
+    """The content address of a row's answers: its conversation, the target
+    and the settings it is answered under."""
+    h = hashlib.sha256(json.dumps([messages, settings], sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()[:32]
+
+
+def answer_points(messages: list[dict], turns: str) -> list[int]:
+    """Indices of the user turns the target answers: with "all" each one an
+    assistant turn follows or that ends the conversation; with "last" the
+    last user turn. ValueError when there is none."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise ValueError("no user turn to answer")
+    if turns == "last":
+        return [users[-1]]
+    return [i for i in users if i + 1 == len(messages) or messages[i + 1]["role"] == "assistant"]
 
 
 def prompt_messages(row: dict) -> list[dict]:
-    """The conversation up to and including its last user turn."""
+    """The conversation up to and including its last user turn (what a
+    prompt set serves, and what turns "last" answers)."""
     messages = to_messages(row)
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last_user is None:
-        raise ValueError("no user turn to answer")
-    return messages[:last_user + 1]
+    return messages[:answer_points(messages, "last")[0] + 1]
 
 
-def fingerprint(source: Path, model_path: Path, sampling: dict, max_new_tokens: int) -> str:
-    """What a regenerated file was made from: a rerun reuses it only if equal."""
-    h = hashlib.sha256()
-    with open(source, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    config = (Path(model_path) / "config.json").read_bytes()
-    h.update(hashlib.sha256(config).digest())
-    h.update(json.dumps({"sampling": sampling, "max_new_tokens": max_new_tokens}, sort_keys=True).encode())
-    return h.hexdigest()[:24]
+def template_kwargs(thinking: bool | None) -> dict:
+    return {} if thinking is None else {"enable_thinking": thinking}
 
 
-async def _answer_all(url: str, prompts: list[list[int]], sampling: dict, max_new_tokens: int,
-                      concurrency: int, api_key: str | None) -> list[dict]:
-    limit = asyncio.Semaphore(concurrency)
-    done = [0]
-    started = time.monotonic()
-    async with httpx.AsyncClient(timeout=3600, **client_options(api_key)) as client:
-        async def one(i, ids):
-            params = {**sampling, "max_new_tokens": max_new_tokens}
-            if sampling.get("temperature", 1.0) > 0:
-                params["sampling_seed"] = i  # reproducible sampled answers
-            async with limit:
-                r = await client.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": params})
-                r.raise_for_status()
-                done[0] += 1
-                if done[0] % 50 == 0 or done[0] == len(prompts):
-                    logger.info("regenerated %d/%d answers (%.0f s)", done[0], len(prompts),
-                                time.monotonic() - started)
-                return r.json()
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+def render_prompt(tokenizer, messages: list[dict], thinking: bool | None) -> list[int]:
+    """The ids the target is sent for the next answer: the chat template
+    with its generation prompt."""
+    return render_template(tokenizer, messages, add_generation_prompt=True, **template_kwargs(thinking))
 
 
-def regenerate(url: str, source: Path, out_path: Path, tokenizer, *, api_key: str | None = None,
-               sampling: dict = GREEDY, max_new_tokens: int = RegenerateConfig.model_fields["max_new_tokens"].default,
-               concurrency: int = 16) -> dict:
-    """Write `out_path` (JSONL): each usable row of `source` with the target's
-    answer to its last user turn, as `messages` (to read) and as the exact
-    token ids with the answer loss-masked (`input_ids`, `loss_mask`: what
-    extraction uses). Rows that cannot be used
-    are left out and counted; the file is written whole or not at all. Every
-    request carries the server's `api_key`."""
-    prompts, kept, skipped = [], [], 0
-    for _, row in read_rows(Path(source)):
-        try:
-            if isinstance(row, Rejected):
-                raise ValueError(row.reason)
-            messages = prompt_messages(row)
-        except ValueError:
-            skipped += 1
-            continue
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
-        prompts.append(list(ids["input_ids"]))
-        kept.append(({"id": row["id"]} if "id" in row else {}, messages, prompts[-1]))
-    if not prompts:
-        raise ValueError(f"{source}: no row has a user turn to answer")
-    logger.info("asking the target for %d answers (%d rows skipped), up to %d tokens each", len(prompts), skipped,
-                max_new_tokens)
-    started = time.monotonic()
-    replies = asyncio.run(_answer_all(url, prompts, sampling, max_new_tokens, concurrency, api_key))
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        for (extra, messages, prompt), reply in zip(kept, replies):
-            answer = {"role": "assistant", "content": reply["text"].strip()}
-            # The tokens themselves, not only the text: decoding and
-            # re-tokenising need not give back the ids the target produced.
-            ids = prompt + list(reply["output_ids"])
-            mask = [0] * len(prompt) + [1] * len(reply["output_ids"])
-            f.write(json.dumps({**extra, "messages": messages + [answer], "input_ids": ids, "loss_mask": mask},
-                               ensure_ascii=False) + "\n")
-    os.replace(tmp, out_path)
-    tokens = sum(r["meta_info"]["completion_tokens"] for r in replies)
-    seconds = time.monotonic() - started
-    logger.info("regenerated %d answers, %d tokens in %.0f s (%.0f tok/s) -> %s", len(replies), tokens, seconds,
-                tokens / max(seconds, 1e-9), out_path)
-    return {"rows": len(replies), "skipped": skipped, "tokens": tokens, "seconds": seconds, "path": str(out_path)}
+def context_mask(tokenizer, messages: list[dict], prompt: list[int], thinking: bool | None,
+                 answers_are_targets: bool) -> list[int]:
+    """The loss mask over `prompt` (messages rendered with the generation
+    prompt): the earlier assistant answers when they are the target's own,
+    nothing else."""
+    if not answers_are_targets or not any(m["role"] == "assistant" for m in messages):
+        return [0] * len(prompt)
+    ids, mask = tokenize_conversation(tokenizer, messages, **template_kwargs(thinking))
+    if prompt[:len(ids)] != ids:
+        raise ValueError("the chat template renders a history differently with its generation prompt; the "
+                         "earlier answers' loss tokens cannot be placed")
+    return mask + [0] * (len(prompt) - len(ids))
+
+
+def split_reasoning(output: list[int], marker: list[int]) -> tuple[list[int], list[int]] | None:
+    """(reasoning up to and including `marker`, the answer after it), or
+    None when the output has no marker."""
+    n = len(marker)
+    if not n:
+        return None
+    for i in range(len(output) - n + 1):
+        if output[i:i + n] == marker:
+            return output[:i + n], output[i + n:]
+    return None

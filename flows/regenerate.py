@@ -1,0 +1,146 @@
+"""Flow `regenerate`: plan -> launch (or attach) a plain server -> answer
+batches (mapped, retried) -> verify. The answers land in regenerate.out as
+shards with an index (tasks/regeneration/answer_store.py), which the capture
+reads as its dataset; a rerun answers only what is missing.
+
+    python -m flows.regenerate --dataset data.jsonl --regenerate.out runs/x/answers
+"""
+from __future__ import annotations
+
+import secrets
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Annotated
+
+from prefect import flow, get_run_logger, task, unmapped
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.tasks import exponential_backoff
+from pydantic import Field
+
+from flows.artifacts import artifact_key
+from flows.config import described
+from flows.retries import unless_permanent
+from flows.verify import VerificationFailed
+from tasks.data.dataset import DEMO_DATASET
+from tasks.regeneration.answer_store import AnswerStore
+from tasks.regeneration.answers import Asker
+from tasks.regeneration.config import RegenerateConfig
+from tasks.regeneration.stage import Progress, answer_batch, plan_regeneration, provenance
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec, check_serves
+from tasks.server.supervisor import ServerSupervisor
+from tasks.store.lock import hold_lock
+from tasks.target.architectures import load_tokenizer
+from tasks.target.models import resolve_model
+
+
+def server_log(out: Path) -> Path:
+    """A launched server's log (and its orphan record) sit with the answers,
+    which the run holds locked: two runs never share one."""
+    return out / "logs" / "regenerate-server.log"
+
+
+@task(name="answer-batch", cache_policy=NO_CACHE, retry_condition_fn=unless_permanent)
+def answer_batch_task(batch: list, asker: Asker, out: str, server: ServerSupervisor) -> dict:
+    log = get_run_logger()
+    result = answer_batch(asker, AnswerStore(Path(out)), batch, on_down=server.recover)
+    server.forward_log(log)
+    log.info("batch of %d: %d answered, %s tokens in %.1f s (%.0f tok/s) -> %s; quarantined %d", len(batch),
+             result.rows, f"{result.answer_tokens:,}", result.seconds, result.answer_tokens / max(result.seconds, 1e-9),
+             result.shard, len(result.quarantined))
+    return {"shard": result.shard, "rows": result.rows, "quarantined": result.quarantined}
+
+
+@task(name="verify-answers", cache_policy=NO_CACHE)
+def verify_answers_task(out: str) -> dict:
+    store = AnswerStore(Path(out))
+    reports = store.verify()
+    create_table_artifact(table=[{**r, "problems": "; ".join(r["problems"])} for r in reports],
+                          key=artifact_key("answers-verification", out), description=f"verification of {out}")
+    bad = [r for r in reports if not r["ok"]]
+    summary = store.summary()
+    if bad:
+        raise VerificationFailed(f"{len(bad)} of {len(reports)} answer shards in {out} differ from their index: "
+                                 + "; ".join(f"{r['shard']}: {', '.join(r['problems'])}" for r in bad[:5]))
+    get_run_logger().info("answers verified: %d shards, %d conversations, %s generated tokens; %d quarantined",
+                          len(reports), summary["rows"], f"{summary['answer_tokens']:,}", summary["quarantined"])
+    return summary
+
+
+@flow(name="regenerate", task_runner=ThreadPoolTaskRunner(max_workers=2))
+@described
+def regenerate_answers(
+    server: ServerConfig = ServerConfig(),
+    regenerate: RegenerateConfig = RegenerateConfig(),
+    dataset: Annotated[str, Field(description="the conversations to answer: JSONL, JSON or Parquet rows of messages "
+                                              "or conversations")] = str(DEMO_DATASET),
+) -> dict:
+    """The dataset's answers written again by the target, into regenerate.out (resumable)."""
+    log = get_run_logger()
+    if not regenerate.out:
+        raise ValueError("regenerate.out is not set: give the directory the answers go to (a rerun into it answers "
+                         "only what is missing)")
+    out = Path(regenerate.out).resolve()
+    model_path = resolve_model(server.model)
+    tokenizer = load_tokenizer(model_path)
+    with hold_lock(out, f"regenerate {dataset}", run=flow_run.get_id()), ExitStack() as stack:
+        store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate))
+        plan = plan_regeneration(Path(dataset), store, regenerate, tokenizer)
+        log.info("%d conversations in %s: %d answered before, %d to answer in batches of %d; %d rows rejected%s",
+                 plan.rows, dataset, plan.answered, len(plan.todo), regenerate.batch_size, len(plan.rejected),
+                 f" (e.g. row {plan.rejected[0].source_row}: {plan.rejected[0].reason})" if plan.rejected else "")
+        if plan.todo:
+            if server.url:
+                supervisor = ServerSupervisor(server)
+            else:
+                plain = LaunchSpec(server.model_copy(update={"model": str(model_path)}))
+                supervisor = ServerSupervisor(plain, server_log(out))
+            stack.callback(supervisor.stop)
+            log.info("SGLang server for the answers at %s", supervisor.start())
+            check_serves(supervisor.url, model_path, api_key=supervisor.api_key)
+            # A prefix of this run's own: a request a killed run left on the
+            # server never shares a rid with this one's.
+            asker = Asker(supervisor.url, tokenizer, regenerate, api_key=supervisor.api_key,
+                          rid_prefix=f"regen-{secrets.token_hex(4)}-")
+            _answer_all(plan, asker, out, supervisor, regenerate)
+        return {"out": str(out), **verify_answers_task(str(out))}
+
+
+def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, regenerate: RegenerateConfig) -> None:
+    log = get_run_logger()
+    batch_task = answer_batch_task.with_options(retries=regenerate.batch_retries, retry_jitter_factor=0.5,
+                                                retry_delay_seconds=exponential_backoff(backoff_factor=10))
+    progress = Progress(AnswerStore(out), plan)
+    artifact = create_progress_artifact(progress=0.0, key=artifact_key("regeneration-progress", str(out)),
+                                        description=f"regeneration into {out}")
+    futures = batch_task.map(plan.batches(regenerate.batch_size), unmapped(asker), unmapped(str(out)),
+                             unmapped(supervisor))
+    failures = []
+    try:
+        for future in as_completed(futures):
+            try:
+                future.result()
+            except Exception as e:
+                failures.append(f"{future.task_run_id}: {e}")
+            now = progress.read()
+            update_progress_artifact(artifact, progress=min(now["percent"], 100.0),
+                                     description=f"regeneration into {out}: {progress.describe(now)}")
+            log.info("progress: %s", progress.describe(now))
+            progress.check(regenerate.max_quarantine_ratio)
+    except BaseException:  # told to stop, or too many quarantined: no batch not yet started starts
+        for future in futures:
+            future.wrapped_future.cancel()
+        raise
+    if failures:
+        raise RuntimeError(f"{len(failures)} batches failed after their retries: " + "; ".join(failures[:5])
+                           + " (rerun the flow: the answered conversations are kept)")
+
+
+if __name__ == "__main__":
+    from flows.cli import run_cli
+
+    run_cli(regenerate_answers, "python -m flows.regenerate")

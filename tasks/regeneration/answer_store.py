@@ -1,0 +1,221 @@
+"""The regenerated answers on disk: JSONL shards and their index.
+
+    <out>/provenance.json      what the answers were made from: the source
+                               dataset (path, sha256), the target (path,
+                               config sha256), the settings; written once,
+                               checked on every open
+    <out>/answers-<hash>.jsonl one batch's answered conversations, one row a
+                               line (FORMAT below), written durably, then
+    <out>/index.sqlite         committed: shards(name, sha256, bytes, rows,
+                               answer_tokens), rows(row_id, source_row,
+                               shard, offset, length, tokens, answer_tokens),
+                               quarantine(row_id, source_row, reason,
+                               attempts), crashes(row_id, count)
+
+A conversation is answered when, and only when, the index has committed its
+shard: a shard file the index does not name (a run killed between the two)
+is written again by the batch's retry, never read. A directory of answers is
+a dataset (tasks/data/dataset.py read_rows): its rows, in source order, each
+under its source row number, read at the offsets the index holds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+from typing import Collection, Iterator
+
+from tasks.durable import replace_durably
+from tasks.failures import Permanent
+
+FORMAT = "eagle3-answers/1"
+INDEX = "index.sqlite"
+PROVENANCE = "provenance.json"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS shards(
+    name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, bytes INTEGER NOT NULL, rows INTEGER NOT NULL,
+    answer_tokens INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rows(
+    row_id TEXT PRIMARY KEY, source_row INTEGER NOT NULL UNIQUE, shard TEXT NOT NULL REFERENCES shards(name),
+    offset INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL, answer_tokens INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantine(
+    row_id TEXT PRIMARY KEY, source_row INTEGER NOT NULL, reason TEXT NOT NULL, attempts INTEGER NOT NULL,
+    at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS crashes(row_id TEXT PRIMARY KEY, count INTEGER NOT NULL);
+"""
+
+
+class AnswersMismatch(Permanent, ValueError):
+    """An answers directory made from another dataset, target or settings."""
+
+
+def is_answers_dir(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class AnswerStore:
+    """One answers directory. Safe from the threads Prefect runs batch tasks
+    in: one short SQLite connection per call."""
+
+    def __init__(self, root: Path, provenance: dict | None = None):
+        """Open `root`; with `provenance`, create it if new, or refuse it if
+        its answers were made from anything else."""
+        self.root = Path(root)
+        kept = self.root / PROVENANCE
+        if provenance is not None:
+            provenance = {"format": FORMAT, **provenance}
+            if kept.is_file():
+                old = json.loads(kept.read_text())
+                if old != provenance:
+                    changed = sorted(k for k in set(old) | set(provenance) if old.get(k) != provenance.get(k))
+                    raise AnswersMismatch(
+                        f"the answers in {self.root} were made from another {', '.join(changed)} "
+                        f"({ {k: old.get(k) for k in changed} }): give another regenerate.out, or remove it to "
+                        f"answer again")
+            else:
+                self.root.mkdir(parents=True, exist_ok=True)
+                replace_durably(kept, lambda tmp: tmp.write_text(json.dumps(provenance, indent=1) + "\n"))
+        elif not kept.is_file():
+            raise FileNotFoundError(f"{self.root} holds no regenerated answers ({PROVENANCE} missing)")
+        self.provenance = json.loads(kept.read_text())
+        with closing(self._connect()) as db, db:
+            db.executescript(SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.root / INDEX, timeout=120)
+
+    def _rows(self, sql: str, args=()) -> list[tuple]:
+        with closing(self._connect()) as db:
+            return db.execute(sql, args).fetchall()
+
+    def answered_ids(self) -> set[str]:
+        return {r[0] for r in self._rows("SELECT row_id FROM rows")}
+
+    def commit(self, records: list[dict]) -> str | None:
+        """Write `records` (FORMAT rows, each with row_id and source_row) as
+        one shard and commit it with its rows in one transaction, ending any
+        quarantine of theirs; the shard's name (None: nothing to write)."""
+        if not records:
+            return None
+        lines = [(json.dumps(r, ensure_ascii=False) + "\n").encode() for r in records]
+        name = "answers-" + hashlib.sha256("".join(r["row_id"] for r in records).encode()).hexdigest()[:20] + ".jsonl"
+        body = b"".join(lines)
+        replace_durably(self.root / name, lambda tmp: tmp.write_bytes(body))
+        offsets, at = [], 0
+        for line in lines:
+            offsets.append(at)
+            at += len(line)
+        answer_tokens = sum(r["answer_tokens"] for r in records)
+        with closing(self._connect()) as db, db:
+            db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
+                       (name, hashlib.sha256(body).hexdigest(), len(body), len(records), answer_tokens, time.time()))
+            db.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)",
+                           [(r["row_id"], r["source_row"], name, o, len(line), len(r["input_ids"]), r["answer_tokens"])
+                            for r, o, line in zip(records, offsets, lines)])
+            db.executemany("DELETE FROM quarantine WHERE row_id = ?", [(r["row_id"],) for r in records])
+        return name
+
+    def quarantine(self, rows: list[tuple[str, int, str, int]]) -> None:
+        """(row_id, source_row, reason, attempts) of conversations given up on."""
+        with closing(self._connect()) as db, db:
+            db.executemany("INSERT OR REPLACE INTO quarantine VALUES (?,?,?,?,?)",
+                           [(*r, time.time()) for r in rows])
+
+    def record_crash(self, row_ids: list[str]) -> dict[str, int]:
+        """One more server crash with these conversations in flight; their counts."""
+        with closing(self._connect()) as db, db:
+            db.executemany("INSERT INTO crashes VALUES (?, 1) ON CONFLICT(row_id) DO UPDATE SET count = count + 1",
+                           [(r,) for r in row_ids])
+        counts = self.crash_counts()
+        return {r: counts[r] for r in row_ids}
+
+    def crash_counts(self) -> dict[str, int]:
+        return dict(self._rows("SELECT row_id, count FROM crashes"))
+
+    def quarantined(self) -> list[tuple[str, int, str, int]]:
+        return self._rows("SELECT row_id, source_row, reason, attempts FROM quarantine ORDER BY source_row")
+
+    def summary(self) -> dict:
+        (rows, tokens, answer_tokens), = self._rows(
+            "SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(answer_tokens), 0) FROM rows")
+        (shards,), = self._rows("SELECT COUNT(*) FROM shards")
+        (quarantined,), = self._rows("SELECT COUNT(*) FROM quarantine")
+        return {"rows": rows, "tokens": tokens, "answer_tokens": answer_tokens, "shards": shards,
+                "quarantined": quarantined}
+
+    def read(self, rows: Collection[int] | None = None) -> Iterator[tuple[int, dict]]:
+        """(source row, row) for every answered conversation in source order
+        (with `rows`, only those), read at the index's offsets."""
+        index = self._rows("SELECT source_row, shard, offset, length FROM rows ORDER BY source_row")
+        handles = {}
+        try:
+            for source_row, shard, offset, length in index:
+                if rows is not None and source_row not in rows:
+                    continue
+                f = handles.get(shard) or handles.setdefault(shard, open(self.root / shard, "rb"))
+                f.seek(offset)
+                yield source_row, json.loads(f.read(length))
+        finally:
+            for f in handles.values():
+                f.close()
+
+    def export(self, path: Path) -> int:
+        """Every answered conversation, in source order, as one JSONL file
+        (written durably); the rows written."""
+        rows = list(self.read())
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for _, r in rows)
+        replace_durably(Path(path), write)
+        return len(rows)
+
+    def verify(self) -> list[dict]:
+        """Every shard recounted against the index: its bytes and sha256, its
+        rows (ids, offsets, token counts, a loss mask per id, an answer),
+        one report a shard; `ok` False with the reasons where any differ."""
+        reports = []
+        for name, sha, size, n, answer_tokens in self._rows(
+                "SELECT name, sha256, bytes, rows, answer_tokens FROM shards ORDER BY name"):
+            problems = []
+            path = self.root / name
+            body = path.read_bytes() if path.is_file() else None
+            if body is None:
+                problems.append("file missing")
+            elif len(body) != size or hashlib.sha256(body).hexdigest() != sha:
+                problems.append(f"{len(body)} bytes, sha256 {hashlib.sha256(body).hexdigest()[:12]}: not the "
+                                f"{size} bytes, sha256 {sha[:12]} committed")
+            else:
+                indexed = self._rows("SELECT row_id, source_row, offset, length, tokens, answer_tokens FROM rows "
+                                     "WHERE shard = ? ORDER BY offset", (name,))
+                lines = body.splitlines(keepends=True)
+                if len(indexed) != n or len(lines) != n:
+                    problems.append(f"{len(lines)} lines, {len(indexed)} indexed rows: {n} committed")
+                got = 0
+                for row_id, source_row, offset, length, tokens, answered in indexed:
+                    record = json.loads(body[offset:offset + length])
+                    ids, mask = record.get("input_ids"), record.get("loss_mask")
+                    if (record.get("row_id"), record.get("source_row")) != (row_id, source_row):
+                        problems.append(f"row at {offset} is {record.get('row_id')}, not {row_id}")
+                    elif not ids or len(ids) != tokens or len(mask or ()) != tokens:
+                        problems.append(f"row {source_row}: {len(ids or ())} ids, {len(mask or ())} mask values, "
+                                        f"{tokens} indexed")
+                    elif record.get("answer_tokens") != answered or not any(mask):
+                        problems.append(f"row {source_row}: no answer, or not the {answered} answer tokens indexed")
+                    got += answered
+                if got != answer_tokens:
+                    problems.append(f"{got} answer tokens in its rows, {answer_tokens} committed")
+            reports.append({"shard": name, "rows": n, "answer_tokens": answer_tokens, "ok": not problems,
+                            "problems": problems})
+        return reports

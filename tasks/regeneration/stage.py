@@ -1,0 +1,210 @@
+"""Regeneration as a stage: the plan over a dataset's rows, and one batch
+answered and committed, with the capture's guarantees: a rerun answers only
+what is missing (conversations are keyed by row_id, turns.py), a
+conversation that keeps failing is quarantined with its reason, one in
+flight at CRASH_LIMIT server crashes is taken for their cause, and nothing
+is answered until its shard is committed (answer_store.py)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tasks.data.dataset import Rejected, read_rows, renders_tool_calls, to_messages
+from tasks.failures import Permanent
+from tasks.regeneration.answer_store import AnswerStore, file_sha256
+from tasks.regeneration.answers import Asker, answer_all
+from tasks.regeneration.config import RegenerateConfig
+from tasks.regeneration.turns import Conversation, answer_points, row_id
+from tasks.sglang_api import server_down, server_healthy, was_in_flight
+
+logger = logging.getLogger("eagle3.regeneration")
+
+# As the capture's (tasks/capture/extraction.py): in flight at two crashes,
+# the second while sent alone, a conversation is taken to crash the server.
+CRASH_LIMIT = 2
+
+
+class ServerDown(RuntimeError):
+    """The server stopped answering mid-batch; the batch is retried."""
+
+
+class TooManyQuarantined(Permanent, RuntimeError):
+    """Conversations fail wholesale: the server or the settings are wrong."""
+
+
+def provenance(source: Path, model_path: Path, cfg: RegenerateConfig) -> dict:
+    """What a set of answers is made from: kept with them and in the store
+    the capture makes of them."""
+    return {"source": str(Path(source).resolve()), "source_sha256": file_sha256(source),
+            "target": str(model_path), "target_config_sha256": file_sha256(Path(model_path) / "config.json"),
+            "settings": cfg.identity()}
+
+
+@dataclass
+class RegenerationPlan:
+    todo: list[Conversation]
+    rows: int  # usable rows (conversations with a user turn to answer)
+    answered: int  # of them, answered before this run
+    rejected: list[Rejected]
+
+    def batches(self, size: int) -> list[list[Conversation]]:
+        return [self.todo[i:i + size] for i in range(0, len(self.todo), size)]
+
+
+def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, tokenizer) -> RegenerationPlan:
+    """Every row of `source` with a user turn to answer, less those answered
+    under the store's provenance; a row that is no conversation is
+    Rejected with its reason (and not answered)."""
+    settings = {k: store.provenance[k] for k in ("target_config_sha256", "settings")}
+    answered, seen = store.answered_ids(), set()
+    todo, rejected, rows, done = [], [], 0, 0
+    tool_calls = renders_tool_calls(tokenizer)
+    for i, row in read_rows(Path(source)):
+        try:
+            if isinstance(row, Rejected):
+                raise ValueError(row.reason)
+            messages = to_messages(row, tool_calls=tool_calls)
+            answer_points(messages, cfg.turns)
+        except ValueError as e:
+            rejected.append(Rejected(i, str(e)))
+            continue
+        rid = row_id(messages, settings)
+        if rid in seen:
+            rejected.append(Rejected(i, f"the same conversation as an earlier row ({rid})"))
+            continue
+        seen.add(rid)
+        rows += 1
+        if rid in answered:
+            done += 1
+            continue
+        extra = (("id", row["id"]),) if "id" in row else ()
+        todo.append(Conversation(rid, i, tuple(messages), extra))
+    if not rows:
+        why = f"e.g. row {rejected[0].source_row}: {rejected[0].reason}" if rejected else "it holds no rows"
+        raise ValueError(f"dataset {source} has no conversation to answer ({why}): give rows of messages or "
+                         f"conversations with a user turn")
+    return RegenerationPlan(todo, rows, done, rejected)
+
+
+@dataclass
+class BatchAnswers:
+    shard: str | None
+    rows: int
+    answer_tokens: int
+    seconds: float
+    quarantined: list[str] = field(default_factory=list)
+
+
+def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation], *,
+                 on_down: Callable[[], None] | None = None) -> BatchAnswers:
+    """Answer a batch and commit it as one shard. Each conversation gets up
+    to cfg.attempts tries; one failing them all is quarantined with its
+    last error, the rest stored. If the server stops answering, the
+    conversations in flight are counted against it, `on_down` makes it serve
+    again (or raises), and ServerDown is raised so the batch is retried."""
+    t0 = time.perf_counter()
+    answered = store.answered_ids()
+    pending = [c for c in batch if c.row_id not in answered]
+    crashes = store.crash_counts()
+    culprits = [c for c in pending if crashes.get(c.row_id, 0) >= CRASH_LIMIT]
+    store.quarantine([(c.row_id, c.source_row, f"in flight at {crashes[c.row_id]} SGLang server crashes, the last "
+                       f"while sent alone: taken to crash the server (see its log)", crashes[c.row_id])
+                      for c in culprits])
+    pending = [c for c in pending if c not in culprits]
+    done: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+
+    def send(group: list[Conversation], attempt: int, width: int | None = None) -> list[Conversation]:
+        outs = asyncio.run(answer_all(asker, group, attempt, width))
+        down = [o for o in outs if isinstance(o, Exception) and server_down(o)]
+        if down and not server_healthy(asker.url, api_key=asker.api_key):
+            suspects = store.record_crash([c.row_id for c, o in zip(group, outs)
+                                           if isinstance(o, Exception) and was_in_flight(o)])
+            if on_down is not None:
+                on_down()
+            raise ServerDown(f"SGLang server at {asker.url} stopped answering mid-batch ({down[0]!r}); the batch "
+                             f"is retried. In flight, sent alone from now on: "
+                             f"{', '.join(f'{r} (crash {n})' for r, n in suspects.items()) or 'none'}")
+        failed = []
+        for c, out in zip(group, outs):
+            if isinstance(out, Exception):
+                errors[c.row_id] = f"{type(out).__name__}: {out}"
+                failed.append(c)
+            else:
+                done[c.row_id] = out
+        return failed
+
+    # In flight at an earlier crash: alone first, so a second crash names the one.
+    for c in [c for c in pending if crashes.get(c.row_id, 0) >= 1]:
+        send([c], 1, 1)
+    pending = [c for c in pending if c.row_id not in done]
+    for attempt in range(1, asker.cfg.attempts + 1):
+        if not pending:
+            break
+        if attempt > 1:
+            logger.warning("asking again for %d conversations (attempt %d of %d); last error: %s", len(pending),
+                           attempt, asker.cfg.attempts, errors[pending[-1].row_id])
+        pending = send(pending, attempt)
+    shard = store.commit([done[c.row_id] for c in batch if c.row_id in done])
+    store.quarantine([(c.row_id, c.source_row, errors[c.row_id], asker.cfg.attempts) for c in pending])
+    for c in pending:
+        logger.error("quarantined row %d (%s) after %d attempts: %s", c.source_row, c.row_id, asker.cfg.attempts,
+                     errors[c.row_id])
+    return BatchAnswers(shard, len(done), sum(r["answer_tokens"] for r in done.values()), time.perf_counter() - t0,
+                        [c.row_id for c in culprits + pending])
+
+
+@dataclass
+class Progress:
+    """Progress read from the index, never from logs or listings."""
+    store: AnswerStore
+    plan: RegenerationPlan
+    t0: float = field(default_factory=time.perf_counter)
+    start: dict = field(init=False)
+
+    def __post_init__(self):
+        self.start = self.store.summary()
+
+    def read(self) -> dict:
+        now = self.store.summary()
+        rows, tokens = now["rows"] - self.start["rows"], now["answer_tokens"] - self.start["answer_tokens"]
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        todo = len(self.plan.todo)
+        return {"rows": rows, "todo": todo, "answer_tokens": tokens, "tokens_per_s": tokens / elapsed,
+                "eta_s": (todo - rows) * elapsed / rows if rows else None, "quarantined": now["quarantined"],
+                "percent": 100.0 * rows / todo if todo else 100.0}
+
+    def check(self, max_ratio: float, min_tried: int = 100) -> None:
+        """Stop the run when more than `max_ratio` of the conversations tried failed."""
+        p = self.read()
+        tried = p["rows"] + p["quarantined"] - self.start["quarantined"]
+        failed = p["quarantined"] - self.start["quarantined"]
+        if tried >= min_tried and failed > max_ratio * tried:
+            raise TooManyQuarantined(
+                f"{failed} of {tried} conversations tried were quarantined (max_quarantine_ratio {max_ratio}); "
+                f"stopping: the {p['rows']} answered are kept. Fix the server or the settings (see the "
+                f"quarantine's reasons in {self.store.root}) and rerun, which asks again for the rest")
+
+    @staticmethod
+    def describe(p: dict) -> str:
+        eta = "?" if p["eta_s"] is None else f"{p['eta_s'] / 60:.1f} min"
+        return (f"{p['rows']}/{p['todo']} conversations ({p['percent']:.1f}%), {p['answer_tokens']:,} tokens "
+                f"generated at {p['tokens_per_s']:.0f} tok/s, ETA {eta}, quarantined {p['quarantined']}")
+
+
+def regenerate(url: str, source: Path, out: Path, tokenizer, model_path: Path, cfg: RegenerateConfig = RegenerateConfig(),
+               *, api_key: str | None = None, rid_prefix: str = "regen-") -> dict:
+    """The whole stage on a running server, without Prefect (scripts,
+    benchmarks): the answers into `out`, batch by batch; its summary."""
+    store = AnswerStore(out, provenance(source, model_path, cfg))
+    plan = plan_regeneration(source, store, cfg, tokenizer)
+    asker = Asker(url, tokenizer, cfg, api_key=api_key, rid_prefix=rid_prefix)
+    progress = Progress(store, plan)
+    for batch in plan.batches(cfg.batch_size):
+        answer_batch(asker, store, batch)
+        logger.info("progress: %s", progress.describe(progress.read()))
+    return {**store.summary(), "rejected": len(plan.rejected), "seconds": time.perf_counter() - progress.t0}
