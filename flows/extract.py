@@ -15,13 +15,13 @@ from typing import Annotated, Iterator, Optional
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import as_completed
 from prefect.runtime import flow_run, task_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from pydantic import Field
 
 from flows.artifacts import artifact_key
+from flows.batches import drain
 from flows.config import described
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
@@ -281,23 +281,15 @@ def _extract_all(planned: Planned, server: ServerSupervisor, dump_dir: Path, cap
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), capture.batch_size)
     futures = batch_task.map(batches, unmapped(server), unmapped(dump_dir), unmapped(planned), unmapped(capture),
                              unmapped(guard), unmapped(node), unmapped(parent_run))
-    failures = []
-    try:
-        for future in as_completed(futures):
-            try:
-                future.result()
-            except Exception as e:
-                failures.append(f"{future.task_run_id}: {e}")
-            progress = meter.read()
-            update_progress_artifact(artifact, progress=min(progress["percent"], 100.0),
-                                     description=f"extraction into {store.path}: {meter.describe(progress)}; "
-                                                 f"canary: {guard.canaries.describe()}")
-            log.info("progress: %s; canary %s", meter.describe(progress), guard.canaries.describe())
-    except BaseException:  # told to stop (Ctrl-C, SIGTERM, a cancel): no batch not yet started starts
-        for future in futures:
-            future.wrapped_future.cancel()
-        raise
-    return failures
+
+    def after_each() -> None:
+        progress = meter.read()
+        update_progress_artifact(artifact, progress=min(progress["percent"], 100.0),
+                                 description=f"extraction into {store.path}: {meter.describe(progress)}; "
+                                             f"canary: {guard.canaries.describe()}")
+        log.info("progress: %s; canary %s", meter.describe(progress), guard.canaries.describe())
+
+    return drain(futures, after_each)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Flow `regenerate`: plan -> launch (or attach) a plain server -> answer
+"""Flow `regenerate_answers`: plan -> launch (or attach) a plain server -> answer
 batches (mapped, retried) -> verify. The answers land in regenerate.out as
 shards with an index (tasks/regeneration/answer_store.py), which the capture
 reads as its dataset; a rerun answers only what is missing.
@@ -15,13 +15,13 @@ from typing import Annotated
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from pydantic import Field
 
 from flows.artifacts import artifact_key
+from flows.batches import drain
 from flows.config import described
 from flows.retries import unless_permanent
 from flows.verify import VerificationFailed
@@ -71,7 +71,7 @@ def verify_answers_task(out: str) -> dict:
     return summary
 
 
-@flow(name="regenerate", task_runner=ThreadPoolTaskRunner(max_workers=2))
+@flow(name="regenerate_answers", task_runner=ThreadPoolTaskRunner(max_workers=2))
 @described
 def regenerate_answers(
     server: ServerConfig = ServerConfig(),
@@ -119,22 +119,15 @@ def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, reg
                                         description=f"regeneration into {out}")
     futures = batch_task.map(plan.batches(regenerate.batch_size), unmapped(asker), unmapped(str(out)),
                              unmapped(supervisor))
-    failures = []
-    try:
-        for future in as_completed(futures):
-            try:
-                future.result()
-            except Exception as e:
-                failures.append(f"{future.task_run_id}: {e}")
-            now = progress.read()
-            update_progress_artifact(artifact, progress=min(now["percent"], 100.0),
-                                     description=f"regeneration into {out}: {progress.describe(now)}")
-            log.info("progress: %s", progress.describe(now))
-            progress.check(regenerate.max_quarantine_ratio)
-    except BaseException:  # told to stop, or too many quarantined: no batch not yet started starts
-        for future in futures:
-            future.wrapped_future.cancel()
-        raise
+
+    def after_each() -> None:
+        now = progress.read()
+        update_progress_artifact(artifact, progress=min(now["percent"], 100.0),
+                                 description=f"regeneration into {out}: {progress.describe(now)}")
+        log.info("progress: %s", progress.describe(now))
+        progress.check(regenerate.max_quarantine_ratio)
+
+    failures = drain(futures, after_each)
     if failures:
         raise RuntimeError(f"{len(failures)} batches failed after their retries: " + "; ".join(failures[:5])
                            + " (rerun the flow: the answered conversations are kept)")

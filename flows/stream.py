@@ -207,8 +207,8 @@ def capture_on_nodes(nodes: list[str], model: str, capture: CaptureConfig, store
             if now["done"] == now["parts"]:
                 break
             if trainer_stopped(root):
-                raise TrainerStopped(f"the stream trainer stopped; the capture nodes' runs stop too, keeping what "
-                                     f"they stored: run the pipeline again and both resume")
+                raise TrainerStopped("the stream trainer stopped; the capture nodes' runs stop too, keeping what "
+                                     "they stored: run the pipeline again and both resume")
             # (Read again: the last node may have ended just after its last part.)
             if len(ended) == len(nodes) and (now := queue.progress())["done"] < now["parts"]:
                 raise RuntimeError(f"every capture node's run ended with {now['parts'] - now['done']} of "

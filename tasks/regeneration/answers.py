@@ -28,8 +28,8 @@ from tasks.sglang_api import client_options
 
 
 class NoAnswer(ValueError):
-    """A conversation the target cannot answer under the settings (its
-    reasoning never ended, its context is beyond the server's)."""
+    """A conversation the target cannot answer under the settings (no token,
+    or its reasoning never ended when only the answer is kept)."""
 
 
 @dataclass(frozen=True)
@@ -47,36 +47,40 @@ class Asker:
         return list(self.tokenizer.encode(self.cfg.reasoning_end, add_special_tokens=False))
 
 
-def request_seed(seed: int, rid: str) -> int:
-    """A sampled answer's seed: the run's and the request's, so a rerun draws
-    the same answer wherever and whenever it is asked."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{rid}".encode()).digest()[:4], "little") >> 1
+def request_seed(seed: int, key: str) -> int:
+    """A sampled answer's seed: the run's and the request's key (the
+    conversation, turn and part; not the run's rid prefix nor the attempt),
+    so a rerun draws the same answer wherever and whenever it is asked."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "little") >> 1
 
 
-async def _generate(client: httpx.AsyncClient, asker: Asker, ids: list[int], max_new_tokens: int, rid: str,
-                    stop: str | None = None) -> list[int]:
+async def _generate(client: httpx.AsyncClient, asker: Asker, ids: list[int], max_new_tokens: int, key: str,
+                    attempt: int, stop: str | None = None) -> list[int]:
     params = {**asker.cfg.sampling(), "max_new_tokens": max_new_tokens}
     if asker.cfg.temperature > 0:
-        params["sampling_seed"] = request_seed(asker.cfg.seed, rid)
+        params["sampling_seed"] = request_seed(asker.cfg.seed, key)
     if stop:
         params["stop"] = [stop]
+    rid = f"{asker.rid_prefix}{key}-{attempt}"
     r = await client.post(f"{asker.url}/generate", json={"input_ids": ids, "sampling_params": params, "rid": rid})
     r.raise_for_status()
     return list(r.json()["output_ids"])
 
 
-async def _answer_turn(client, asker: Asker, prompt: list[int], rid: str) -> tuple[list[int], list[int]]:
+async def _answer_turn(client, asker: Asker, prompt: list[int], key: str,
+                       attempt: int) -> tuple[list[int], list[int]]:
     """(every token generated, the answer after any reasoning): with a
     reasoning budget, the reasoning first (cut there and closed with the
     end marker), then the answer on its own budget."""
     cfg = asker.cfg
     if cfg.max_reasoning_tokens is None:
-        out = await _generate(client, asker, prompt, cfg.max_new_tokens, rid)
+        out = await _generate(client, asker, prompt, cfg.max_new_tokens, key, attempt)
     else:
-        thought = await _generate(client, asker, prompt, cfg.max_reasoning_tokens, f"{rid}-r", stop=cfg.reasoning_end)
+        thought = await _generate(client, asker, prompt, cfg.max_reasoning_tokens, f"{key}-r", attempt,
+                                  stop=cfg.reasoning_end)
         split = split_reasoning(thought, asker.marker)
         reasoning = split[0] if split else thought + asker.marker  # cut at its budget (or its stop): closed here
-        out = reasoning + await _generate(client, asker, prompt + reasoning, cfg.max_new_tokens, f"{rid}-a")
+        out = reasoning + await _generate(client, asker, prompt + reasoning, cfg.max_new_tokens, f"{key}-a", attempt)
     split = split_reasoning(out, asker.marker)
     if split is None and cfg.thinking and not cfg.keep_reasoning:
         raise NoAnswer(f"the reasoning did not end ({cfg.reasoning_end!r}) within {cfg.max_new_tokens} tokens, so "
@@ -99,7 +103,7 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
     for turn, point in enumerate(points):
         context = _replayed(history[:point + 1], answers)
         prompt = render_prompt(tok, context, cfg.thinking)
-        out, answer_ids = await _answer_turn(client, asker, prompt, f"{asker.rid_prefix}{conv.row_id}-{turn}-{attempt}")
+        out, answer_ids = await _answer_turn(client, asker, prompt, f"{conv.row_id}-{turn}", attempt)
         kept = out if cfg.keep_reasoning else answer_ids
         if not kept:
             raise NoAnswer(f"the target answered turn {turn} with no token")

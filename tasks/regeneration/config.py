@@ -24,7 +24,9 @@ class RegenerateConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold (with temperature > 0)")
     repetition_penalty: float = Field(1.0, gt=0, description="SGLang's repetition penalty (1: none)")
     seed: int = Field(0, ge=0, description=(
-        "sampling seed: each request's is derived from it and the conversation's id, so a rerun draws the same"))
+        "sampling seed: each request's is derived from it, the conversation and the turn. SGLang 0.5.23 applies "
+        "a request's seed only on a server started with --enable-deterministic-inference (server.extra_args); "
+        "otherwise sampled answers differ from run to run"))
     thinking: Optional[bool] = Field(None, description=(
         "reasoning targets: the chat template's enable_thinking switch (none: the template's default)"))
     reasoning_end: str = Field("</think>", description=(
