@@ -127,6 +127,9 @@ def test_a_killed_regeneration_resumes_and_answers_each_conversation_once(tiny_m
     kept = {p.name: p.read_bytes() for p in out.glob("answers-*.jsonl")}
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The rerun's plan asks only for the rest (each batch also skips what is answered: the second guard).
+    assert (f"8 conversations in {source}: {before['rows']} answered before, {8 - before['rows']} to answer"
+            in done.stdout + done.stderr), done.stderr[-3000:]
     store = AnswerStore(out)
     assert store.summary()["rows"] == 8 and store.summary()["quarantined"] == 0
     assert [r for r, _ in store.read()] == list(range(8))  # each conversation once, under its source row

@@ -26,7 +26,7 @@ import sqlite3
 import time
 from contextlib import closing
 from pathlib import Path
-from typing import Collection, Iterator
+from typing import Collection, Iterator, Sequence
 
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
@@ -54,14 +54,6 @@ class AnswersMismatch(Permanent, ValueError):
 
 def is_answers_dir(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / INDEX).is_file()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class AnswerStore:
@@ -101,6 +93,12 @@ class AnswerStore:
 
     def answered_ids(self) -> set[str]:
         return {r[0] for r in self._rows("SELECT row_id FROM rows")}
+
+    def answered_among(self, row_ids: Sequence[str]) -> set[str]:
+        """Which of these (a batch's) are answered: a batch asks about its own
+        rows, not every row of a 600k-conversation index."""
+        marks = ",".join("?" * len(row_ids))
+        return {r[0] for r in self._rows(f"SELECT row_id FROM rows WHERE row_id IN ({marks})", tuple(row_ids))}
 
     def commit(self, records: list[dict]) -> str | None:
         """Write `records` (FORMAT rows, each with row_id and source_row) as
@@ -191,11 +189,12 @@ class AnswerStore:
             problems = []
             path = self.root / name
             body = path.read_bytes() if path.is_file() else None
+            digest = hashlib.sha256(body).hexdigest() if body is not None else None
             if body is None:
                 problems.append("file missing")
-            elif len(body) != size or hashlib.sha256(body).hexdigest() != sha:
-                problems.append(f"{len(body)} bytes, sha256 {hashlib.sha256(body).hexdigest()[:12]}: not the "
-                                f"{size} bytes, sha256 {sha[:12]} committed")
+            elif len(body) != size or digest != sha:
+                problems.append(f"{len(body)} bytes, sha256 {digest[:12]}: not the {size} bytes, sha256 {sha[:12]} "
+                                f"committed")
             else:
                 indexed = self._rows("SELECT row_id, source_row, offset, length, tokens, answer_tokens FROM rows "
                                      "WHERE shard = ? ORDER BY offset", (name,))

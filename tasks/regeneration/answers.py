@@ -14,6 +14,7 @@ One conversation becomes one answers row (answer_store.FORMAT):
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -42,8 +43,9 @@ class Asker:
     rid_prefix: str = "regen-"
     transport: httpx.AsyncBaseTransport | None = None
 
-    @property
+    @functools.cached_property
     def marker(self) -> list[int]:
+        # Asked on every turn: encoded once.
         return list(self.tokenizer.encode(self.cfg.reasoning_end, add_special_tokens=False))
 
 

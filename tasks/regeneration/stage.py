@@ -15,11 +15,12 @@ from typing import Callable, Sequence
 
 from tasks.data.dataset import Rejected, read_rows, renders_tool_calls, to_messages
 from tasks.failures import Permanent
-from tasks.regeneration.answer_store import AnswerStore, file_sha256
+from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker, answer_all
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import Conversation, answer_points, row_id
 from tasks.sglang_api import server_down, server_healthy, was_in_flight
+from tasks.store.shards import file_sha256
 
 logger = logging.getLogger("eagle3.regeneration")
 
@@ -107,7 +108,7 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
     conversations in flight are counted against it, `on_down` makes it serve
     again (or raises), and ServerDown is raised so the batch is retried."""
     t0 = time.perf_counter()
-    answered = store.answered_ids()
+    answered = store.answered_among([c.row_id for c in batch])
     pending = [c for c in batch if c.row_id not in answered]
     crashes = store.crash_counts()
     culprits = [c for c in pending if crashes.get(c.row_id, 0) >= CRASH_LIMIT]
