@@ -485,7 +485,7 @@ def test_a_dead_nodes_part_taken_over_skips_what_the_trainer_already_consumed(ti
                                                   rows=part).todo] == part
 
 
-def test_a_retired_shard_leaves_the_index_and_its_ids_are_skipped_until_forgotten(tmp_path, ledger_url):
+def test_a_retired_shard_leaves_the_index_and_its_ids_are_skipped_until_forgotten(tmp_path, ledger_url, monkeypatch):
     """retire_shard on both backends: the shard, its samples and canaries
     leave the index in one transaction, its ids are retired (skipped by a
     capture), and forget_retired takes them back."""
@@ -502,11 +502,15 @@ def test_a_retired_shard_leaves_the_index_and_its_ids_are_skipped_until_forgotte
     ledger.retire_shard(a[0].name)
     assert ledger.stored_ids() == {"s003", "s004"} and ledger.retired_ids() == {"s000", "s001", "s002"}
     assert ledger.captured_ids() == {"s000", "s001", "s002", "s003", "s004"}
+    # A batch's own question, stored and retired alike; SQLite's in statements of IDS_PER_QUERY ids.
+    monkeypatch.setattr("tasks.store.ledger.sqlite.IDS_PER_QUERY", 2)
+    assert ledger.captured_among(["s004", "s009", "s001", "s002", "s003"]) == {"s001", "s002", "s003", "s004"}
+    assert ledger.captured_among([]) == set()
     assert list(ledger.shards().name) == [b[0].name]
     with pytest.raises(Exception, match="not committed"):
         ledger.retire_shard(a[0].name)
     ledger.forget_retired()
-    assert ledger.captured_ids() == {"s003", "s004"}
+    assert ledger.captured_ids() == {"s003", "s004"} == ledger.captured_among(["s000", "s003", "s004"])
 
 
 def test_a_spooled_run_captures_only_the_heldout_samples_evaluation_reads_within_its_budget(tiny_model, tmp_path):

@@ -480,7 +480,7 @@ def extract_batch(endpoint: Endpoint, store: Store, source: str, samples: list[S
     if guard is not None:
         guard.check()
     t0 = time.perf_counter()
-    stored = store.ledger.captured_ids()
+    stored = store.ledger.captured_among([s.sample_id for s in samples])
     pending = [s for s in samples if s.sample_id not in stored]
     if len(pending) < len(samples):
         logger.info("%d of %d samples of this batch are already stored", len(samples) - len(pending), len(samples))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
+from typing import Sequence
 
 import pandas as pd
 
@@ -73,6 +74,12 @@ class Ledger(abc.ABC):
         """What a capture into this store skips: every committed sample id,
         and those committed, trained and retired (a spool store)."""
         return self.stored_ids() | self.retired_ids()
+
+    @abc.abstractmethod
+    def captured_among(self, sample_ids: Sequence[str]) -> set[str]:
+        """Which of these (a batch's) a capture skips, as captured_ids: a
+        batch asks about its own samples, not for every id of an index of
+        millions on each of its thousands of batches."""
 
     @abc.abstractmethod
     def retired_ids(self) -> set[str]:

@@ -15,6 +15,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pandas as pd
 
@@ -238,6 +239,11 @@ class PostgresLedger(Ledger):
 
     def retired_ids(self) -> set[str]:
         return {r[0] for r in self._rows("SELECT sample_id FROM retired")}
+
+    def captured_among(self, sample_ids: Sequence[str]) -> set[str]:
+        ids = list(sample_ids)
+        return {r[0] for r in self._rows("SELECT sample_id FROM samples WHERE sample_id = ANY(%s) UNION "
+                                         "SELECT sample_id FROM retired WHERE sample_id = ANY(%s)", (ids, ids))}
 
     def forget_retired(self) -> None:
         with self._connect() as db:

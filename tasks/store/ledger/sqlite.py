@@ -5,12 +5,17 @@ import sqlite3
 import time
 from contextlib import closing
 from pathlib import Path
+from typing import Sequence
 
 import pandas as pd
 
 from tasks.store.ledger.index import CANARY_COLUMNS, Ledger
 from tasks.store.manifest import StoreError
 from tasks.store.shards import ShardInfo
+
+# Ids bound in one statement of captured_among, each twice: under SQLite's
+# limit of 32,766 variables.
+IDS_PER_QUERY = 10_000
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS shards(
@@ -112,6 +117,17 @@ class SqliteLedger(Ledger):
 
     def retired_ids(self) -> set[str]:
         return {r[0] for r in self._rows("SELECT sample_id FROM retired")}
+
+    def captured_among(self, sample_ids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        ids = list(sample_ids)
+        for i in range(0, len(ids), IDS_PER_QUERY):
+            chunk = ids[i: i + IDS_PER_QUERY]
+            marks = ",".join("?" * len(chunk))
+            found |= {r[0] for r in self._rows(f"SELECT sample_id FROM samples WHERE sample_id IN ({marks}) UNION "
+                                               f"SELECT sample_id FROM retired WHERE sample_id IN ({marks})",
+                                               (*chunk, *chunk))}
+        return found
 
     def forget_retired(self) -> None:
         with closing(self._connect()) as db, db:
