@@ -30,6 +30,9 @@ def test_cpu_environment_puts_stub_first_and_enables_cpu_engine():
     # torch.compile off in float32 only: in bf16 it changes what is computed.
     assert server_environment({}, cpu=True, dtype="float32")["TORCHDYNAMO_DISABLE"] == "1"
     assert "TORCHDYNAMO_DISABLE" not in server_environment({}, cpu=True, dtype="bfloat16")
+    # No crash diagnostics (and no 5-s wait for them) on a CPU, unless asked for.
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert server_environment({"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"}, cpu=True)["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
     first, rest = env["LD_LIBRARY_PATH"].split(":", 1)
     assert (Path(first) / "libcuda.so.1").is_file() and rest == "/opt/x"
 

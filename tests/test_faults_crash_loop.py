@@ -52,7 +52,9 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
     # Relaunched after each crash: the capture's two, then the regeneration's.
     cfg = CaptureSpec(ServerConfig(model=str(tiny_model), max_total_tokens=4096, max_restarts=2 * CRASH_LIMIT),
                       dump_dir=tmp_path / "dumps", extra_hooks=(crash,))
-    server = ServerSupervisor(cfg, ARTIFACTS / "crash-loop-server.log")
+    log = ARTIFACTS / "crash-loop-server.log"
+    log.unlink(missing_ok=True)  # launches append: this run's four crashes only
+    server = ServerSupervisor(cfg, log)
     server.start()
     unavailable, regeneration = [], []
     try:
@@ -83,6 +85,9 @@ def test_a_sample_that_crashes_the_server_is_quarantined_and_the_rest_stored(tin
     # The regeneration: the poisoned conversation (row 2) in flight at the first crash with
     # the others, alone at the second, then quarantined; the others answered.
     assert len(regeneration) == CRASH_LIMIT and server.restarts == 2 * CRASH_LIMIT, regeneration
+    # Each crashed server exited at once: no 5-s wait for crash diagnostics on a CPU (server_environment).
+    assert log.read_text().count("crashed with exit code") == 2 * CRASH_LIMIT
+    assert "before crash diagnostics" not in log.read_text()
     poisoned = answers.quarantined()
     assert [(row, attempts) for _, row, _, attempts in poisoned] == [(2, CRASH_LIMIT)], poisoned
     assert "SGLang server crashes" in poisoned[0][2] and regeneration[1].endswith(f"{poisoned[0][0]} (crash 2)")

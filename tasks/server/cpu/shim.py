@@ -94,7 +94,8 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
     """The environment for an SGLang server process.
 
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
-    switch, the stub driver, torch.compile off for a float32 server, and the sitecustomize
+    switch, the stub driver, torch.compile off for a float32 server, no
+    crash diagnostics (SGLang's 5-s wait before them), and the sitecustomize
     (tasks/server/cpu/sglang_site; it needs the repository root on PYTHONPATH
     too, which the launcher adds) that makes a SIGTERM stop prompt
     (tasks/server/cpu/shutdown.py) and, with `cpu_ops=True`, supplies the
@@ -125,6 +126,12 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
         # near-tie of tiny gpt-oss between its plain and speculative servers.
         if dtype == "float32":
             env.setdefault("TORCHDYNAMO_DISABLE", "1")
+        # After a scheduler crash SGLang sleeps 5 s "to let GPU activity
+        # settle" before a py-spy dump and a CUDA coredump; on a CPU there is
+        # no GPU to settle and no coredump to take, and a crashed scheduler
+        # leaves nothing to py-spy: the relaunch waits for nothing.
+        env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+        env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         if cpu_ops:
             env[CPU_OPS_SWITCH] = "1"
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
