@@ -74,7 +74,8 @@ def extract_across_nodes(
     deployment: Annotated[str, Field(description="the deployment the child runs use")] = "extract_hidden_states/extract-node",
     batches_per_child: Annotated[int, Field(description="the smallest share a child run gets, in batches (shares start at half of what is left per node and shrink to this)", ge=1)] = 64,
     max_node_failures: Annotated[int, Field(description="drain a node after this many failed child runs in a row", ge=1)] = 2,
-    start_timeout_s: Annotated[float, Field(description="cancel a child run no worker starts within this many seconds (its node is gone); drain a node still busy with an earlier child run after as long", gt=0)] = 600.0,
+    start_timeout_s: Annotated[float, Field(description="cancel a child run no worker starts within this many seconds (its node is gone)", gt=0)] = 600.0,
+    busy_limit_s: Annotated[float, Field(description="drain a node still busy with an earlier child run (a stopped or hung one that holds its dump dir) after this many seconds; tried again every quarter of it, at most every 30 s, until then", gt=0)] = 600.0,
     verify: VerifyAtEnd = True,
 ) -> dict:
     """Capture EAGLE-3 hidden states on many nodes into one verified store:
@@ -107,7 +108,7 @@ def extract_across_nodes(
                  space["store_bytes"] / 2**30, space["store_free"] / 2**30, path)
         dispatcher = nodes.Dispatcher(plan.todo, queues, max_node_failures,
                                       min_share=capture.batch_size * batches_per_child, batch_size=capture.batch_size,
-                                      busy_limit_s=start_timeout_s)
+                                      busy_limit_s=busy_limit_s)
         log.info("%d samples (%s tokens) over %d nodes (%s), in shares of half what is left per node, at least "
                  "%d samples", len(plan.todo), f"{plan.todo_tokens:,}", len(queues), ", ".join(queues),
                  capture.batch_size * batches_per_child)

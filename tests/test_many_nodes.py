@@ -283,7 +283,7 @@ def node_api_key(worker_pid: int) -> str:
     return env["EAGLE3_API_KEY"]
 
 
-START_TIMEOUT_S = 90
+START_TIMEOUT_S = 30
 
 
 def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_path, monkeypatch):
@@ -306,11 +306,11 @@ def test_two_nodes_falling_silent_at_once_lose_and_double_nothing(stack, tmp_pat
 
     monkeypatch.setenv("EAGLE3_LEDGER_URL", stack["env"]["EAGLE3_LEDGER_URL"])
     api, out, victim = stack["api"], tmp_path / "parent.out", stack["nodes"]["node-b"]
-    # Two first shares of 32 samples (seconds of capture each: both are caught running). The start
-    # timeout is also how long node-a may stay busy: node-a's child may be stopped before its first
-    # batch, and a whole share takes ~40 s on this machine once it goes on (30 s drained it, seen once).
+    # Two first shares of 32 samples (seconds of capture each: both are caught running). node-a may
+    # stay busy far longer than node-b's next child waits for a worker: its child may be stopped
+    # before its first batch, and a whole share takes ~40 s on a slow machine once it goes on.
     proc = run_parent(stack, tmp_path, 64, "--capture.batch-size", "2", "--batches-per-child", "16",
-                      "--start-timeout-s", str(START_TIMEOUT_S))
+                      "--start-timeout-s", str(START_TIMEOUT_S), "--busy-limit-s", "600")
     store = str(tmp_path / "store")
 
     def both_running() -> dict | None:
