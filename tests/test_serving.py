@@ -251,7 +251,9 @@ def test_the_demo_target_is_evaluated_beside_a_plain_server_the_run_launches(tmp
     sets = [prompt_set("humaneval", count=2, tokenizer=tokenizer, store=None, heldout_fraction=0.1)]
     assert tokenizer.decode(sets[0].prompts[0]).startswith("<|im_start|>")  # ChatML, SmolLM2's own template
     out = tmp_path / "evaluation"
-    cfg = EvaluateConfig(num_prompts=2, max_new_tokens=16, concurrency=[1], min_verify_steps=16, temperature=0.0)
+    # 8 tokens a request: the sweep's one round of two requests has the 16 verify steps (the drafter is
+    # untrained: one token a step); SmolLM2 decodes at ~10 tokens/s here.
+    cfg = EvaluateConfig(num_prompts=2, max_new_tokens=8, concurrency=[1], min_verify_steps=16, temperature=0.0)
     report = evaluate_drafters(ServerConfig(model=str(model)), [Drafter("random", drafter, 3)], sets, cfg,
                                log_dir=out)
     assert report["baseline"] == "launched" and report["greedy_changed"] == {}
@@ -259,9 +261,9 @@ def test_the_demo_target_is_evaluated_beside_a_plain_server_the_run_launches(tmp
     (row,) = report["acceptance"]
     assert row["outputs_equal"] is True and row["mode"] == "greedy"
     raw = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert len(raw) == 2 and sum(r["completion_tokens"] for r in raw) == 2 * 16
+    assert len(raw) == 2 and sum(r["completion_tokens"] for r in raw) == 2 * 8
     steps = sum(r["spec_verify_ct"] for r in raw)
-    assert row["pooled"] == 2 * 16 / steps == row["completion_tokens"] / row["verify_steps"]
+    assert row["pooled"] == 2 * 8 / steps == row["completion_tokens"] / row["verify_steps"]
     assert row["mean_of_means"] == sum(r["completion_tokens"] / r["spec_verify_ct"] for r in raw) / 2
     assert sum(row["histogram"]) == steps and all(sum(r["spec_correct_drafts_histogram"]) == r["spec_verify_ct"]
                                                   for r in raw)
