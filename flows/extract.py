@@ -30,6 +30,7 @@ from tasks.capture import extraction, nodes
 from tasks.capture.canary import refuse_unchecked_logits
 from tasks.capture.config import CaptureConfig
 from tasks.paths import default_dump_root, ensure_private_dir
+from tasks.regeneration.answer_store import sources_provenance
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec, check_serves
 from tasks.server.supervisor import ServerSupervisor, node_sections
@@ -52,9 +53,10 @@ class Planned:
 def create_store(target: Target, tokenizer, capture: CaptureConfig, store: StoreConfig) -> Store:
     """The store this capture writes: created, or checked to have been made
     the same way (tasks/store/manifest.py)."""
+    source = Path(capture.dataset).resolve()
     manifest = build_manifest(target.path, tokenizer, target.layers, target.arch, max_length=capture.max_length,
-                              policy=capture.max_length_policy, sources=[str(Path(capture.dataset).resolve())],
-                              dtype=store.dtype)
+                              policy=capture.max_length_policy, sources=[str(source)], dtype=store.dtype,
+                              regenerated=sources_provenance([source]))
     return Store.create(Path(store.path), manifest, store.ledger_url)
 
 

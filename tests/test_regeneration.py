@@ -149,6 +149,16 @@ def test_a_killed_regeneration_resumes_and_answers_each_conversation_once(tiny_m
     samples, rejected = prepare_samples(out, tokenizer, max_length=4096, rows={1, 6})
     assert not rejected and [(s.source_row, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples] == [
         (r, row["input_ids"], row["loss_mask"]) for r, row in store.read() if r in (1, 6)]
+    # The store the capture makes of them names what they were made from.
+    from flows.extract import create_store
+    from tasks.capture.config import CaptureConfig
+    from tasks.store.config import StoreConfig
+    from tasks.target.checkpoint import Target
+
+    made = create_store(Target.load(str(tiny_model)), tokenizer, CaptureConfig(dataset=str(out)),
+                        StoreConfig(path=str(tmp_path / "store")))
+    assert made.manifest["regenerated"] == {str(out.resolve()): {"format": "eagle3-answers/1", **provenance(
+        source, tiny_model, RegenerateConfig(turns="last", max_new_tokens=24, concurrency=1, batch_size=2))}}
     # A corrupt byte is found, naming its shard; the answers, opened for other settings, are refused.
     name = sorted(indexed)[0]
     damaged = bytearray((out / name).read_bytes())

@@ -56,6 +56,13 @@ def is_answers_dir(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / INDEX).is_file()
 
 
+def sources_provenance(sources: Sequence[Path]) -> dict[str, dict]:
+    """For a store's manifest: the provenance of each source that is an
+    answers directory, by its resolved path."""
+    return {str(Path(s).resolve()): json.loads((Path(s) / PROVENANCE).read_text())
+            for s in sources if is_answers_dir(s)}
+
+
 class AnswerStore:
     """One answers directory. Safe from the threads Prefect runs batch tasks
     in: one short SQLite connection per call."""

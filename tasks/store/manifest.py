@@ -6,7 +6,10 @@
                               hidden size, dtype (the storage dtype of the hidden
                               states: bfloat16, or float8_e4m3fn with per-token
                               scales; see tasks/store/shards.py), max length and
-                              policy, SGLang version, sources
+                              policy, SGLang version, sources, and for a
+                              source of regenerated answers what they were
+                              made from (`regenerated`: source -> its
+                              provenance.json, tasks/regeneration/answer_store.py)
 
 Two runs may write into the same store only if the keys in IDENTITY_KEYS are
 equal: the format and the storage dtype among them, so one store never mixes
@@ -46,11 +49,13 @@ IDENTITY_SETTINGS = {"target": "server.model", "architecture": "server.model", "
 
 
 def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Architecture, *, max_length: int,
-                   policy: str, sources: Sequence[str], dtype: str = BF16) -> dict:
+                   policy: str, sources: Sequence[str], dtype: str = BF16,
+                   regenerated: dict[str, dict] | None = None) -> dict:
     """What produced the data. The keys in IDENTITY_KEYS must match for a run
     to add to an existing store. `dtype`, the storage dtype of the hidden
     states: bfloat16 (default) or float8_e4m3fn (half the bytes;
-    tasks/store/fp8.py)."""
+    tasks/store/fp8.py). `regenerated`: the provenance of each source that
+    is a directory of the target's own answers."""
     from importlib.metadata import version
 
     if dtype not in STORAGE_DTYPES:
@@ -75,6 +80,7 @@ def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Archit
         "max_length_policy": policy,
         "sglang_version": version("sglang"),
         "sources": sorted(str(s) for s in sources),
+        "regenerated": dict(regenerated or {}),
     }
 
 
@@ -123,7 +129,8 @@ def create_or_check(store: Path, manifest: dict) -> None:
                         f"{existing.get(k)!r}, this run {manifest.get(k)!r}" for k in diff)
             + ". Use a new store directory for this run."
         )
-    updated = {**existing, "sources": sorted(set(existing.get("sources", [])) | set(manifest.get("sources", [])))}
+    updated = {**existing, "sources": sorted(set(existing.get("sources", [])) | set(manifest.get("sources", []))),
+               "regenerated": {**existing.get("regenerated", {}), **manifest.get("regenerated", {})}}
     if updated != existing:
         write_json_atomic(path, updated)
 
