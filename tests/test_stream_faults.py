@@ -513,6 +513,41 @@ def test_a_retired_shard_leaves_the_index_and_its_ids_are_skipped_until_forgotte
     assert ledger.captured_ids() == {"s003", "s004"} == ledger.captured_among(["s000", "s003", "s004"])
 
 
+def test_an_epoch_store_removed_while_the_spool_is_counted_is_not_counted_and_fails_nothing(tmp_path, ledger_url,
+                                                                                            monkeypatch):
+    """The trainer removes a trained epoch store (its files, then its index:
+    reader.py remove_earlier_epochs) between a counter's opening it and
+    reading its index, on both backends: the spool holds what is left, and
+    the count does not fail (it did with PostgreSQL: 'relation "samples"
+    does not exist', seen in the many-nodes stream test)."""
+    import shutil
+
+    from tasks.store.handle import Store
+    from tasks.store.ledger.open import open_store
+    from tasks.store.shards import write_shard
+    from tasks.stream import spool
+    from test_store import MANIFEST, item
+
+    root = tmp_path / "store"
+    homes = [spool.epoch_store(root, e) for e in (0, 1)]
+    for k, home in enumerate(homes):
+        open_store(home, MANIFEST, ledger_url).commit_shard(*write_shard(home, [item(k, 4)], source="s.jsonl"))
+    kept = Store.open(homes[1]).ledger.summary()["bytes"]
+    assert spool.spooled_bytes(root) == kept + Store.open(homes[0]).ledger.summary()["bytes"]
+    real_open = Store.open
+
+    def removed_once_opened(path, *a, **kw):
+        opened = real_open(path, *a, **kw)
+        if Path(path) == homes[0] and homes[0].exists():
+            shutil.rmtree(homes[0])  # as the trainer removes it: the files, then the index
+            opened.ledger.drop()
+        return opened
+
+    monkeypatch.setattr(spool.Store, "open", removed_once_opened)
+    assert spool.spooled_bytes(root) == kept
+    assert spool.spooled_bytes(root) == kept  # and once it is gone
+
+
 def test_a_spooled_run_captures_only_the_heldout_samples_evaluation_reads_within_its_budget(tiny_model, tmp_path):
     """Half the samples held out (as 5% of 600k are ~4 TB at Kimi-K2.5's
     size): a spooled run captures only those evaluation reads, the first in
