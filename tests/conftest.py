@@ -21,6 +21,23 @@ ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", Path(__file__).resolve().paren
 # Servers' logs land here for CI to keep; any test may be the first to run.
 ARTIFACTS.mkdir(parents=True, exist_ok=True)
 
+_reporting: dict = {}
+
+
+def pytest_configure(config):
+    _reporting["config"] = config
+
+
+def pytest_runtest_logreport(report):
+    """A failure's report the moment it fails, not only in the summary at
+    the end: a CI run cut off by its time limit still says why a test
+    failed (the summary never comes)."""
+    reporter = _reporting["config"].pluginmanager.getplugin("terminalreporter")
+    if report.failed and reporter is not None:
+        reporter.write_line("")
+        reporter.write_sep("!", f"{report.nodeid} failed in its {report.when}; the whole report is in the summary")
+        reporter.write_line(report.longreprtext[-6000:])
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
