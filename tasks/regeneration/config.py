@@ -37,7 +37,8 @@ class RegenerateConfig(Section):
     keep_reasoning: bool = Field(True, description=(
         "keep the reasoning in the training rows (a drafter for a reasoning target drafts it too), or drop it "
         "(the rows hold the answers only)"))
-    batch_size: int = Field(64, ge=1, description="conversations per batch task and per answer shard")
+    # At most 32,766: a batch asks the answers index about its rows in one SQLite statement.
+    batch_size: int = Field(64, ge=1, le=32_766, description="conversations per batch task and per answer shard")
     concurrency: int = Field(16, ge=1, description="requests in flight per batch")
     attempts: int = Field(3, ge=1, description="tries per conversation before it is quarantined with its error")
     batch_retries: int = Field(3, ge=0, description=(
