@@ -64,8 +64,9 @@ def spooled_bytes(store: Path) -> int:
             total += Store.open(d).ledger.summary()["bytes"]
         except Exception:  # noqa: BLE001 - told apart below
             # An epoch store removed meanwhile (all trained: its files, then
-            # its index) fails as its backend does (no manifest, no table, a
-            # dropped schema); one still there failed for real.
+            # its index), or not made yet, fails as its backend does (no
+            # manifest, no table, a dropped schema); one whose manifest is
+            # there failed for real.
             if manifest_path(d).exists():
                 raise
     return total
