@@ -60,13 +60,13 @@ LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
 SHAPES = {"small": SMALL, "llama-8b": LLAMA_8B, "kimi": KIMI}
 
 
-def dense_ttt_attention(q, keys, values, valid):
+def dense_ttt_attention(q, keys, values, valid, block=None, scale=None):
     """The implementation before the blockwise one (as in tests/test_drafter.py)."""
     def rep(x):
         return x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
 
     heads, n, d = q.shape[1], q.shape[2], q.shape[3]
-    scale = d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
     k0, v0 = rep(keys[0]), rep(values[0])
     scores = (q @ k0.transpose(-1, -2)) * scale
     allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None, None] & valid[:, None, None, :]

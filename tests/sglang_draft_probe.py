@@ -54,7 +54,7 @@ def make_probe(config: dict):
             _save({n: _cpu(p) for n, p in module.named_parameters()}, out_dir / "params.safetensors")
         # The drafter's LlamaModel returns (normed, [what the next step is fed]).
         normed, (fed_back,) = output
-        kind = "extend" if hidden_in.shape[-1] == module.fc.in_features else "decode"
+        kind = "extend" if hidden_in.shape[-1] == module.fc.weight.shape[1] else "decode"
         _save({"input_ids": input_ids.detach().cpu().long(), "positions": positions.detach().cpu().long(),
                "hidden_in": _cpu(hidden_in), "out": _cpu(normed), "fed_back": _cpu(fed_back),
                "req_pool_indices": forward_batch.req_pool_indices.detach().cpu().long()},

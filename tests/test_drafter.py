@@ -16,15 +16,15 @@ from tasks.target.layers import AuxLayers
 from tasks.train.config import TrainConfig
 from tasks.train.data import plan_batches
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.drafter import build_drafter, ttt_attention
-from tasks.train.export import export_drafter, export_weights, load_exported
+from tasks.train.drafter import MLA_DIMS, DrafterConfig, build_drafter, target_sizes, ttt_attention
+from tasks.train.export import UnservedTensor, export_drafter, export_weights, load_exported
 from tasks.train.loop import lr_at
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import autocast_dtype
 from tasks.train.ttt import acceptance_length, chain_hits, exact_acceptance_length, ttt_forward
 from tasks.train.vocab import DraftVocab, count_target_tokens, target_greedy
 from tests.random_drafter import export_random_drafter
-from tests.tiny_models import TINY, TINY_KIMI_K25, ensure_model
+from tests.tiny_models import TINY, TINY_DEEPSEEK_V3, TINY_KIMI_K25, ensure_model
 
 
 def test_draft_vocab_keeps_the_most_frequent_ids_and_maps_them_like_sglang():
@@ -205,10 +205,11 @@ def test_a_drafter_on_layer_0_is_refused_for_a_target_sglang_cannot_capture_it_f
         export_random_drafter(ensure_model(TINY_KIMI_K25), tmp_path / "drafter", draft_vocab_size=64,
                               aux_layer_ids=(0, 5, 6))
 
-def _naive_step_attention(q, keys, values, valid):
+def _naive_step_attention(q, keys, values, valid, scale=None):
     """Loops: query t attends to step-0 keys s <= t (valid), then to steps 1..k at t."""
     b, h, n, d = q.shape
-    out = torch.zeros_like(q)
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.zeros(b, h, n, values[0].shape[-1])
     rep = h // keys[0].shape[1]
     for bi in range(b):
         for hi in range(h):
@@ -217,7 +218,7 @@ def _naive_step_attention(q, keys, values, valid):
                 vs = [values[0][bi, hi // rep, s] for s in range(t + 1) if valid[bi, s]]
                 ks += [k[bi, hi // rep, t] for k in keys[1:]]
                 vs += [v[bi, hi // rep, t] for v in values[1:]]
-                w = torch.softmax(torch.stack([q[bi, hi, t] @ k for k in ks]) / d ** 0.5, 0)
+                w = torch.softmax(torch.stack([q[bi, hi, t] @ k for k in ks]) * scale, 0)
                 out[bi, hi, t] = sum(wi * vi for wi, vi in zip(w, vs))
     return out
 
@@ -237,6 +238,22 @@ def test_ttt_attention_equals_a_loop_reference(depth):
         sdpa = F.scaled_dot_product_attention(q[:1], keys[0][:1].repeat_interleave(2, 1),
                                               values[0][:1].repeat_interleave(2, 1), is_causal=True)
         assert torch.allclose(got[:1], sdpa, atol=1e-5)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_ttt_attention_with_mlas_shapes_equals_a_loop_reference(depth):
+    # MLA's: a key and a value per query head, values narrower than keys
+    # (v_head_dim against qk_nope + qk_rope), the softmax scaled by YaRN's
+    # mscale^2 rather than d^-0.5; several query blocks.
+    torch.manual_seed(1)
+    b, h, n, d, dv, scale = 2, 4, 6, 12, 8, 0.37
+    q = torch.randn(b, h, n, d)
+    keys = [torch.randn(b, h, n, d) for _ in range(depth)]
+    values = [torch.randn(b, h, n, dv) for _ in range(depth)]
+    valid = torch.tensor([[True] * n, [True] * 4 + [False] * 2])
+    got = ttt_attention(q, keys, values, valid, block=4, scale=scale)
+    assert got.shape == (b, h, n, dv)
+    assert torch.allclose(got, _naive_step_attention(q, keys, values, valid, scale), atol=1e-5)
 
 
 def _dense_ttt_attention(q, keys, values, valid):
@@ -404,3 +421,69 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     assert lrs[0] < lrs[9] == pytest.approx(1.0)
     assert all(x >= y for x, y in zip(lrs[10:], lrs[11:]))
     assert lrs[-1] == pytest.approx(0.1, abs=0.01)
+
+
+def test_an_mla_drafter_takes_the_mla_targets_dims_and_needs_them_given_for_another_target():
+    kimi = target_sizes(ensure_model(TINY_KIMI_K25))
+    cfg = DrafterConfig.from_target(kimi, 64, attention="mla")
+    assert cfg.mla_dims == {k: kimi[k] for k in MLA_DIMS} and cfg.rope_interleave is True
+    assert cfg.num_key_value_heads == cfg.num_attention_heads
+    assert DrafterConfig.from_target(kimi, 64, attention="mla", mla_dims={"kv_lora_rank": 16}).kv_lora_rank == 16
+    llama = target_sizes(ensure_model(TINY))  # a plain rope, no MLA dims
+    with pytest.raises(ValueError, match="needs q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+                                         "v_head_dim: the target has none"):
+        DrafterConfig.from_target(llama, 64, attention="mla")
+    dims = dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
+    assert DrafterConfig.from_target(llama, 64, attention="mla", mla_dims=dims).mla_dims == dims
+    with pytest.raises(ValueError, match="'longrope': SGLang serves an MLA drafter only plain or YaRN rope"):
+        DrafterConfig.from_target({**llama, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, 64,
+                                  attention="mla", mla_dims=dims)
+    with pytest.raises(ValueError, match="mla_dims .* sizes an MLA drafter: set train.attention mla"):
+        TrainConfig(mla_dims={"kv_lora_rank": 16})
+    with pytest.raises(ValueError, match="kv_rank: not an MLA dim"):
+        TrainConfig(attention="mla", mla_dims={"kv_rank": 16})
+
+
+@pytest.mark.parametrize("target", [TINY_KIMI_K25, TINY_DEEPSEEK_V3])
+def test_an_mla_export_has_sglangs_mla_layout_and_reads_back(target, tmp_path):
+    path = ensure_model(target)
+    model = build_drafter(path, DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 256), seed=1,
+                          variant="eagle3.1", attention="mla")
+    # The tiny targets' YaRN: factor 4, mscale_all_dim 1, qk head 32 + 32.
+    assert model.midlayer.scale == pytest.approx(64 ** -0.5 * (0.1 * np.log(4.0) + 1) ** 2, rel=1e-12)
+    out = export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter", architecture=LLAMA)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    sizes = target_sizes(path)
+    assert {k: config[k] for k in (*MLA_DIMS, "rope_parameters", "rope_interleave")} == \
+        {k: sizes[k] for k in (*MLA_DIMS, "rope_parameters", "rope_interleave")}
+    assert (config["fc_norm"], config["norm_output"], config["draft_vocab_size"]) == (True, True, 256)
+    tensors = load_file(str(out / "model.safetensors"))
+    h, attn = config["hidden_size"], "midlayer.self_attn."
+    # The two down-projections SGLang fuses (q_a first) both take the 2H input.
+    assert tensors[attn + "q_a_proj.weight"].shape == (64, 2 * h)
+    assert tensors[attn + "kv_a_proj_with_mqa.weight"].shape == (64 + 32, 2 * h)
+    assert tensors[attn + "kv_b_proj.weight"].shape == (4 * (32 + 32), 64)
+    assert tensors[attn + "o_proj.weight"].shape == (h, 4 * 32)
+    back = load_exported(out, path)
+    assert back.cfg == model.cfg
+    for name, t in export_weights(model).items():
+        assert torch.allclose(export_weights(back)[name].float(), t.float(), rtol=1e-2, atol=1e-3), name
+
+
+@pytest.mark.parametrize("attention, part", [("gqa", "q_proj"), ("mla", "q_a_proj")])
+def test_the_export_refuses_a_tensor_sglang_would_drop_naming_it_and_writes_nothing(attention, part, tmp_path):
+    path = ensure_model(TINY_KIMI_K25)
+    model = build_drafter(path, DraftVocab.from_counts(np.ones(2048), 64), attention=attention)
+    # A bias SGLang's class has no parameter for: its loader skips it.
+    proj = getattr(model.midlayer, part)
+    proj.bias = torch.nn.Parameter(torch.ones(proj.out_features))
+    with pytest.raises(UnservedTensor, match=rf"skips midlayer\.self_attn\.{part}\.bias \(no parameter"):
+        export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter", architecture=LLAMA)
+    assert list(tmp_path.iterdir()) == []
+    # eagle3.1's config builds fc norms in SGLang: without their tensors they stay ones.
+    model = build_drafter(path, DraftVocab.from_counts(np.ones(2048), 64), variant="eagle3.1", attention=attention)
+    model.fc_norm = None
+    with pytest.raises(UnservedTensor, match=r"nothing fills fc_norm\.0\.weight, fc_norm\.1\.weight"):
+        export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter", architecture=LLAMA)
+    assert list(tmp_path.iterdir()) == []

@@ -1,5 +1,6 @@
-"""Our drafter inside SGLang's own `LlamaForCausalLMEagle3`, in a real
-speculative server (one launch per target, each with a variant, for the module): the
+"""Our drafter inside SGLang's own classes, `LlamaForCausalLMEagle3` (attention
+gqa) and `Eagle3DeepseekV2ForCausalLM` (mla), in a real speculative server
+(one launch per target, layout and variant, for the module): the
 parameters it loaded are ours, the aux states it is fed are the target's
 states of the layers the drafter was trained on (not SGLang's default ones),
 they are aligned as training assumes (aux state of token t with the embedding
@@ -33,7 +34,7 @@ from tasks.train.drafter import Eagle3Drafter, target_sizes
 from tasks.train.export import export_weights, load_exported
 from tasks.train.loop import train
 from tests.conftest import ARTIFACTS, FIVE_LAYER_IDS, random_store
-from tests.tiny_models import TINY, TINY_KIMI_K25, ensure_model
+from tests.tiny_models import TINY, TINY_DEEPSEEK_V3, TINY_KIMI_K25, ensure_model
 
 pytestmark = pytest.mark.server
 
@@ -63,6 +64,7 @@ class Served:
     target_path: Path
     drafter_dir: Path
     variant: str
+    attention: str
     output_ids: list[int]
     forwards: list[dict]  # the probe's files in call order, each with its "kind"
     params: dict[str, torch.Tensor]  # the drafter's parameters as SGLang loaded them
@@ -128,23 +130,30 @@ def test_the_captured_llama_store_holds_the_targets_five_layers(llama_store):
 
 # Kimi-K2.5: a wrapper target whose embedding sits under language_model.,
 # an MLA target on a CPU, and a YaRN rope the drafter takes over. The
-# grid's diagonal: what a variant changes (fc norms, what is fed back) does
-# not depend on the target, nor what a target changes (embedding, rope,
-# attention) on the variant; each of the two triples is served once.
-@pytest.fixture(scope="module", params=[(TINY, "eagle3"), (TINY_KIMI_K25, "eagle3.1")], ids=lambda p: "-".join(p))
+# grid's diagonals: what a variant changes (fc norms, what is fed back) does
+# not depend on the target or the layout, nor what a target changes
+# (embedding, rope, attention) on the variant. The MLA layout (its
+# attention, deepseek-yarn rope and mscale, fused q_a/kv_a) is served on
+# both MLA targets, each with the other variant; Kimi-K2.5 and DeepSeek-V3
+# differ in SGLang only by the wrapper (the embedding, multimodal inputs).
+GRID = [(TINY, "eagle3", "gqa"), (TINY_KIMI_K25, "eagle3.1", "gqa"), (TINY_KIMI_K25, "eagle3", "mla"),
+        (TINY_DEEPSEEK_V3, "eagle3.1", "mla")]
+
+
+@pytest.fixture(scope="module", params=GRID, ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory) -> Served:
     """A drafter trained (briefly: what is checked is the path, not its
     quality) on its AUX_LAYER_IDS of a five-layer store (the Llama target's
-    captured; Kimi-K2.5's random states),
+    captured; the MLA targets' random states),
     served with the probe, and one greedy request through it."""
-    target, variant = request.param
+    target, variant, attention = request.param
     target_path = ensure_model(target)
-    d = tmp_path_factory.mktemp(f"served-{target}-{variant}")
+    d = tmp_path_factory.mktemp(f"served-{target}-{variant}-{attention}")
     store = request.getfixturevalue("llama_store") if target == TINY else \
         random_store(d, target_path, 8, max_length=64, aux_layer_ids=STORE_LAYER_IDS)
-    result = train(TrainConfig(out_dir=str(d / "train"), variant=variant, aux_layer_ids=list(AUX_LAYER_IDS[variant]),
-                               draft_vocab_size=256, ttt_steps=2, epochs=1, tokens_per_batch=512,
-                               heldout_fraction=0.25, eval_max_samples=4), store)
+    result = train(TrainConfig(out_dir=str(d / "train"), variant=variant, attention=attention,
+                               aux_layer_ids=list(AUX_LAYER_IDS[variant]), draft_vocab_size=256, ttt_steps=2,
+                               epochs=1, tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), store)
     if variant == "eagle3.1":
         _distinct_fc_norms(Path(result.drafter_dir))
     probe = d / "probe"
@@ -153,12 +162,13 @@ def served(request, tmp_path_factory) -> Served:
     cfg = SpeculativeSpec(ServerConfig(model=str(target_path), dtype="float32", max_total_tokens=8192,
                                        extra_args=["--forward-hooks", json.dumps(hooks)]),
                           draft_model_path=result.drafter_dir)
-    with launch_server(cfg, ARTIFACTS / f"draft-probe-server-{target}-{variant}.log", timeout_s=600) as server:
+    log = ARTIFACTS / f"draft-probe-server-{target}-{variant}-{attention}.log"
+    with launch_server(cfg, log, timeout_s=600) as server:
         reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     with safe_open(str(probe / "params.safetensors"), framework="pt") as f:
         params = {k: f.get_tensor(k) for k in f.keys()}
-    return Served(target_path, Path(result.drafter_dir), variant, reply["output_ids"],
+    return Served(target_path, Path(result.drafter_dir), variant, attention, reply["output_ids"],
                   [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params)
 
 
@@ -177,23 +187,30 @@ def _drafter(served: Served) -> Eagle3Drafter:
 
 
 def test_sglang_loads_our_drafter(served):
+    """Every parameter of SGLang's drafter model holds ours (fused as its
+    loader fuses them): none is left as it was built."""
     ours = export_weights(_drafter(served))
-    pairs = {
-        "fc.weight": ours["fc.weight"], "norm.weight": ours["norm.weight"],
-        "layers.0.self_attn.qkv_proj.weight": torch.cat([ours[f"midlayer.self_attn.{p}_proj.weight"] for p in "qkv"]),
-        "layers.0.self_attn.o_proj.weight": ours["midlayer.self_attn.o_proj.weight"],
-        "layers.0.mlp.gate_up_proj.weight": torch.cat([ours["midlayer.mlp.gate_proj.weight"],
-                                                       ours["midlayer.mlp.up_proj.weight"]]),
-        "layers.0.mlp.down_proj.weight": ours["midlayer.mlp.down_proj.weight"],
-        "layers.0.input_layernorm.weight": ours["midlayer.input_layernorm.weight"],
-        "layers.0.hidden_norm.weight": ours["midlayer.hidden_norm.weight"],
-        "layers.0.post_attention_layernorm.weight": ours["midlayer.post_attention_layernorm.weight"],
-        "embed_tokens.weight": load_target_embeddings(served.target_path)[0],  # shared from the target
-    }
+    attn, mlp = "midlayer.self_attn.", "midlayer.mlp."
+    layer = "midlayer." if served.attention == "mla" else "layers.0."  # SGLang's own module names
+    pairs = {"fc.weight": ours["fc.weight"], "norm.weight": ours["norm.weight"],
+             "embed_tokens.weight": load_target_embeddings(served.target_path)[0],  # shared from the target
+             f"{layer}mlp.gate_up_proj.weight": torch.cat([ours[mlp + "gate_proj.weight"],
+                                                          ours[mlp + "up_proj.weight"]]),
+             f"{layer}mlp.down_proj.weight": ours[mlp + "down_proj.weight"]}
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        pairs[f"{layer}{norm}.weight"] = ours[f"midlayer.{norm}.weight"]
+    if served.attention == "mla":
+        # q_a and kv_a fused, in that order.
+        pairs[f"{layer}self_attn.fused_qkv_a_proj_with_mqa.weight"] = torch.cat(
+            [ours[attn + "q_a_proj.weight"], ours[attn + "kv_a_proj_with_mqa.weight"]])
+        for part in ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+            pairs[f"{layer}self_attn.{part}.weight"] = ours[f"{attn}{part}.weight"]
+    else:
+        pairs[f"{layer}self_attn.qkv_proj.weight"] = torch.cat([ours[f"{attn}{p}_proj.weight"] for p in "qkv"])
+        pairs[f"{layer}self_attn.o_proj.weight"] = ours[attn + "o_proj.weight"]
     if served.variant == "eagle3.1":
         pairs.update({f"fc_norm.{i}.weight": ours[f"fc_norm.{i}.weight"] for i in range(3)})
-    else:
-        assert not any(name.startswith("fc_norm") for name in served.params)
+    assert sorted(served.params) == sorted(pairs)
     for name, want in pairs.items():
         assert torch.equal(served.params[name], want.float()), name
 

@@ -171,8 +171,10 @@ def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
     """The drafter as the last checkpoint holds it (fp32), to check an export against."""
     ckpt = load_checkpoint(Path(out_dir) / CHECKPOINT)
     fc = ckpt["model"]["fc.weight"]
+    identity = ckpt["identity"]
     model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]),
-                          num_aux=fc.shape[1] // fc.shape[0], variant=ckpt["identity"].get("variant", "eagle3"))
+                          num_aux=fc.shape[1] // fc.shape[0], variant=identity.get("variant", "eagle3"),
+                          attention=identity.get("attention", "gqa"), mla_dims=identity.get("mla_dims") or {})
     missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]  # not checkpointed: frozen
     if missing or unexpected:

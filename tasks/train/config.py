@@ -32,6 +32,14 @@ class TrainConfig(Section):
     variant: Literal["eagle3", "eagle3.1"] = Field("eagle3", description=(
         "the drafter: eagle3, or eagle3.1 (an RMSNorm per aux state before fc, and draft steps fed the normed "
         "output; SGLang's fc_norm and norm_output). The capture is the same"))
+    attention: Literal["gqa", "mla"] = Field("gqa", description=(
+        "the drafter's attention: gqa, a Llama decoder layer (SGLang's LlamaForCausalLMEagle3, for any target), or "
+        "mla, DeepSeek-V2 multi-latent attention (SGLang's Eagle3DeepseekV2ForCausalLM, the layout of the "
+        "Kimi-K2.x MLA drafters: its draft KV cache holds one latent of kv_lora_rank + qk_rope_head_dim per "
+        "token). The capture is the same"))
+    mla_dims: dict[str, int] = Field(default_factory=dict, description=(
+        "attention mla: any of q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; the "
+        "others are the target's (a target without MLA needs all five)"))
     aux_layer_ids: AuxLayerIds = Field(None, description=(
         "SGLang 'output of layer i' ids of the aux layers the drafter reads, among the store's (default: all of "
         "the store's; three for an EAGLE-3 drafter of SGLang's kind)"))
@@ -113,6 +121,19 @@ class TrainConfig(Section):
             raise ValueError(f"{info.field_name} {value!r}: use one of "
                              f"{', '.join(map(str, typing.get_args(annotation)))}") from None
 
+    @field_validator("mla_dims")
+    @classmethod
+    def _mla_dims(cls, dims: dict[str, int]) -> dict[str, int]:
+        from tasks.train.drafter import MLA_DIMS
+
+        unknown = sorted(set(dims) - set(MLA_DIMS))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not an MLA dim; use {', '.join(MLA_DIMS)}")
+        small = [f"{k} {v}" for k, v in dims.items() if v < 1]
+        if small:
+            raise ValueError(f"{', '.join(small)}: each MLA dim is at least 1")
+        return dims
+
     @model_validator(mode="after")
     def _nodes(self) -> TrainConfig:
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -121,6 +142,9 @@ class TrainConfig(Section):
         if self.cache_epochs and self.spool_bytes is None:
             raise ValueError("train.cache_epochs keeps what a spool's budget has room for: set train.spool_bytes "
                              "too, or leave cache_epochs false (without a spool every shard is kept anyway)")
+        if self.mla_dims and self.attention != "mla":
+            raise ValueError(f"train.mla_dims {self.mla_dims} sizes an MLA drafter: set train.attention mla too, "
+                             f"or leave mla_dims empty")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} of nnodes {self.nnodes}: node ranks are "
                              f"0..{self.nnodes - 1}")

@@ -1,18 +1,26 @@
 """Export: the drafter as SGLang loads it (`--speculative-draft-model-path`),
 and reading an export back.
 
-    <dir>/config.json         architectures ["LlamaForCausalLMEagle3"], the
+    <dir>/config.json         architectures: LlamaForCausalLMEagle3 (attention
+                              gqa) or Eagle3DeepseekV2ForCausalLM (mla); the
                               target's sizes and rope, num_hidden_layers 1,
                               draft_vocab_size, eagle_config (aux layer ids,
-                              as the target's SGLang class reads them)
-                              and the variant's flags (fc_norm, norm_output)
+                              as the target's SGLang class reads them), the
+                              variant's flags (fc_norm, norm_output), and for
+                              mla its five dims and rope_interleave
     <dir>/model.safetensors   fc, fc_norm.* (eagle3.1), midlayer.*, norm,
                               lm_head, d2t, t2d
+
+What SGLang 0.5.23's two classes load is written down once, in SERVED: a
+tensor they would skip (with at most a warning) or a parameter no tensor
+fills (left as initialised) serves a drafter other than the trained one,
+and the export refuses both, naming them.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,10 +31,10 @@ from safetensors.torch import save_file
 from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.drafter import DrafterConfig, Eagle3Drafter, target_sizes, variant_named
+from tasks.train.drafter import DrafterConfig, Eagle3Drafter, MLA_DIMS, target_sizes, variant_named
 from tasks.train.vocab import DraftVocab
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURES = {"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
 # Target config keys the drafter must share so SGLang builds the same shapes,
 # rotary embedding and activation.
 _SHARED_CONFIG_KEYS = (
@@ -34,28 +42,62 @@ _SHARED_CONFIG_KEYS = (
     "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_parameters", "rope_theta",
     "rope_scaling", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
 )
+# The tensor names each SGLang class maps to a parameter of its model
+# (llama_eagle3.py load_weights; kimi_k25_eagle3.py load_weights, which also
+# fuses q_a_proj with kv_a_proj_with_mqa, in that order, and needs both),
+# besides fc_norm.{i} (eagle3.1), d2t (its hot token ids) and t2d (skipped by
+# both; kept for reading an export back).
+_COMMON = ("fc.weight", "norm.weight", "lm_head.weight", "midlayer.input_layernorm.weight",
+           "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+           "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+           "midlayer.self_attn.o_proj.weight")
+SERVED = {
+    "gqa": _COMMON + tuple(f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"),
+    "mla": _COMMON + tuple(f"midlayer.self_attn.{p}.weight" for p in (
+        "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")),
+}
+_VOCAB_MAPS = ("d2t", "t2d")
+_ATTENTION_PARTS = re.compile(r"^midlayer\.((?:q|k|v|o)_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|"
+                              r"kv_a_layernorm|kv_b_proj)\.")
+_MLP_PARTS = re.compile(r"^midlayer\.((?:gate|up|down)_proj)\.")
+
+
+class UnservedTensor(ValueError):
+    """An export SGLang would load only in part."""
+
+
+def export_name(name: str) -> str:
+    """A drafter parameter's name in the checkpoint SGLang reads: the layer's
+    attention under self_attn., its MLP under mlp. (SGLang maps midlayer to
+    its layer and fuses q/k/v, gate/up and MLA's q_a/kv_a itself)."""
+    name = _ATTENTION_PARTS.sub(r"midlayer.self_attn.\1.", name)
+    return _MLP_PARTS.sub(r"midlayer.mlp.\1.", name)
 
 
 def export_weights(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
-    """SGLang's names: it maps `midlayer` to `layers.0` and fuses q/k/v and
-    gate/up itself; embeddings are not exported (served from the target)."""
-    m = model.midlayer
-    out = {
-        "fc.weight": model.fc.weight,
-        "norm.weight": model.norm.weight,
-        "lm_head.weight": model.lm_head.weight,
-        "d2t": model.d2t,
-        "t2d": model.t2d,
-    }
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        out[f"midlayer.self_attn.{name}.weight"] = getattr(m, name).weight
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        out[f"midlayer.mlp.{name}.weight"] = getattr(m, name).weight
-    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        out[f"midlayer.{name}.weight"] = getattr(m, name).weight
-    for i, norm in enumerate(model.fc_norm or ()):
-        out[f"fc_norm.{i}.weight"] = norm.weight
-    return out
+    """Every trained tensor of the drafter, by its checkpoint name (the
+    embeddings are not exported: SGLang shares the target's). They share
+    storage with the model's (load_exported copies into them)."""
+    return {export_name(k): v for k, v in model.trainable_state().items()}
+
+
+def check_served(names, attention: str, num_aux: int, fc_norm: bool) -> None:
+    """Refuse an export that SGLang's class for `attention` would not load
+    whole: a tensor it maps to no parameter of its model (skipped without an
+    error) or a parameter no tensor fills."""
+    want = set(SERVED[attention]) | set(_VOCAB_MAPS)
+    if fc_norm:
+        want |= {f"fc_norm.{i}.weight" for i in range(num_aux)}
+    names = set(names)
+    dropped, unfilled = sorted(names - want), sorted(want - names)
+    if dropped or unfilled:
+        raise UnservedTensor(
+            f"SGLang's {ARCHITECTURES[attention]} would serve this drafter only in part: "
+            + "; ".join(part for part in (
+                dropped and f"it skips {', '.join(dropped)} (no parameter of its model takes it)",
+                unfilled and f"nothing fills {', '.join(unfilled)}") if part)
+            + ". The drafter has tensors its served class lacks, or lacks some it has: change the drafter, or "
+              "teach tasks/train/export.py SERVED what SGLang now loads")
 
 
 def export_config(model: Eagle3Drafter, layers: AuxLayers, architecture: Architecture, dtype: torch.dtype) -> dict:
@@ -64,10 +106,18 @@ def export_config(model: Eagle3Drafter, layers: AuxLayers, architecture: Archite
     DeepSeek-style ones read them in another convention: written as our
     "output of layer i" ids, a drafter trained on non-default layers would be
     fed other layers than it was trained on."""
+    cfg = model.cfg
     config = {k: model.target_config[k] for k in _SHARED_CONFIG_KEYS if k in model.target_config}
+    if cfg.attention == "mla":
+        # SGLang's MLA layer reads the dims and the interleaving; its heads
+        # are all query-and-key heads, whatever the target's KV heads.
+        config.update(cfg.mla_dims, rope_interleave=cfg.rope_interleave, num_key_value_heads=cfg.num_attention_heads)
+        config.pop("head_dim", None)
     config.update({
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[cfg.attention]],
+        # deepseek_v3: the config class transformers gives SGLang's MLA drafter
+        # its MLA dims and rope through.
+        "model_type": "deepseek_v3" if cfg.attention == "mla" else "llama",
         "num_hidden_layers": 1,
         "draft_vocab_size": model.cfg.draft_vocab_size,
         # SGLang would otherwise make lm_head the (full-vocab) embedding.
@@ -99,12 +149,13 @@ def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *, ar
     into place), loadable by `--speculative-draft-model-path out_dir` next to
     a target of `architecture`."""
     out_dir = Path(out_dir)
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+               for k, v in export_weights(model).items()}
+    check_served(tensors, model.cfg.attention, model.cfg.num_aux, model.cfg.fc_norm)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
-               for k, v in export_weights(model).items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = export_config(model, layers, architecture, dtype)
     if extra:
@@ -162,6 +213,15 @@ def variant_of(config: dict) -> str:
                          norm_output=bool(config.get("norm_output")))
 
 
+def attention_of(config: dict) -> str:
+    """The drafter layout an exported config.json names."""
+    for attention, architecture in ARCHITECTURES.items():
+        if config.get("architectures") == [architecture]:
+            return attention
+    raise ValueError(f"drafter config with architectures {config.get('architectures')}: not one this project "
+                     f"exports ({', '.join(ARCHITECTURES.values())})")
+
+
 def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
     """Read an exported drafter back (embeddings from the target)."""
     out_dir = Path(out_dir)
@@ -172,7 +232,9 @@ def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
     vocab = DraftVocab.from_d2t(tensors["d2t"], config["vocab_size"])
     variant = variant_of(config)
     num_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant)
+    attention = attention_of(config)
+    mla_dims = {k: config[k] for k in MLA_DIMS} if attention == "mla" else None
+    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant, attention, mla_dims)
     model = Eagle3Drafter(cfg, target_config)
     embed, _ = load_target_embeddings(target_path)
     with torch.no_grad():

@@ -96,8 +96,12 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     head = head.to(device)
     if vocab is None:
         vocab = draft_vocab(cfg, reader, train_idx, head, device, rank, world)
-    model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
-                          variant=cfg.variant, embeddings=(embed, head)).to(device)
+    try:
+        model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
+                              variant=cfg.variant, attention=cfg.attention, mla_dims=cfg.mla_dims,
+                              embeddings=(embed, head)).to(device)
+    except ValueError as e:
+        raise TrainingError(f"train.attention {cfg.attention} on target {target}: {e}") from None
     head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
     low = autocast_dtype(cfg.precision, device)
     if low is not None:

@@ -426,7 +426,16 @@ def install() -> list[str]:
     registered = register_ops()
     keep_intel_amx_backend()
     cpu_parallel_groups_without_nccl()
+    cuda_synchronize_without_a_gpu()
     return registered
+
+
+def cuda_synchronize_without_a_gpu() -> None:
+    """SGLang 0.5.23's MLA drafter (kimi_k25_eagle3.py set_embed, on sharing
+    the target's embedding) calls torch.cuda.synchronize(), which fails a
+    CPU server's start ("Cannot re-initialize CUDA in forked subprocess").
+    Only installed where there is no GPU: there is nothing to wait for."""
+    torch.cuda.synchronize = lambda device=None: None
 
 
 def cpu_parallel_groups_without_nccl() -> None:
