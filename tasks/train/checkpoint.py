@@ -176,7 +176,7 @@ def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
                           num_aux=fc.shape[1] // fc.shape[0], variant=identity.get("variant", "eagle3"),
                           attention=identity.get("attention", "gqa"), mla_dims=identity.get("mla_dims") or {})
     missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-    missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]  # not checkpointed: frozen
+    missing = [k for k in missing if not k.startswith(Eagle3Drafter.FROZEN)]  # not checkpointed
     if missing or unexpected:
         raise TrainingError(f"checkpoint in {out_dir} does not fit its drafter: missing {missing}, "
                             f"unexpected {unexpected}")

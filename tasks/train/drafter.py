@@ -1,11 +1,14 @@
-"""The EAGLE-3 drafter, in the layout SGLang serves (`LlamaForCausalLMEagle3`),
-and its forward: the computation SGLang serves, step by step.
+"""The EAGLE-3 drafter, in the layouts SGLang serves (`LlamaForCausalLMEagle3`;
+`Eagle3DeepseekV2ForCausalLM` with attention "mla"), and its forward: the
+computation SGLang serves, step by step.
 
     fc          [H, N*H]   the target's N aux states (three for EAGLE-3), concatenated
-    midlayer    one Llama decoder layer whose q/k/v take 2H inputs: the
+    midlayer    one decoder layer whose attention takes 2H inputs: the
                 normed token embedding concatenated with the normed hidden
                 state (input_layernorm, hidden_norm); residual = the hidden
-                state entering the layer
+                state entering the layer. Its attention is a Llama layer's
+                (q/k/v, grouped KV heads) or DeepSeek-V2's multi-latent one
+                (`MLAMidLayer`); the MLP is a SiLU one either way
     norm        final RMSNorm
     lm_head     [N, H]     over the draft vocabulary
     d2t, t2d    draft id j is target id j + d2t[j]; t2d[t] marks target ids
@@ -19,12 +22,14 @@ the same for both.
 
 The token embeddings are the target's (frozen here; SGLang shares the
 target's at serving time). `Eagle3Drafter.step` mirrors SGLang's
-`llama_eagle3.LlamaDecoderLayer.forward`, so what is trained is what is
-served; tests/test_drafter_in_sglang.py checks the exported weights load into
-SGLang's own class and compute the same.
+`llama_eagle3.LlamaDecoderLayer.forward` (and `kimi_k25_eagle3`'s
+`Eagle3MLADecoderLayer`), so what is trained is what is served;
+tests/test_drafter_in_sglang.py checks the exported weights load into
+SGLang's own classes and compute the same.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,8 +152,6 @@ def mla_softmax_scale(target_config: dict, qk_head_dim: int) -> float:
     """The MLA softmax scale SGLang serves: qk_head_dim^-0.5, times YaRN's
     mscale(factor, mscale_all_dim)^2 when the rope is scaled
     (compute_mla_mscale_scaling in SGLang, yarn_apply_mscale in HF)."""
-    import math
-
     rope = _rope_parameters(target_config)
     scale = qk_head_dim ** -0.5
     if rope["rope_type"] == "default":
@@ -452,9 +455,20 @@ class Eagle3Drafter(nn.Module):
         normed = self.norm(out)
         return self.lm_head(normed), normed if self.cfg.norm_output else out
 
+    # Not trained, not checkpointed, not exported: the target's embedding
+    # (SGLang shares the target's) and the rope's tables.
+    FROZEN = ("embed_tokens.", "rotary.")
+
     def trainable_state(self) -> dict:
         """Everything but the frozen target embeddings."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "rotary."))}
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.FROZEN)}
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        """The trained parameters and the vocabulary maps, as the module holds
+        them now: under FSDP2 between `unshard` and `reshard` these are the
+        whole tensors, where `state_dict()` would give the shards."""
+        named = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        return {k: v for k, v in named.items() if not k.startswith(self.FROZEN)}
 
 
 def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_aux: int = 3,

@@ -76,9 +76,9 @@ def export_name(name: str) -> str:
 
 def export_weights(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
     """Every trained tensor of the drafter, by its checkpoint name (the
-    embeddings are not exported: SGLang shares the target's). They share
-    storage with the model's (load_exported copies into them)."""
-    return {export_name(k): v for k, v in model.trainable_state().items()}
+    embeddings are not exported: SGLang shares the target's): the module's
+    own tensors (load_exported copies into them)."""
+    return {export_name(k): v for k, v in model.trained_tensors().items()}
 
 
 def check_served(names, attention: str, num_aux: int, fc_norm: bool) -> None:
