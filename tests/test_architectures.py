@@ -108,8 +108,9 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     window, a non-default aux layer set), then the whole pipeline runs
     attached to it: capture (MLA and sinks on this CPU through our ops),
     training with the embedding and head from the right tensors (Kimi's
-    under language_model.), export, and SGLang serving the drafter
-    speculatively on that target with greedy output unchanged."""
+    under language_model.), export (DeepSeek-V3's drafter of the MLA layout),
+    and SGLang serving the drafter speculatively on that target with greedy
+    output unchanged."""
     # float32 on both sides: a random MoE router has near-ties that bf16
     # rounding flips (seen: one token of 70 routed differently, cosine 0.998
     # from there on), which would measure rounding, not the capture.
@@ -117,6 +118,10 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     # says (float32 fails on a dtype mismatch): bf16 on both sides there,
     # with a model whose tokens go to every expert (tests/tiny_models.py).
     dtype = "bfloat16" if name == TINY_GPT_OSS else "float32"
+    # DeepSeek-V3's pipeline trains, exports, checks and serves the MLA drafter
+    # (its forwards against SGLang's: tests/test_drafter_in_sglang.py); the
+    # others, and Kimi-K2.5's (the same text model), the Llama layout.
+    attention = "mla" if name == TINY_DEEPSEEK_V3 else "gqa"
     model = ensure_model(name)
     config = json.loads((model / "config.json").read_text())
     arch = architecture_of(config)
@@ -167,7 +172,7 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
             store=StoreConfig(path=str(tmp_path / "run" / "store")),
             train=TrainConfig(out_dir=str(tmp_path / "run" / "train"), aux_layer_ids=drafter_layers,
                               draft_vocab_size=512, ttt_steps=3, epochs=3, lr=5e-3, tokens_per_batch=1024,
-                              serve_steps=3),
+                              serve_steps=3, attention=attention),
             # The plain outputs from this server (no second launch of the target).
             # One stream, greedy: the sweep and sampling are tests/test_serving.py's.
             evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, baseline="attached", concurrency=[1],
@@ -190,6 +195,7 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
     assert summary["heldout_tau"] > summary["untrained_tau"] + 0.08, summary
     assert summary["sglang_accept_length"] > 1.0, summary  # drafts were accepted in SGLang
     drafter = json.loads((Path(summary["drafter_dir"]) / "config.json").read_text())
+    assert drafter["architectures"] == [{"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[attention]]
     assert drafter["vocab_size"] == arch.sizes(config)["vocab_size"]
     assert drafter["eagle3_training"]["target"] == str(model)
     # The drafter is told the layers it was trained on, as this class reads them.
