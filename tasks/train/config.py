@@ -124,15 +124,9 @@ class TrainConfig(Section):
     @field_validator("mla_dims")
     @classmethod
     def _mla_dims(cls, dims: dict[str, int]) -> dict[str, int]:
-        from tasks.train.drafter import MLA_DIMS
+        from tasks.train.drafter import check_mla_dims
 
-        unknown = sorted(set(dims) - set(MLA_DIMS))
-        if unknown:
-            raise ValueError(f"{', '.join(unknown)}: not an MLA dim; use {', '.join(MLA_DIMS)}")
-        small = [f"{k} {v}" for k, v in dims.items() if v < 1]
-        if small:
-            raise ValueError(f"{', '.join(small)}: each MLA dim is at least 1")
-        return dims
+        return check_mla_dims(dims)
 
     @model_validator(mode="after")
     def _nodes(self) -> TrainConfig:

@@ -212,13 +212,23 @@ class DrafterConfig:
         return {k: getattr(self, k) for k in MLA_DIMS} if self.attention == "mla" else {}
 
 
+def check_mla_dims(given: dict) -> dict:
+    """Given MLA dims (train.mla_dims), refused unless each is one of
+    MLA_DIMS and at least 1."""
+    unknown = sorted(set(given) - set(MLA_DIMS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not an MLA dim; use {', '.join(MLA_DIMS)}")
+    small = [f"{k} {v}" for k, v in given.items() if v < 1]
+    if small:
+        raise ValueError(f"{', '.join(small)}: each MLA dim is at least 1")
+    return given
+
+
 def mla_config(target_config: dict, given: dict) -> dict:
     """An MLA drafter's dims: each the given one, else the target's; and the
     rope interleaving, the target's (DeepSeek's default: interleaved). Refuses
     what SGLang cannot serve, naming the setting to give."""
-    unknown = set(given) - set(MLA_DIMS)
-    if unknown:
-        raise ValueError(f"train.mla_dims {sorted(unknown)}: not MLA dims ({', '.join(MLA_DIMS)})")
+    check_mla_dims(given)
     dims = {k: given.get(k, target_config.get(k)) for k in MLA_DIMS}
     missing = [k for k, v in dims.items() if not v]
     if missing:
@@ -274,12 +284,14 @@ class MLARotary(nn.Module):
     def __init__(self, cfg: DrafterConfig, target_config: dict):
         super().__init__()
         from transformers import DeepseekV3Config
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3RotaryEmbedding,
+                                                                          apply_rotary_pos_emb,
+                                                                          apply_rotary_pos_emb_interleave)
 
         rope = _rope_parameters(target_config)
         if rope["rope_type"] == "deepseek_yarn":
             rope["rope_type"] = "yarn"
-        self.interleave = cfg.rope_interleave
+        self.rotate = apply_rotary_pos_emb_interleave if cfg.rope_interleave else apply_rotary_pos_emb
         self.rope = DeepseekV3RotaryEmbedding(DeepseekV3Config(
             hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
             qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim,
@@ -287,11 +299,8 @@ class MLARotary(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # q [B, heads, L, rope]; k [B, 1, L, rope] (one rope key shared by all heads)
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (apply_rotary_pos_emb,
-                                                                          apply_rotary_pos_emb_interleave)
-
         cos, sin = self.rope(q, positions)
-        return (apply_rotary_pos_emb_interleave if self.interleave else apply_rotary_pos_emb)(q, k, cos, sin)
+        return self.rotate(q, k, cos, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -360,7 +369,7 @@ class MLAMidLayer(DecoderLayer):
     deepseek_eagle); SGLang serves the absorbed form, the same product
     reassociated, and caches one latent + rope key per token."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, scale: float):
         super().__init__(cfg)
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -372,7 +381,7 @@ class MLAMidLayer(DecoderLayer):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
         self.add_mlp()
-        self.scale = None  # set by the drafter: it depends on the target's rope
+        self.scale = scale  # the target's rope's: mla_softmax_scale
 
     def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: nn.Module):
         """[B, L, H] each -> q, k [B, heads, L, nope + rope], v [B, heads, L, dv]."""
@@ -401,8 +410,8 @@ class Eagle3Drafter(nn.Module):
         self.fc_norm = nn.ModuleList([RMSNorm(h, cfg.rms_norm_eps) for _ in range(cfg.num_aux)]) if cfg.fc_norm else None
         self.fc = nn.Linear(cfg.num_aux * h, h, bias=False)
         if cfg.attention == "mla":
-            self.midlayer = MLAMidLayer(cfg)
-            self.midlayer.scale = mla_softmax_scale(target_config, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            self.midlayer = MLAMidLayer(cfg, mla_softmax_scale(target_config,
+                                                               cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
             self.rotary = MLARotary(cfg, target_config)
         else:
             self.midlayer = MidLayer(cfg)

@@ -89,15 +89,16 @@ def check_served(names, attention: str, num_aux: int, fc_norm: bool) -> None:
     if fc_norm:
         want |= {f"fc_norm.{i}.weight" for i in range(num_aux)}
     names = set(names)
-    dropped, unfilled = sorted(names - want), sorted(want - names)
-    if dropped or unfilled:
+    wrong = []
+    if names - want:
+        wrong.append(f"it skips {', '.join(sorted(names - want))} (no parameter of its model takes it)")
+    if want - names:
+        wrong.append(f"nothing fills {', '.join(sorted(want - names))}")
+    if wrong:
         raise UnservedTensor(
-            f"SGLang's {ARCHITECTURES[attention]} would serve this drafter only in part: "
-            + "; ".join(part for part in (
-                dropped and f"it skips {', '.join(dropped)} (no parameter of its model takes it)",
-                unfilled and f"nothing fills {', '.join(unfilled)}") if part)
-            + ". The drafter has tensors its served class lacks, or lacks some it has: change the drafter, or "
-              "teach tasks/train/export.py SERVED what SGLang now loads")
+            f"SGLang's {ARCHITECTURES[attention]} would serve this drafter only in part: {'; '.join(wrong)}. "
+            f"The drafter has tensors its served class lacks, or lacks some it has: change the drafter, or "
+            f"teach tasks/train/export.py SERVED what SGLang now loads")
 
 
 def export_config(model: Eagle3Drafter, layers: AuxLayers, architecture: Architecture, dtype: torch.dtype) -> dict:
