@@ -72,6 +72,29 @@ def check_against_reference(store, model_path, count: int) -> dict:
     return worst
 
 
+SIMULATION_COLUMNS = (("heldout_training", "training, held-out answers"),
+                      ("served_text_all_positions", "training's chain on the served text"),
+                      ("served_text_verify_steps", "its verify steps replayed"),
+                      ("sglang", "SGLang"))
+
+
+def served_text_lines(simulated: dict, prompt_set: str) -> str:
+    """Acceptance per draft position: training's simulation on its held-out
+    answers and on the very text SGLang verified (all positions, then only
+    where SGLang's verify steps start), beside SGLang's count."""
+    pp = simulated["per_position"]
+    width = max(len(label) for _, label in SIMULATION_COLUMNS)
+    lines = [f"acceptance per draft position on {prompt_set} (share of chains whose drafts 1..k all hit):"]
+    for key, label in SIMULATION_COLUMNS:
+        values = pp.get(key)
+        lines.append(f"  {label:<{width}}  " + ("  ".join(f"{v:.3f}" for v in values) if values else "n/a"))
+    beyond = [f"{name} at draft {k + 1}" for name, gaps in simulated["gaps"].items()
+              for k, g in enumerate(gaps) if g and g["beyond_noise"]]
+    lines.append(f"  replay equals SGLang on {simulated['replay_equals_sglang']} of {simulated['requests']} requests; "
+                 f"gaps beyond 3 standard errors: {', '.join(beyond) or 'none'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = "python -m flows.demo"
@@ -125,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    if result.get("served_text"):
+        print("\n" + served_text_lines(result["served_text"], result["prompt_set"]))
     # Stored bf16 against an fp32 forward: rounding alone keeps this near 1.
     if check["mean"] < 0.999 or check["aux"] < 0.99 or check["final"] < 0.99:
         raise SystemExit("stored states deviate from the independent forward")

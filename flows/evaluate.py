@@ -27,7 +27,7 @@ from flows.config import described
 from flows.retries import unless_permanent
 from tasks.evaluation.config import BASELINE_API_KEY_ENV, EvaluateConfig
 from tasks.evaluation.prompts import PromptSet, prompt_set
-from tasks.evaluation.side_by_side import Drafter, drafter_at, evaluate_drafters
+from tasks.evaluation.side_by_side import Drafter, drafter_at, evaluate_drafters, served_text_table
 from tasks.server.config import ServerConfig, revealed
 from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
@@ -100,6 +100,10 @@ def evaluate_task(server: ServerConfig, drafters: list[Drafter], sets: list[Prom
                                       f"![sweep](data:image/png;base64,{png})\n\n"
                                       + (f"*{report['speeds_note']}*\n\n" if note else "") + f"`{out_dir}`\n",
                              key=f"{key}-plot", description="the concurrency sweep")
+    if report["served_text"]:
+        create_table_artifact(table=served_text_table(report["served_text"]), key=f"{key}-served-text",
+                              description="per draft position: training's held-out chain, the same chain on the "
+                                          "text SGLang verified, its verify steps replayed, SGLang's own count")
     if note:
         log.warning(report["speeds_note"])
     for r in report["acceptance"]:

@@ -91,6 +91,8 @@ def eagle3_pipeline(
     # The first prompt set, greedy; speeds at the fewest streams swept.
     served = next(r for r in report["acceptance"] if r["mode"] == "greedy")
     fewest = min(report["sweep"], key=lambda r: r["concurrency"])
+    # With evaluate.simulate: the same set's acceptance per draft position, simulated and served.
+    simulated = next((r for r in report["served_text"] if r["prompt_set"] == served["prompt_set"]), None)
     summary = {
         "store": str(store_dir), "drafter_dir": trained["drafter_dir"],
         "heldout_tau": held["tau"], f"heldout_tau@{steps}": held[f"tau@{steps}"],
@@ -102,6 +104,8 @@ def eagle3_pipeline(
         "plain_tokens_per_s": fewest["plain_per_user_tokens_per_s"],
         "spec_tokens_per_s": fewest["spec_per_user_tokens_per_s"], "outputs_equal": served["outputs_equal"],
         "evaluation": report["out_dir"],
+        "served_text": simulated and {k: simulated.get(k) for k in (
+            "per_position", "gaps", "requests", "replay_equals_sglang", "target_agrees")},
     }
     log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); SGLang accept length "
              "%.2f pooled, %.2f mean of means on %s; speed-up %.2fx at %d stream(s), greedy outputs identical: %s",

@@ -21,10 +21,12 @@ from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import CaptureSpec, LaunchSpec, SpeculativeSpec, build_command
 from tasks.target.architectures import load_tokenizer
-from tests.conftest import ARTIFACTS
+from tests.conftest import ARTIFACTS, FIVE_LAYER_IDS
 from tests.random_drafter import export_random_drafter
 
-PROMPTS = [[1, 5, 9, 33, 100, 7, 8], [1, 42], [1, 200, 300, 400]]
+# The first one's greedy continuation holds a run of one token (516, 15 times) amid others, so a drafter
+# pinned to it has verify steps accepting none and all 3 drafts.
+PROMPTS = [[1] + [1592] * 12, [1, 42], [1, 200, 300, 400]]
 MAX_NEW_TOKENS = 24
 
 
@@ -67,8 +69,9 @@ def pinned_drafter(tiny_model, tmp_path_factory):
     # gets whole runs of drafts accepted, and some rejected.
     favourite = Counter(t for out in target_greedy(tiny_model, PROMPTS, MAX_NEW_TOKENS)
                         for t in out).most_common(1)[0][0]
+    # Layers the float32 server captures, so its served text can be scored (check_served_text).
     draft_dir = export_random_drafter(tiny_model, tmp_path_factory.mktemp("drafter") / "eagle3",
-                                      draft_vocab_size=512)
+                                      draft_vocab_size=512, aux_layer_ids=FIVE_LAYER_IDS[:3])
     pin_drafter_to(draft_dir, favourite)
     return draft_dir
 
@@ -180,10 +183,12 @@ def test_two_drafters_are_compared_in_one_run_and_a_changed_greedy_output_fails_
     out = ARTIFACTS / "evaluation"
     # 100 verify steps: more than one round of 2 requests at one stream gives (~23 each).
     cfg = EvaluateConfig(num_prompts=3, max_new_tokens=MAX_NEW_TOKENS, concurrency=[1, 4], min_verify_steps=100,
-                         baseline="attached")
+                         baseline="attached", simulate=True)
     with pytest.raises(SpeculationChangedOutput, match="faulty on .*prompts.jsonl") as failed:
+        # The served text captured on the float32 server too (it captures five layers, the drafters' among them).
         evaluate_drafters(ServerConfig(model=str(tiny_model)), drafters, sets, cfg, log_dir=out,
-                          baseline_url=float32_server.url, baseline_api_key=float32_server.api_key)
+                          baseline_url=float32_server.url, baseline_api_key=float32_server.api_key,
+                          capture_server=float32_server)
     assert "pinned" not in str(failed.value)
     report = json.loads((out / "evaluation.json").read_text())  # written before the run failed
     assert report["baseline"] == float32_server.url
@@ -229,6 +234,56 @@ def test_two_drafters_are_compared_in_one_run_and_a_changed_greedy_output_fails_
         command = settings["commands"][name]
         assert "--disable-radix-cache" in command and "--dtype float32" in command, command
     assert (out / "sweep.png").stat().st_size > 0 and (out / "acceptance.csv").read_text().count("\n") == 9
+    check_served_text(report, out, favourite=pinned_favourite(pinned_drafter), raw=by)
+
+
+def pinned_favourite(draft_dir) -> int:
+    return int(load_file(draft_dir / "model.safetensors")["d2t"][0])
+
+
+def check_served_text(report: dict, out, favourite: int, raw: dict) -> None:
+    """The simulation on served text, recomputed by hand for the pinned
+    drafter, which proposes `favourite` whatever it sees: the chain starting
+    at token t hits its k-th draft while the text's tokens t+2 .. t+2+k are
+    all `favourite`. SGLang's own per-request histogram must equal the walk
+    replayed over the text; the faulty drafter changed its outputs, so its
+    texts are left out."""
+    texts = [json.loads(line) for line in (out / "served_text.jsonl").read_text().splitlines()]
+    assert len(texts) == 2 * 3 and all(t["as_served"] for t in texts)
+    rows = {(r["drafter"], r["prompt_set"]): r for r in report["served_text"]}
+    assert set(rows) == {(d, s) for d in ("pinned", "faulty") for s in {t["prompt_set"] for t in texts}}
+    for (drafter, name), row in rows.items():
+        if drafter == "faulty":
+            assert row["requests"] == 0 and row["left_out"] == report["greedy_changed"][f"faulty on {name}"]
+            continue
+        mine = [t for t in texts if t["prompt_set"] == name]
+        histograms, chained, counted = [], [0, 0, 0], [0, 0, 0]
+        for t in mine:
+            text, n = t["prompt_ids"] + t["continuation"], len(t["prompt_ids"])
+            assert len(t["continuation"]) == MAX_NEW_TOKENS + 3
+            run = lambda start: next((k for k in range(3) if text[start + 2 + k] != favourite), 3)  # noqa: E731
+            histogram, start, made = [0] * 4, n - 1, 1
+            while made < MAX_NEW_TOKENS:
+                histogram[run(start)] += 1
+                made, start = made + run(start) + 1, start + run(start) + 1
+            histograms.append(histogram)
+            for start in range(n - 1, n + MAX_NEW_TOKENS):
+                for k in range(3):
+                    if start + k + 2 < n + MAX_NEW_TOKENS:
+                        counted[k] += 1
+                        chained[k] += run(start) > k
+        served = [r["spec_correct_drafts_histogram"] + [0] * (4 - len(r["spec_correct_drafts_histogram"]))
+                  for r in raw[("pinned", name, "greedy")]]
+        assert served == histograms, (name, served, histograms)  # SGLang's count is the replayed walk
+        if name != "humaneval":  # the first prompt's run of the pinned token: steps accepting none and all three
+            assert histograms[0][0] and histograms[0][3], histograms
+        assert row["requests"] == 3 and row["replay_equals_sglang"] == 3 and row["replay_differs"] == []
+        assert row["replayed_histogram"] == row["sglang_histogram"] == [sum(c) for c in zip(*histograms)]
+        assert row["per_position"]["served_text_all_positions"] == [c / n for c, n in zip(chained, counted)]
+        assert row["target_agrees"] == 1.0  # the captured states' greedy tokens are the served text
+        assert row["per_position"]["heldout_training"] is None  # no training run beside the pinned drafter
+    table = (out / "served_text.csv").read_text().splitlines()
+    assert len(table) == 1 + 2 * 3  # the pinned drafter's three positions on each set
 
 
 def test_a_drafter_that_changed_a_greedy_output_is_named():
@@ -269,3 +324,20 @@ def test_the_demo_target_is_evaluated_beside_a_plain_server_the_run_launches(tmp
                                                   for r in raw)
     (point,) = report["sweep"]
     assert point["verify_steps"] >= 16 and point["plain_total_tokens_per_s"] > 0
+
+
+def test_the_replayed_walk_moves_as_sglang_verifies_and_counts_the_last_step_whole():
+    from tasks.evaluation.served_text import clustered_se, replay
+
+    # Chain starting at t accepts run[t] drafts (of 3). A 2-token prompt: the first chain starts at token 1.
+    run = {1: 2, 4: 0, 5: 3}
+    hits = torch.tensor([[run.get(t, 0) > k for t in range(13)] for k in range(3)])
+    scored = torch.ones(3, 13, dtype=torch.bool)
+    # 1 token from the prefill, +3 (2 drafts and the target's), +1, +4: 9 tokens, past max_new_tokens 8, and
+    # the last step's three drafts all count, as SGLang counts them.
+    assert replay(hits, scored, prompt_len=2, max_new_tokens=8) == [1, 0, 1, 1]
+    scored[:, 5:] = False  # a text too short for the chain at token 5
+    with pytest.raises(ValueError, match="runs past the served text"):
+        replay(hits, scored, prompt_len=2, max_new_tokens=8)
+    # Requests as clusters: 2 of 2 and 0 of 2 give p = 0.5 with residuals +1 and -1.
+    assert clustered_se([2, 0], [2, 2]) == 0.5 and clustered_se([1, 1], [2, 2]) == 0.0

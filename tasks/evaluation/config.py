@@ -42,6 +42,10 @@ class EvaluateConfig(Section):
     baseline_api_key: api_key_type(BASELINE_API_KEY_ENV) = Field(None, description=(
         "the --api-key of the baseline server at a URL (evaluate.baseline), if it has one (default: "
         "$EAGLE3_BASELINE_API_KEY if set); never kept with a run's recorded config"))
+    simulate: bool = Field(False, description=(
+        "also score each drafter as training does on the very text SGLang verified (a capture server of the "
+        "target is launched after the drafters' servers): per draft position, training's held-out chain, the "
+        "same chain on the served text, SGLang's verify steps replayed, and SGLang's own count"))
     num_steps: Optional[int] = Field(None, ge=1, description=(
         "--speculative-num-steps for every drafter (default: each drafter's own serve_steps)"))
 

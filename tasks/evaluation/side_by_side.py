@@ -29,11 +29,13 @@ from tasks.evaluation.acceptance import acceptance
 from tasks.evaluation.generate import GenerationRun, generate_all, serving_dtype
 from tasks.evaluation.config import EvaluateConfig
 from tasks.evaluation.prompts import PromptSet
+from tasks.evaluation.served_text import capture_texts, drafter_layers, load_drafter, served_texts, simulate
 from tasks.evaluation.sweep import SweepPoint, sweep
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
-from tasks.server.launch import LaunchSpec, SpeculativeSpec, check_serves, launch_server
+from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, SpeculativeSpec, check_serves, launch_server
 from tasks.sglang_api import ServerError, server_says
+from tasks.target.embeddings import load_target_embeddings
 from tasks.train.launch import result_from_dir
 from tasks.train.loop import RESULT
 
@@ -53,6 +55,7 @@ class Drafter:
     path: Path
     num_steps: int
     heldout_tau: float | None = None
+    heldout: dict | None = None  # its run's last held-out metrics (per-step chain and counts)
     hooks: tuple[dict, ...] = ()  # forward hooks for its server (`--forward-hooks`): probes, injected faults
 
 
@@ -67,8 +70,8 @@ def drafter_at(path: str | Path, num_steps: int | None = None) -> Drafter:
     steps = num_steps or trained.get("config", {}).get("serve_steps")
     if not steps:
         raise ValueError(f"{path}/config.json does not say the steps it serves with: give num_steps")
-    tau = result_from_dir(path.parent).final["tau"] if (path.parent / RESULT).is_file() else None
-    return Drafter(f"{path.parent.name}/{path.name}", path, int(steps), tau)
+    final = result_from_dir(path.parent).final if (path.parent / RESULT).is_file() else None
+    return Drafter(f"{path.parent.name}/{path.name}", path, int(steps), final["tau"] if final else None, final)
 
 
 class SpeculationChangedOutput(Permanent, RuntimeError):
@@ -78,10 +81,13 @@ class SpeculationChangedOutput(Permanent, RuntimeError):
 def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: Sequence[PromptSet],
                       cfg: EvaluateConfig, *, log_dir: str | Path, baseline_url: str | None = None,
                       baseline_api_key: str | None = None, startup_timeout_s: float = 600.0,
-                      request_timeout_s: float = 600.0) -> dict:
+                      request_timeout_s: float = 600.0, capture_server: ServerHandle | None = None) -> dict:
     """The comparison, written to `log_dir` (evaluation.json, acceptance.csv,
     sweep.csv, sweep.png, requests.jsonl, the servers' logs: plain-server.log,
-    drafter<j>-server.log in the drafters' order) and returned. Raises
+    drafter<j>-server.log in the drafters' order; with cfg.simulate,
+    served_text.csv and capture-server.log) and returned. With cfg.simulate
+    the served text is captured on `capture_server` (a running capture
+    server of the target, in the same dtype) or on one launched last. Raises
     SpeculationChangedOutput, after writing it all, when a drafter changed
     any greedy output."""
     if not drafters:
@@ -134,12 +140,13 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         plain_greedy, _, plain_points = measure("plain", "plain", baseline_url, baseline_api_key, False,
                                                 lambda: f"(the server at {baseline_url})")
 
-    rows, sweep_rows, changed, raw = [], [], {}, []
+    rows, sweep_rows, changed, raw, served = [], [], {}, [], {}
     for j, d in enumerate(drafters):
         spec = SpeculativeSpec(plain.server, draft_model_path=str(d.path), speculative_num_steps=d.num_steps,
                                speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1,
                                extra_hooks=d.hooks)
         greedy, sampled, points = launched(d.name, f"drafter{j}", spec, True)
+        served[d.name] = greedy
         differ = greedy_changes(plain_greedy, greedy)
         changed.update({f"{d.name} on {name}": prompts for name, prompts in differ.items()})
         for s in sets:
@@ -155,6 +162,21 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         for p, q in zip(plain_points, points):
             sweep_rows.append(sweep_row(d.name, p, q))
 
+    simulated, texts = [], []
+    if cfg.simulate:
+        def on_served_text(handle: ServerHandle) -> tuple[list[dict], list[dict]]:
+            return simulate_served_text(handle, Path(server.model), drafters, sets, cfg, plain_greedy, served,
+                                        changed, request_timeout_s)
+
+        if capture_server is not None:
+            simulated, texts = on_served_text(capture_server)
+        else:
+            layers = sorted({i for d in drafters for i in drafter_layers(d.path)})
+            capture = CaptureSpec(plain.server, dump_dir=log_dir / "served-text-dumps", aux_layer_ids=layers)
+            logger.info("starting a capture server for the served text (log: %s)", log_dir / "capture-server.log")
+            with launch_server(capture, log_dir / "capture-server.log", timeout_s=startup_timeout_s) as live:
+                simulated, texts = on_served_text(live)
+
     report = {
         "out_dir": str(log_dir),
         "baseline": baseline_url or "launched",
@@ -164,16 +186,81 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         "settings": {**cfg.model_dump(exclude={"baseline_api_key"}), "dtype": dtype, "sglang": version("sglang"),
                      "commands": commands, "device": "gpu" if gpu_present() else "cpu"},
         "speeds_note": None if gpu_present() else CPU_SPEEDS,
-        "acceptance": rows, "sweep": sweep_rows, "greedy_changed": changed,
+        "acceptance": rows, "sweep": sweep_rows, "greedy_changed": changed, "served_text": simulated,
     }
     write_report(report, log_dir)
     # SGLang's own per-request counts, from which every acceptance figure above can be recomputed.
     (log_dir / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw))
+    if texts:  # the target's greedy continuations the simulation scored, as token ids
+        (log_dir / "served_text.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts))
     if changed:
         raise SpeculationChangedOutput(
             f"greedy output with a drafter differs from plain greedy output: {changed} (prompt indices per set; "
             f"dtype {dtype}). Server logs and the report: {log_dir}")
     return report
+
+
+def simulate_served_text(capture: ServerHandle, target: Path, drafters: Sequence[Drafter], sets: Sequence[PromptSet],
+                         cfg: EvaluateConfig, plain: dict[str, GenerationRun], served: dict[str, dict],
+                         changed: dict[str, list[int]], timeout_s: float) -> tuple[list[dict], list[dict]]:
+    """Each drafter scored as training scores it on the text SGLang
+    verified (tasks/evaluation/served_text.py), per prompt set: the capture
+    server continues each prompt greedily num_steps past max_new_tokens and
+    captures prompt and continuation. A prompt is left out for every
+    drafter where that continuation is not the plain server's output, and
+    for a drafter that changed its output. Returns the rows and the texts
+    (token ids, per prompt set and prompt)."""
+    extra = max(d.num_steps for d in drafters)
+    concurrency = max(cfg.concurrency)
+    rows, kept, by_set = [], [], []
+    for k, s in enumerate(sets):
+        texts = served_texts(capture.url, s.prompts, max_new_tokens=cfg.max_new_tokens + extra,
+                             api_key=capture.api_key, concurrency=concurrency, timeout_s=timeout_s,
+                             tag=f"served-text-set{k}")
+        kept += [{"prompt_set": s.name, "prompt": i, "prompt_ids": t.prompt, "continuation": t.continuation,
+                  "as_served": t.continuation[:cfg.max_new_tokens] == out}
+                 for i, (t, out) in enumerate(zip(texts, plain[s.name].output_ids, strict=True))]
+        texts = [t if t.continuation[:cfg.max_new_tokens] == out else None
+                 for t, out in zip(texts, plain[s.name].output_ids, strict=True)]
+        captured = iter(capture_texts(capture.url, capture.spec.dump_dir, [t for t in texts if t],
+                                      api_key=capture.api_key, rid_prefix=capture.rid_prefix,
+                                      concurrency=concurrency, timeout_s=timeout_s))
+        by_set.append((s, texts, [next(captured) if t else None for t in texts]))
+    full_head = load_target_embeddings(target)[1].float()
+    for d in drafters:
+        drafter = load_drafter(d.path, target)
+        for s, texts, captures in by_set:
+            mine = [None if i in changed.get(f"{d.name} on {s.name}", ()) else t for i, t in enumerate(texts)]
+            row = simulate(drafter, full_head, d.num_steps, d.heldout, mine, captures,
+                           served[d.name][s.name].meta_infos, cfg.max_new_tokens)
+            rows.append({"drafter": d.name, "prompt_set": s.name, **row})
+            logger.info("%s on %s, per draft position: held-out %s, served text %s, its verify steps replayed %s, "
+                        "SGLang %s; replay equals SGLang on %d of %d requests", d.name, s.name,
+                        *(_rounded(row.get("per_position", {}).get(key)) for key in
+                          ("heldout_training", "served_text_all_positions", "served_text_verify_steps", "sglang")),
+                        row.get("replay_equals_sglang", 0), row["requests"])
+    return rows, kept
+
+
+def _rounded(values: list[float] | None) -> list[float] | None:
+    return None if values is None else [round(v, 3) for v in values]
+
+
+def served_text_table(rows: list[dict]) -> list[dict]:
+    """The simulation per draft position, one row each: what the report's
+    CSV and the UI's table show."""
+    table = []
+    for r in rows:
+        pp, gaps = r.get("per_position"), r.get("gaps", {})
+        for k in range(len(pp["sglang"]) if pp else 0):
+            table.append({"drafter": r["drafter"], "prompt_set": r["prompt_set"], "draft": k + 1,
+                          "heldout_training": (pp["heldout_training"] or [None] * (k + 1))[k],
+                          "served_text_all_positions": pp["served_text_all_positions"][k],
+                          "served_text_verify_steps": pp["served_text_verify_steps"][k], "sglang": pp["sglang"][k],
+                          "text_gap_beyond_noise": (gaps["text"][k] or {}).get("beyond_noise"),
+                          "start_gap_beyond_noise": gaps["where_chains_start"][k]["beyond_noise"],
+                          "replay_equals_sglang": f"{r['replay_equals_sglang']}/{r['requests']}"})
+    return table
 
 
 def greedy_changes(plain: dict[str, GenerationRun], spec: dict[str, GenerationRun]) -> dict[str, list[int]]:
@@ -202,7 +289,8 @@ def sweep_row(drafter: str, plain: SweepPoint, spec: SweepPoint) -> dict:
 
 def write_report(report: dict, log_dir: Path) -> None:
     (log_dir / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
-    for name, rows in (("acceptance", report["acceptance"]), ("sweep", report["sweep"])):
+    for name, rows in (("acceptance", report["acceptance"]), ("sweep", report["sweep"]),
+                       ("served_text", served_text_table(report.get("served_text") or []))):
         if rows:
             with open(log_dir / f"{name}.csv", "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -46,6 +46,9 @@ def evaluate(run: Run) -> dict:
         "tau_exact": exact_acceptance_length(chained, chain_counted),
         f"tau_exact@{cfg.serve_steps}": exact_acceptance_length(chained[:cfg.serve_steps],
                                                                 chain_counted[:cfg.serve_steps]),
+        # Per step k: the share of starting positions whose steps 0..k all hit (the exact tau's terms).
+        "chain": [c / max(1, n) for c, n in zip(chained, chain_counted)],
+        "chain_counted": chain_counted,
         "heldout_tokens": int(counted[0]),
         # Scored positions whose target greedy token the draft vocabulary lacks (left out of the loss).
         "unproposable": 1 - int(in_loss[0]) / max(1, int(counted[0])),

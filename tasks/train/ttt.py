@@ -48,6 +48,8 @@ class StepOutput:
     in_loss: torch.Tensor  # [K] positions in the loss (scored, target greedy token in the draft vocabulary)
     chained: torch.Tensor  # [K] starting positions whose steps 0..k all hit
     chain_counted: torch.Tensor  # [K] starting positions whose steps 0..k are all scored
+    hits: torch.Tensor  # [K, b, n] bool: step k of the chain starting at t hit (scored positions only)
+    scored: torch.Tensor  # [K, b, n] bool: step k of the chain starting at t is scored
 
 
 def chain_hits(hits: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +109,8 @@ def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, s
         step_losses.append(step_loss.detach())
     chained, chain_counted = chain_hits(hits, scored)
     return StepOutput(loss, torch.stack([h.sum() for h in hits]), torch.stack([s.sum() for s in scored]),
-                      torch.stack(step_losses), torch.stack(in_loss), chained, chain_counted)
+                      torch.stack(step_losses), torch.stack(in_loss), chained, chain_counted,
+                      torch.stack(hits), torch.stack(scored))
 
 
 class TTT(torch.nn.Module):
