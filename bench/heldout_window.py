@@ -23,7 +23,7 @@ from tasks.evaluation.served_text import load_drafter
 from tasks.store.reader import StoreReader
 from tasks.target.embeddings import load_target_embeddings
 from tasks.target.layers import AuxLayers
-from tasks.train.data import split
+from tasks.train.data import collate, split
 from tasks.train.ttt import chain_hits, ttt_forward
 
 
@@ -37,19 +37,15 @@ def main() -> None:
     reader = StoreReader(Path(args.store))
     target = Path(reader.manifest["target_path"])
     model, layers = load_drafter(Path(args.drafter), target)
-    positions = list(layers.positions_in(AuxLayers(tuple(reader.manifest["aux_layers"]["sglang_layer_output_ids"]))))
+    positions = tuple(layers.positions_in(AuxLayers(tuple(reader.manifest["aux_layers"]["sglang_layer_output_ids"]))))
     head = load_target_embeddings(target)[1].float()
     steps = json.loads((Path(args.drafter) / "config.json").read_text())["eagle3_training"]["config"]["ttt_steps"]
     _, held = split(reader.sample_ids, args.heldout_fraction)
     sums = {w: [torch.zeros(steps, dtype=torch.long), torch.zeros(steps, dtype=torch.long)]
             for w in ("every position", f"first {args.tokens}", "the rest")}
     for i in held:
-        s = reader[int(i)]
-        ids, mask = s["input_ids"].long(), s["loss_mask"].bool()
-        n, start = len(ids), int(mask.nonzero()[0])
-        batch = {"input_ids": ids[None], "loss_mask": mask[None], "lengths": torch.tensor([n]),
-                 "aux": s["aux_hidden_states"][:, positions].reshape(n, -1)[None].float(),
-                 "final": s["final_hidden_state"][None].float()}
+        batch = collate(reader, [int(i)], positions)  # one sample: no padding
+        n, start = batch["input_ids"].shape[1], int(batch["loss_mask"][0].nonzero()[0])
         with torch.no_grad():
             out = ttt_forward(model, batch, head[model.draft_to_target], steps=steps, decay=1.0, full_head=head)
         pos = torch.arange(n)

@@ -24,9 +24,10 @@ from tasks.target.architectures import load_tokenizer
 from tests.conftest import ARTIFACTS, FIVE_LAYER_IDS
 from tests.random_drafter import export_random_drafter
 
-# The first one's greedy continuation holds a run of one token (516, 15 times) amid others, so a drafter
-# pinned to it has verify steps accepting none and all 3 drafts.
-PROMPTS = [[1] + [1592] * 12, [1, 42], [1, 200, 300, 400]]
+# The first one's greedy continuation is a run of one token (516, from the first token on) then others: a
+# drafter pinned to it has its very first verify step accept all 3 drafts (so where the replayed walk
+# starts shows), then steps accepting all and none.
+PROMPTS = [[1] + [1592] * 12 + [1648, 723, 1606, 979, 516], [1, 42], [1, 200, 300, 400]]
 MAX_NEW_TOKENS = 24
 
 
@@ -277,6 +278,7 @@ def check_served_text(report: dict, out, favourite: int, raw: dict) -> None:
         assert served == histograms, (name, served, histograms)  # SGLang's count is the replayed walk
         if name != "humaneval":  # the first prompt's run of the pinned token: steps accepting none and all three
             assert histograms[0][0] and histograms[0][3], histograms
+            assert mine[0]["continuation"][:4] == [favourite] * 4  # the first chain's three drafts all hit
         assert row["requests"] == 3 and row["replay_equals_sglang"] == 3 and row["replay_differs"] == []
         assert row["replayed_histogram"] == row["sglang_histogram"] == [sum(c) for c in zip(*histograms)]
         assert row["per_position"]["served_text_all_positions"] == [c / n for c, n in zip(chained, counted)]

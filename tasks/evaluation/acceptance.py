@@ -63,9 +63,15 @@ def acceptance(meta_infos: Sequence[dict], num_drafts: int) -> Acceptance:
     if not steps:
         raise ValueError(f"none of {len(meta_infos)} requests went through a verify step: nothing was drafted")
     total = sum(histogram)
-    per_position = [sum(histogram[k:]) / total if total else 0.0 for k in range(1, num_drafts + 1)]
     accepted = sum(k * n for k, n in enumerate(histogram))
     return Acceptance(requests=len(meta_infos), completion_tokens=completion, verify_steps=steps,
                       pooled=completion / steps, mean_of_means=sum(ratios) / len(ratios),
                       accept_rate=accepted / (total * num_drafts) if total else 0.0,
-                      histogram=histogram, per_position=per_position)
+                      histogram=histogram, per_position=per_position(histogram))
+
+
+def per_position(histogram: Sequence[int]) -> list[float]:
+    """From a histogram of verify steps by drafts accepted (bin k: exactly
+    k), the share of steps that accepted their k-th draft, k = 1..K."""
+    total = sum(histogram)
+    return [sum(histogram[k:]) / total if total else 0.0 for k in range(1, len(histogram))]

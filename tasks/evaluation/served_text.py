@@ -41,11 +41,11 @@ import torch
 
 from tasks.capture.client import capture_many
 from tasks.capture.dump import Capture
+from tasks.evaluation.acceptance import per_position
 from tasks.evaluation.generate import generate_all
 from tasks.target.layers import AuxLayers
 from tasks.train.export import load_exported
 from tasks.train.ttt import chain_hits, ttt_forward
-from tasks.train.vocab import target_greedy
 
 # A gap between two shares beyond this many standard errors is reported as
 # one: at 3 the chance of calling noise a gap is 0.3% per position.
@@ -117,8 +117,7 @@ def walk(model, full_head: torch.Tensor, capture: Capture, layers: Sequence[int]
     with torch.no_grad():
         out = ttt_forward(model, batch, full_head[model.draft_to_target], steps=steps, decay=1.0,
                           full_head=full_head)
-        greedy = target_greedy(capture.final_hidden_state.float(), full_head)
-    hits, scored = out.hits[:, 0], out.scored[:, 0]
+    hits, scored, greedy = out.hits[:, 0], out.scored[:, 0], out.target_top[0]
     # Drafts of the first max_new_tokens only: what training would score on this text.
     inside = torch.stack([pos + k + 2 < prompt_len + max_new_tokens for k in range(steps)])
     chained, counted = chain_hits(list(hits & inside), list(scored & inside))
@@ -149,13 +148,6 @@ def replay(hits: torch.Tensor, scored: torch.Tensor, prompt_len: int, max_new_to
         made += accepted + 1
         t += accepted + 1
     return histogram
-
-
-def per_position(histogram: Sequence[int]) -> list[float]:
-    """Share of verify steps that accepted their k-th draft, k = 1..K (as
-    tasks/evaluation/acceptance.py reads SGLang's histogram)."""
-    total = sum(histogram)
-    return [sum(histogram[k:]) / total if total else 0.0 for k in range(1, len(histogram))]
 
 
 def clustered_se(hits: Sequence[int], counts: Sequence[int]) -> float:

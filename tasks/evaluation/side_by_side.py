@@ -140,14 +140,14 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         plain_greedy, _, plain_points = measure("plain", "plain", baseline_url, baseline_api_key, False,
                                                 lambda: f"(the server at {baseline_url})")
 
-    rows, sweep_rows, changed, raw, served = [], [], {}, [], {}
+    rows, sweep_rows, changed, raw, served, differs = [], [], {}, [], {}, {}
     for j, d in enumerate(drafters):
         spec = SpeculativeSpec(plain.server, draft_model_path=str(d.path), speculative_num_steps=d.num_steps,
                                speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1,
                                extra_hooks=d.hooks)
         greedy, sampled, points = launched(d.name, f"drafter{j}", spec, True)
         served[d.name] = greedy
-        differ = greedy_changes(plain_greedy, greedy)
+        differ = differs[d.name] = greedy_changes(plain_greedy, greedy)
         changed.update({f"{d.name} on {name}": prompts for name, prompts in differ.items()})
         for s in sets:
             differing = differ.get(s.name)
@@ -166,7 +166,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
     if cfg.simulate:
         def on_served_text(handle: ServerHandle) -> tuple[list[dict], list[dict]]:
             return simulate_served_text(handle, Path(server.model), drafters, sets, cfg, plain_greedy, served,
-                                        changed, request_timeout_s)
+                                        differs, request_timeout_s)
 
         if capture_server is not None:
             simulated, texts = on_served_text(capture_server)
@@ -202,14 +202,15 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
 
 def simulate_served_text(capture: ServerHandle, target: Path, drafters: Sequence[Drafter], sets: Sequence[PromptSet],
                          cfg: EvaluateConfig, plain: dict[str, GenerationRun], served: dict[str, dict],
-                         changed: dict[str, list[int]], timeout_s: float) -> tuple[list[dict], list[dict]]:
+                         differs: dict[str, dict[str, list[int]]], timeout_s: float) -> tuple[list[dict], list[dict]]:
     """Each drafter scored as training scores it on the text SGLang
     verified (tasks/evaluation/served_text.py), per prompt set: the capture
     server continues each prompt greedily num_steps past max_new_tokens and
     captures prompt and continuation. A prompt is left out for every
     drafter where that continuation is not the plain server's output, and
-    for a drafter that changed its output. Returns the rows and the texts
-    (token ids, per prompt set and prompt)."""
+    for a drafter that changed its output (`differs`: greedy_changes per
+    drafter). Returns the rows and the texts (token ids, per prompt set and
+    prompt)."""
     extra = max(d.num_steps for d in drafters)
     concurrency = max(cfg.concurrency)
     rows, kept, by_set = [], [], []
@@ -217,11 +218,11 @@ def simulate_served_text(capture: ServerHandle, target: Path, drafters: Sequence
         texts = served_texts(capture.url, s.prompts, max_new_tokens=cfg.max_new_tokens + extra,
                              api_key=capture.api_key, concurrency=concurrency, timeout_s=timeout_s,
                              tag=f"served-text-set{k}")
+        as_served = [t.continuation[:cfg.max_new_tokens] == out
+                     for t, out in zip(texts, plain[s.name].output_ids, strict=True)]
         kept += [{"prompt_set": s.name, "prompt": i, "prompt_ids": t.prompt, "continuation": t.continuation,
-                  "as_served": t.continuation[:cfg.max_new_tokens] == out}
-                 for i, (t, out) in enumerate(zip(texts, plain[s.name].output_ids, strict=True))]
-        texts = [t if t.continuation[:cfg.max_new_tokens] == out else None
-                 for t, out in zip(texts, plain[s.name].output_ids, strict=True)]
+                  "as_served": same} for i, (t, same) in enumerate(zip(texts, as_served))]
+        texts = [t if same else None for t, same in zip(texts, as_served)]
         captured = iter(capture_texts(capture.url, capture.spec.dump_dir, [t for t in texts if t],
                                       api_key=capture.api_key, rid_prefix=capture.rid_prefix,
                                       concurrency=concurrency, timeout_s=timeout_s))
@@ -230,7 +231,7 @@ def simulate_served_text(capture: ServerHandle, target: Path, drafters: Sequence
     for d in drafters:
         drafter = load_drafter(d.path, target)
         for s, texts, captures in by_set:
-            mine = [None if i in changed.get(f"{d.name} on {s.name}", ()) else t for i, t in enumerate(texts)]
+            mine = [None if i in differs[d.name].get(s.name, ()) else t for i, t in enumerate(texts)]
             row = simulate(drafter, full_head, d.num_steps, d.heldout, mine, captures,
                            served[d.name][s.name].meta_infos, cfg.max_new_tokens)
             rows.append({"drafter": d.name, "prompt_set": s.name, **row})

@@ -50,6 +50,7 @@ class StepOutput:
     chain_counted: torch.Tensor  # [K] starting positions whose steps 0..k are all scored
     hits: torch.Tensor  # [K, b, n] bool: step k of the chain starting at t hit (scored positions only)
     scored: torch.Tensor  # [K, b, n] bool: step k of the chain starting at t is scored
+    target_top: torch.Tensor  # [b, n] the target's greedy token after each position, what the hits are against
 
 
 def chain_hits(hits: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +111,7 @@ def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, s
     chained, chain_counted = chain_hits(hits, scored)
     return StepOutput(loss, torch.stack([h.sum() for h in hits]), torch.stack([s.sum() for s in scored]),
                       torch.stack(step_losses), torch.stack(in_loss), chained, chain_counted,
-                      torch.stack(hits), torch.stack(scored))
+                      torch.stack(hits), torch.stack(scored), target_top)
 
 
 class TTT(torch.nn.Module):
