@@ -65,7 +65,7 @@ def dense_ttt_attention(q, keys, values, valid, block=None, scale=None):
     def rep(x):
         return x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
 
-    heads, n, d = q.shape[1], q.shape[2], q.shape[3]
+    n, d = q.shape[2], q.shape[3]
     scale = d ** -0.5 if scale is None else scale
     k0, v0 = rep(keys[0]), rep(values[0])
     scores = (q @ k0.transpose(-1, -2)) * scale
@@ -124,6 +124,8 @@ def measure(shape: dict, n: int, steps: int, attention: str, device: str, repeat
     torch.manual_seed(0)
     if attention == "dense":
         drafter_module.ttt_attention = dense_ttt_attention  # Eagle3Drafter.step looks it up at call time
+    else:  # the memory-linear path at every length (training takes it above CHECKPOINT_ABOVE_BYTES only)
+        drafter_module.CHECKPOINT_ABOVE_BYTES = 0
     model = build(shape, dev)
     h = shape["hidden_size"]
     head_rows = torch.randn(shape["draft_vocab_size"], h, device=dev) * 0.02

@@ -2,6 +2,7 @@
 attention, batching, the schedule."""
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -288,8 +289,9 @@ def test_blockwise_ttt_attention_equals_the_dense_one_in_values_and_gradients(de
     leaves = [q, *keys, *values]
     want = _dense_ttt_attention(q, keys, values, valid)
     want_grads = torch.autograd.grad((want * upstream).sum(), leaves)
-    for block in (4, 11, 512):  # several blocks with a ragged last one, exactly one, one larger than n
-        got = ttt_attention(q, keys, values, valid, block=block)
+    # Several blocks with a ragged last one, exactly one, one larger than n; each checkpointed (0) or kept.
+    for block, checkpoint_above in itertools.product((4, 11, 512), (0, 2**40)):
+        got = ttt_attention(q, keys, values, valid, block=block, checkpoint_above=checkpoint_above)
         assert torch.allclose(got, want, atol=1e-5), block
         grads = torch.autograd.grad((got * upstream).sum(), leaves)
         for name, g, w in zip(["q"] + [f"k{i}" for i in range(depth)] + [f"v{i}" for i in range(depth)],

@@ -71,27 +71,38 @@ def _prefix_block(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, valid: to
     return out, lse
 
 
+# Above this many bytes of fp32 scores per TTT step ([B, h, L, L]), the
+# prefix attention's blocks are checkpointed; below it keeping them costs
+# little memory and recomputing them costs time (a fifth of a small
+# drafter's training step on a CPU).
+CHECKPOINT_ABOVE_BYTES = 256 * 2**20
+
+
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                  valid: torch.Tensor, block: int = 512, scale: float | None = None) -> torch.Tensor:
+                  valid: torch.Tensor, block: int = 512, scale: float | None = None,
+                  checkpoint_above: int | None = None) -> torch.Tensor:
     """Step-k attention: the causal prefix of step-0 keys, plus the diagonal
     (same position) keys of steps 1..k. q [B, h, L, d]; keys [B, kv_heads, L,
     d]; values [B, kv_heads, L, dv] (MLA's dv differs from d); valid [B, L];
     scale: the softmax's, d^-0.5 unless given (MLA's carries YaRN's mscale).
 
     Memory-linear: the prefix part runs over blocks of `block` queries, each
-    under activation checkpointing, so backward keeps only its output and
-    log-sum-exp ([B, h, L] per step) and recomputes one block's scores at a
-    time, instead of keeping fp32 [B, h, L, L] per TTT step (8k tokens x 64
-    heads x 7 steps do not fit any GPU). The diagonal terms are merged with
-    the prefix by log-sum-exp, which is exactly one softmax over both."""
+    under activation checkpointing once the scores pass `checkpoint_above`
+    bytes (CHECKPOINT_ABOVE_BYTES unless given), so backward keeps only its output and log-sum-exp ([B, h, L] per
+    step) and recomputes one block's scores at a time, instead of keeping
+    fp32 [B, h, L, L] per TTT step (8k tokens x 64 heads x 7 steps do not fit
+    any GPU). The diagonal terms are merged with the prefix by log-sum-exp,
+    which is exactly one softmax over both."""
     b, heads, n, d = q.shape
     kv = keys[0].shape[1]
     scale = d ** -0.5 if scale is None else scale
     qg = q.reshape(b, kv, heads // kv, n, d)
+    above = CHECKPOINT_ABOVE_BYTES if checkpoint_above is None else checkpoint_above
+    recompute = torch.is_grad_enabled() and b * heads * n * n * 4 > above
     outs, lses = [], []
     for start in range(0, n, block):
         args = (qg[:, :, :, start:start + block], keys[0], values[0], valid, start, scale)
-        if torch.is_grad_enabled():
+        if recompute:
             o, s = checkpoint(_prefix_block, *args, use_reentrant=False)
         else:
             o, s = _prefix_block(*args)
