@@ -29,6 +29,7 @@ from tasks.train.export import export_weights, load_exported
 from tasks.train.launch import launch_distributed
 from tasks.train.loop import train
 from tasks.train.metrics import metrics_table
+from tasks.train.served import export_checked_against_checkpoint, same_files, served_dir
 
 
 @task(name="check-store-verified", cache_policy=NO_CACHE)
@@ -50,12 +51,19 @@ def train_task(cfg: TrainConfig, store: str) -> TrainResult:
 
 
 @task(name="check-export", cache_policy=NO_CACHE)
-def check_export_task(drafter_dir: str, out_dir: str, target: str) -> dict:
+def check_export_task(result: TrainResult, out_dir: str) -> dict:
     """Read the exported directory back and compare it with what was trained:
     a silently dropped or renamed tensor would otherwise surface only as a
-    drafter SGLang accepts at ~0."""
+    drafter SGLang accepts at ~0. An earlier epoch's weights kept as the best
+    served are its served export, byte for byte, and the last epoch's served
+    export is the one compared."""
     import torch
 
+    target = result.target
+    drafter_dir = export_checked_against_checkpoint(Path(result.drafter_dir), Path(out_dir), result.history,
+                                                    result.exported_epoch)
+    if result.exported_epoch is not None:
+        same_files(Path(result.drafter_dir), served_dir(Path(out_dir), result.exported_epoch) / "drafter")
     loaded = export_weights(load_exported(Path(drafter_dir), Path(target)))
     trained = export_weights(trained_drafter(Path(out_dir), Path(target)))
     worst = 0.0
@@ -92,6 +100,10 @@ def metrics_artifacts_task(result: TrainResult, out_dir: str) -> None:
         markdown=(f"### Drafter training\n\nheld-out tau **{final['tau']:.2f}** ({tau_s} {final[tau_s]:.2f}), "
                   f"exact (chained) tau {final['tau_exact']:.2f} ({exact_s} {final[exact_s]:.2f}) "
                   f"after {result.steps} steps; untrained: {result.history[0]['tau']:.2f}\n\n"
+                  + (f"served in SGLang after epoch {final['epoch']}: accept length "
+                     f"**{final['served']['pooled']:.2f}** pooled\n\n" if final.get("served") else "")
+                  + (f"exported: the weights after epoch {result.exported_epoch}, the best served\n\n"
+                     if result.exported_epoch is not None else "") +
                   f"![loss and tau](data:image/png;base64,{encoded})\n\n`{result.drafter_dir}`\n"),
         key=artifact_key("training-plot", out_dir), description="training loss and held-out tau")
 
@@ -118,7 +130,7 @@ def train_drafter(
             check_verified_task(store)
         result = train_task(cfg, store)
         if node == 0:
-            check_export_task(result.drafter_dir, cfg.out_dir, result.target)
+            check_export_task(result, cfg.out_dir)
             metrics_artifacts_task(result, cfg.out_dir)
     return {"drafter_dir": result.drafter_dir, "target": result.target, "steps": result.steps,
             "heldout": result.final, "untrained": result.history[0], "out_dir": cfg.out_dir}

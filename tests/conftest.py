@@ -230,12 +230,14 @@ def tiny_pipeline(capture_server, float32_server, tiny_store, prefect_api) -> tu
     config. One training that tests/test_pipeline.py checks as a run and
     tests/test_training.py as a training (a minute's training: it is done
     once). The plain outputs come from the session's float32 server, by
-    URL (a launched baseline: tests/test_serving.py)."""
+    URL (a launched baseline: tests/test_architectures.py, Qwen3)."""
     from flows.pipeline import eagle3_pipeline
     from tasks.evaluation.config import EvaluateConfig
 
     run_dir = Path(tiny_store).parent
-    cfg = tiny_train_config(run_dir / "train")
+    # Served in SGLang after epochs 3 and 6, the better one exported (tests/test_training.py).
+    cfg = tiny_train_config(run_dir / "train", serve_every=3, serve_prompts=4, serve_max_new_tokens=24,
+                            keep_best_served=True)
     summary = eagle3_pipeline(
         **attach(capture_server, store=tiny_store, dataset=str(run_dir / "data.jsonl"), max_length=512,
                  batch_size=32),

@@ -173,13 +173,16 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
             train=TrainConfig(out_dir=str(tmp_path / "run" / "train"), aux_layer_ids=drafter_layers,
                               draft_vocab_size=512, ttt_steps=3, epochs=3, lr=5e-3, tokens_per_batch=1024,
                               serve_steps=3, attention=attention),
-            # The plain outputs from this server (no second launch of the target).
+            # The plain outputs from this server (no second launch of the target), but Qwen3's: from a plain
+            # server the evaluation launches, its default (the suite's one launched baseline).
             # One stream, greedy: the sweep and sampling are tests/test_serving.py's.
-            evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, baseline="attached", concurrency=[1],
-                                    temperature=0.0, min_verify_steps=16))
+            evaluate=EvaluateConfig(num_prompts=4, max_new_tokens=24, concurrency=[1], temperature=0.0,
+                                    baseline="launch" if name == TINY_QWEN3 else "attached", min_verify_steps=16))
     assert summary["outputs_equal"] is True, summary
     evaluation = json.loads((Path(summary["evaluation"]) / "evaluation.json").read_text())
-    assert evaluation["baseline"] == attached.url, evaluation
+    assert evaluation["baseline"] == ("launched" if name == TINY_QWEN3 else attached.url), evaluation
+    if name == TINY_QWEN3:  # launched in the target's dtype, as the capture's server was
+        assert f"--dtype {dtype}" in evaluation["settings"]["commands"]["plain"], evaluation["settings"]
     # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
     report = json.loads((tmp_path / "run" / "store" / "reports" / "latest.json").read_text())
     assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report

@@ -263,7 +263,7 @@ def _dense_ttt_attention(q, keys, values, valid):
     def rep(x):
         return x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
 
-    heads, n, d = q.shape[1], q.shape[2], q.shape[3]
+    n, d = q.shape[2], q.shape[3]
     scale = d ** -0.5
     k0, v0 = rep(keys[0]), rep(values[0])
     scores = (q @ k0.transpose(-1, -2)) * scale
@@ -489,3 +489,26 @@ def test_the_export_refuses_a_tensor_sglang_would_drop_naming_it_and_writes_noth
     with pytest.raises(UnservedTensor, match=r"nothing fills fc_norm\.0\.weight, fc_norm\.1\.weight"):
         export_drafter(model, AuxLayers.for_model(8), tmp_path / "drafter", architecture=LLAMA)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_served_epochs_and_the_best_served_one(tmp_path):
+    from tasks.train.config import TrainConfig
+    from tasks.train.served import best_served, same_files, serve_now
+
+    cfg = TrainConfig(epochs=7, serve_every=3)
+    assert [e for e in range(8) if serve_now(cfg, e)] == [3, 6, 7]  # every 3rd and the last, never untrained
+    assert not any(serve_now(TrainConfig(epochs=7), e) for e in range(8))
+    with pytest.raises(ValueError, match="keep_best_served picks among the epochs served.*serve_every"):
+        TrainConfig(keep_best_served=True)
+    history = [{"epoch": 0}, {"epoch": 3, "served": {"pooled": 1.2}}, {"epoch": 6, "served": {"pooled": 1.3}},
+               {"epoch": 7, "served": {"pooled": 1.3}}]
+    assert best_served(history)["epoch"] == 6  # the earlier of a tie
+    assert best_served(history[:1]) is None
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"weights")
+    same_files(a, b)
+    (b / "model.safetensors").write_bytes(b"weightz")
+    with pytest.raises(RuntimeError, match="model.safetensors differs"):
+        same_files(a, b)

@@ -245,7 +245,7 @@ def test_a_persistent_nan_stops_and_keeps_the_last_good_checkpoint(trained, tiny
     assert _finite(export_weights(load_exported(Path(result.drafter_dir), tiny_model)))
 
 
-def test_the_export_check_refuses_a_nan_drafter(trained, tiny_model, tmp_path, monkeypatch):
+def test_the_export_check_refuses_a_nan_drafter(trained, tmp_path, monkeypatch):
     import logging
     from safetensors.torch import load_file, save_file
     import flows.train
@@ -253,10 +253,11 @@ def test_the_export_check_refuses_a_nan_drafter(trained, tiny_model, tmp_path, m
     monkeypatch.setattr(flows.train, "get_run_logger", lambda: logging.getLogger("test"))  # outside a flow run
     cfg, store, _ = trained
     out_dir = tmp_path / "train"  # its own run: the kill tests replace the module run's export
-    drafter = Path(train(_small_batches(cfg, out_dir), store).drafter_dir)
-    assert check_export_task.fn(str(drafter), str(out_dir), str(tiny_model))["worst_relative_diff"] < 1e-2
+    result = train(_small_batches(cfg, out_dir), store)
+    drafter = Path(result.drafter_dir)
+    assert check_export_task.fn(result, str(out_dir))["worst_relative_diff"] < 1e-2
     tensors = load_file(drafter / "model.safetensors")
     tensors["fc.weight"][0, 0] = float("nan")
     save_file(tensors, str(drafter / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match="exported drafter tensor fc.weight holds NaN"):
-        check_export_task.fn(str(drafter), str(out_dir), str(tiny_model))
+        check_export_task.fn(result, str(out_dir))

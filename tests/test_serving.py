@@ -294,38 +294,30 @@ def test_a_drafter_that_changed_a_greedy_output_is_named():
     assert greedy_changes(plain, spec) == {"s": [1]}
 
 
-@pytest.mark.server
-def test_the_demo_target_is_evaluated_beside_a_plain_server_the_run_launches(tmp_path):
+def test_the_demo_targets_template_renders_humaneval_and_its_drafter_exports_in_sglangs_layout(tmp_path):
     """SmolLM2-135M-Instruct, the demo's target (a real tokenizer and chat
-    template, a 49k vocabulary), with an untrained drafter: the evaluation
-    launches the plain target itself (the default baseline), renders HumanEval
-    through SmolLM2's template, and its figures are SGLang's own counts."""
+    template, a 49k vocabulary, tied embeddings): HumanEval renders through
+    its own ChatML template, and a drafter for it exports in SGLang's layout
+    and reads back whole. The demo serves it; the suite does not (two
+    SmolLM2 launches cost it 95 s): a launched baseline is
+    tests/test_architectures.py's (Qwen3), a tied target's embeddings
+    tests/test_drafter.py's."""
     from tasks.target.models import SMOLLM2, resolve_model
+    from tasks.train.export import export_weights, load_exported
 
     model = resolve_model(SMOLLM2)
-    drafter = export_random_drafter(model, tmp_path / "random" / "drafter", draft_vocab_size=2048)
     tokenizer = load_tokenizer(model)
-    sets = [prompt_set("humaneval", count=2, tokenizer=tokenizer, store=None, heldout_fraction=0.1)]
-    assert tokenizer.decode(sets[0].prompts[0]).startswith("<|im_start|>")  # ChatML, SmolLM2's own template
-    out = tmp_path / "evaluation"
-    # 8 tokens a request: the sweep's one round of two requests has the 16 verify steps (the drafter is
-    # untrained: one token a step); SmolLM2 decodes at ~10 tokens/s here.
-    cfg = EvaluateConfig(num_prompts=2, max_new_tokens=8, concurrency=[1], min_verify_steps=16, temperature=0.0)
-    report = evaluate_drafters(ServerConfig(model=str(model)), [Drafter("random", drafter, 3)], sets, cfg,
-                               log_dir=out)
-    assert report["baseline"] == "launched" and report["greedy_changed"] == {}
-    assert "--dtype float32" in report["settings"]["commands"]["plain"]
-    (row,) = report["acceptance"]
-    assert row["outputs_equal"] is True and row["mode"] == "greedy"
-    raw = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert len(raw) == 2 and sum(r["completion_tokens"] for r in raw) == 2 * 8
-    steps = sum(r["spec_verify_ct"] for r in raw)
-    assert row["pooled"] == 2 * 8 / steps == row["completion_tokens"] / row["verify_steps"]
-    assert row["mean_of_means"] == sum(r["completion_tokens"] / r["spec_verify_ct"] for r in raw) / 2
-    assert sum(row["histogram"]) == steps and all(sum(r["spec_correct_drafts_histogram"]) == r["spec_verify_ct"]
-                                                  for r in raw)
-    (point,) = report["sweep"]
-    assert point["verify_steps"] >= 16 and point["plain_total_tokens_per_s"] > 0
+    (prompts,) = [prompt_set("humaneval", count=2, tokenizer=tokenizer, store=None, heldout_fraction=0.1).prompts]
+    first = humaneval_problems()[0]["prompt"]
+    assert len(prompts) == 2 and tokenizer.decode(prompts[0]) == (
+        f"<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        f"<|im_start|>user\n{first}<|im_end|>\n<|im_start|>assistant\n")
+    drafter = export_random_drafter(model, tmp_path / "random" / "drafter", draft_vocab_size=2048)
+    config = json.loads((drafter / "config.json").read_text())
+    assert (config["vocab_size"], config["draft_vocab_size"], config["tie_word_embeddings"]) == (49152, 2048, False)
+    written = load_file(str(drafter / "model.safetensors"))
+    read = export_weights(load_exported(drafter, model))
+    assert set(read) == set(written) and all(torch.equal(read[k], written[k]) for k in read)
 
 
 def test_the_replayed_walk_moves_as_sglang_verifies_and_counts_the_last_step_whole():

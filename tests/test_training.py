@@ -97,6 +97,36 @@ def independent_step0_predictions(drafter_dir: Path, target: Path, input_ids: to
     return draft + w["d2t"].long()[draft]  # SGLang: hot_token_id = d2t + arange
 
 
+def test_served_acceptance_during_training_is_sglangs_own_count_and_the_best_served_is_exported(trained):
+    from tasks.train.served import served_dir
+
+    cfg, result = trained
+    served = [m for m in result.history if m.get("served")]
+    assert [m["epoch"] for m in served] == [3, 6]  # serve_every 3 of 6 epochs; never the untrained drafter
+    for m in served:
+        raw = [json.loads(line) for line in
+               (served_dir(cfg.out_dir, m["epoch"]) / "requests.jsonl").read_text().splitlines()]
+        s = m["served"]
+        assert 1 <= len(raw) == s["requests"] <= cfg.serve_prompts
+        tokens, steps = sum(r["completion_tokens"] for r in raw), sum(r["spec_verify_ct"] for r in raw)
+        assert tokens == len(raw) * cfg.serve_max_new_tokens and steps == s["verify_steps"]
+        assert s["pooled"] == tokens / steps  # SGLang's counts, by hand
+        histogram = [sum(c) for c in zip(*(r["spec_correct_drafts_histogram"] + [0] * (4 - len(
+            r["spec_correct_drafts_histogram"])) for r in raw))]
+        assert s["per_position"] == [sum(histogram[k:]) / steps for k in range(1, 4)]
+    best = max(served, key=lambda m: (m["served"]["pooled"], -m["epoch"]))
+    assert result.exported_epoch == (None if best is served[-1] else best["epoch"])
+    # The drafter is the best served epoch's export, byte for byte (a fresh export of the same weights when
+    # that is the last epoch).
+    for name in ("model.safetensors", "config.json"):
+        assert (Path(result.drafter_dir) / name).read_bytes() == (
+            served_dir(cfg.out_dir, best["epoch"]) / "drafter" / name).read_bytes()
+    table = (Path(cfg.out_dir) / "metrics.csv").read_text().splitlines()
+    header = table[0].split(",")
+    column = [row.split(",")[header.index("served_accept_length")] for row in table[1:]]
+    assert column == ["" if not m.get("served") else str(round(m["served"]["pooled"], 3)) for m in result.history]
+
+
 def test_an_independent_forward_agrees_with_the_targets_greedy_tokens(trained, tiny_store, tiny_model):
     """Not the training code's alignment: the target model itself (HF, fp32)
     says which token comes next, and the exported files alone say what the

@@ -59,6 +59,17 @@ class TrainConfig(Section):
                                                          "of the held-out split; all of it when fewer)")
     serve_steps: int = Field(3, ge=1, description="speculative steps the drafter will be served with (for tau@S: "
                                                   "SGLang's --speculative-num-steps)")
+    serve_every: int = Field(0, ge=0, json_schema_extra=RESUMABLE, description=(
+        "every this many epochs, and after the last, the current weights are exported and served speculatively "
+        "in SGLang on held-out prompts: SGLang's accept length, pooled and per position, goes into the metrics "
+        "beside the held-out tau (0: off; each measurement starts one server of the target)"))
+    serve_prompts: int = Field(8, ge=1, json_schema_extra=RESUMABLE, description=(
+        "serve_every: held-out prompts each measurement generates on"))
+    serve_max_new_tokens: int = Field(48, ge=1, json_schema_extra=RESUMABLE, description=(
+        "serve_every: tokens each prompt generates (greedy, EOS ignored)"))
+    keep_best_served: bool = Field(False, json_schema_extra=RESUMABLE, description=(
+        "serve_every: export the weights that SGLang accepted the most drafts of (pooled accept length), not "
+        "the last epoch's"))
     seed: int = Field(0, ge=0, description="initialisation and data-order seed")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs (no bf16 matmul units); fp32 "
@@ -136,6 +147,9 @@ class TrainConfig(Section):
         if self.cache_epochs and self.spool_bytes is None:
             raise ValueError("train.cache_epochs keeps what a spool's budget has room for: set train.spool_bytes "
                              "too, or leave cache_epochs false (without a spool every shard is kept anyway)")
+        if self.keep_best_served and not self.serve_every:
+            raise ValueError("train.keep_best_served picks among the epochs served in SGLang: set train.serve_every "
+                             "too (e.g. 1: after every epoch)")
         if self.mla_dims and self.attention != "mla":
             raise ValueError(f"train.mla_dims {self.mla_dims} sizes an MLA drafter: set train.attention mla too, "
                              f"or leave mla_dims empty")
@@ -170,6 +184,7 @@ class TrainResult:
     compute_s: float = 0.0
     tokens: int = 0
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    exported_epoch: int | None = None  # the epoch whose weights drafter/ holds (keep_best_served); None: the last
 
     @property
     def final(self) -> dict:

@@ -167,6 +167,19 @@ def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *, ar
     return out_dir
 
 
+def copy_drafter(exported: Path, out_dir: Path) -> Path:
+    """A drafter exported earlier (a served epoch's) put in place at
+    `out_dir`, atomically as export_drafter puts one."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(exported, tmp)
+    _fsync_tree(tmp)
+    _swap_in(tmp, out_dir)
+    return out_dir
+
+
 def _fsync_tree(directory: Path) -> None:
     for path in [*directory.iterdir(), directory]:
         fd = os.open(path, os.O_RDONLY)

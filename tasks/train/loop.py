@@ -30,11 +30,12 @@ from tasks.target.architectures import architecture_of, read_config
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, CheckpointWriter, read_checkpoint, resume_position
 from tasks.train.config import TrainConfig, TrainingError, TrainResult
-from tasks.train.data import assign_batches, plan_batches, prefetch, split_fingerprint
+from tasks.train.data import assign_batches, heldout_prompts, plan_batches, prefetch, split_fingerprint
 from tasks.train.heldout import describe, evaluate
-from tasks.train.export import export_drafter
+from tasks.train.export import copy_drafter, export_drafter
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare
+from tasks.train.served import best_served, describe_served, measure_served, serve_now, served_dir
 from tasks.stream.reader import Spool
 from tasks.train.ttt import TTT, StepOutput
 from tasks.train.vocab import DraftVocab
@@ -211,7 +212,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
     steps = Stepper(run, ttt, opt, trainable, ckpt_path)
     spool = Spool(run, store)
     if not history:
-        _evaluate(run, ttt, history, 0, 0, on_eval)
+        _evaluate(run, ttt, history, 0, 0, on_eval, store)
     while epoch < cfg.epochs:
         plan = plans[epoch]
         mine = assign_batches(len(plan), done, rank, world, cfg.accumulate)
@@ -237,18 +238,23 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
                              "sample_ids": [run.reader.sample_ids[i] for i in plan[b]], "weight": weight,
                              "loss": out.loss.item(), "grad_norm": grad_norm.item()})
         epoch, done = epoch + 1, 0
-        _evaluate(run, ttt, history, epoch, step, on_eval)
+        _evaluate(run, ttt, history, epoch, step, on_eval, store)
         writer.save(epoch, 0, step, history)
         spool.checkpointed(epoch, 0)
     spool.finish(cfg.epochs)
     drafter_dir = out_dir / "drafter"
     writer.require_finite(f"the export {drafter_dir}", step)
+    best = best_served(history) if cfg.keep_best_served else None
+    exported_epoch = best["epoch"] if best is not None and best["epoch"] != history[-1]["epoch"] else None
     with distributed.whole_weights(ttt):
         if rank == 0:
-            export_drafter(model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
-                           extra={"store": str(Path(store).resolve()), "target": str(run.target), "steps": step,
-                                  "heldout": {k: v for k, v in history[-1].items() if k != "epoch"},
-                                  "config": cfg.identity(store)})
+            if exported_epoch is None:
+                _export(run, drafter_dir, store, step, history[-1])
+            else:
+                copy_drafter(served_dir(out_dir, exported_epoch) / "drafter", drafter_dir)
+                logger.info("exported the weights after epoch %d, which SGLang accepted the most drafts of "
+                            "(accept length %.2f pooled; the last epoch's %.2f)", exported_epoch,
+                            best["served"]["pooled"], history[-1]["served"]["pooled"])
             write_metrics(out_dir, history)
     if world > 1:
         torch.distributed.barrier()
@@ -256,7 +262,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
                          train_samples=len(run.train_idx), heldout_samples=len(run.held_idx),
                          draft_vocab_size=run.vocab.size, target=str(run.target), resumed_from=resumed,
                          seconds=time.time() - started, data_wait_s=steps.wait_s, compute_s=steps.compute_s,
-                         tokens=steps.tokens, nonfinite_steps=steps.skipped)
+                         tokens=steps.tokens, nonfinite_steps=steps.skipped, exported_epoch=exported_epoch)
     if rank == 0:
         (out_dir / RESULT).write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
     return result
@@ -273,16 +279,35 @@ def _log_start(run: Run, plans: list[list[list[int]]], per_step: int) -> None:
                 "bf16 autocast" if autocast_dtype(cfg.precision, run.device) else "fp32")
 
 
+def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: dict) -> None:
+    """The drafter's weights as they are now, exported with how they were
+    trained and their held-out metrics."""
+    export_drafter(run.model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
+                   extra={"store": str(Path(store).resolve()), "target": str(run.target), "steps": step,
+                          "heldout": {k: v for k, v in heldout.items() if k not in ("epoch", "served")},
+                          "config": run.cfg.identity(store)})
+
+
 def _evaluate(run: Run, ttt: torch.nn.Module, history: list[dict], epoch: int, step: int,
-              on_eval: Callable[[dict], None] | None) -> None:
+              on_eval: Callable[[dict], None] | None, store: str | Path) -> None:
     """Rank 0 evaluates the drafter after `epoch` epochs (0: untrained) into
-    `history`; under FSDP every rank takes part in gathering its weights."""
+    `history`, and serves it in SGLang when serve_every says so
+    (tasks/train/served.py); under FSDP every rank takes part in gathering
+    its weights."""
+    cfg = run.cfg
     with distributed.whole_weights(ttt):
         if run.rank == 0:
-            history.append({"epoch": epoch, "step": step, **evaluate(run)})
+            entry = {"epoch": epoch, "step": step, **evaluate(run)}
             if epoch == 0:
-                logger.info("untrained drafter, held out: %s", describe(history[-1]))
+                logger.info("untrained drafter, held out: %s", describe(entry))
             else:
-                logger.info("epoch %d/%d held out: %s", epoch, run.cfg.epochs, describe(history[-1]))
+                logger.info("epoch %d/%d held out: %s", epoch, cfg.epochs, describe(entry))
+            if serve_now(cfg, epoch):
+                drafter_dir = served_dir(cfg.out_dir, epoch) / "drafter"
+                _export(run, drafter_dir, store, step, entry)
+                prompts = heldout_prompts(Path(store), cfg.heldout_fraction, cfg.serve_prompts)
+                entry["served"] = measure_served(drafter_dir, run.target, prompts, cfg)
+                logger.info(describe_served(entry, cfg.serve_steps))
+            history.append(entry)
             if on_eval:
-                on_eval(history[-1])
+                on_eval(entry)

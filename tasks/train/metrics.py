@@ -12,6 +12,9 @@ def metrics_table(history: list[dict]) -> list[dict]:
         # The product estimate (tau, tau@S) and the exact chained one (tau_exact, tau_exact@S).
         row.update({k: round(v, 3) for k, v in m.items() if k.startswith("tau")})
         row.update({f"acc{k}": round(a, 3) for k, a in enumerate(m["acc"])})
+        if m.get("served"):  # train.serve_every: SGLang's own counts for these weights
+            row["served_accept_length"] = round(m["served"]["pooled"], 3)
+            row.update({f"served_pos{k + 1}": round(p, 3) for k, p in enumerate(m["served"]["per_position"])})
         rows.append(row)
     return rows
 
@@ -33,8 +36,14 @@ def plot_metrics(history: list[dict], path: Path) -> Path:
         # A run resumed from before the exact tau existed has rows without it.
         b.plot(epochs, [m.get(exact, float("nan")) for m in history], marker=marker, linestyle="--",
                color=line.get_color(), label=f"{exact} (chained)")
-    b.set(xlabel="epoch", ylabel="simulated acceptance length", title="held-out tau")
-    b.legend()
+    served = [m for m in history if m.get("served")]
+    if served:
+        # Accepted drafts per verify step: SGLang's accept length less its bonus token, on tau's scale.
+        b.plot([m["epoch"] for m in served], [m["served"]["pooled"] - 1 for m in served], marker="D", color="black",
+               label="SGLang, accepted drafts per step")
+    b.set(xlabel="epoch", ylabel="simulated acceptance length", title="held-out tau" + (
+        ", and as served" if served else ""))
+    b.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
