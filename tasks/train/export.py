@@ -19,7 +19,6 @@ and the export refuses both, naming them.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -31,6 +30,7 @@ from safetensors.torch import save_file
 from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers
 from tasks.target.embeddings import load_target_embeddings
+from tasks.train.atomic_dir import write_dir_atomically
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter, MLA_DIMS, target_sizes, variant_named
 from tasks.train.vocab import DraftVocab
 
@@ -153,71 +153,25 @@ def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *, ar
     tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
                for k, v in export_weights(model).items()}
     check_served(tensors, model.cfg.attention, model.cfg.num_aux, model.cfg.fc_norm)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = export_config(model, layers, architecture, dtype)
-    if extra:
-        config["eagle3_training"] = extra
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _fsync_tree(tmp)
-    _swap_in(tmp, out_dir)
-    return out_dir
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = export_config(model, layers, architecture, dtype)
+        if extra:
+            config["eagle3_training"] = extra
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return write_dir_atomically(out_dir, fill)
 
 
 def copy_drafter(exported: Path, out_dir: Path) -> Path:
     """A drafter exported earlier (a served epoch's) put in place at
     `out_dir`, atomically as export_drafter puts one."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(exported, tmp)
-    _fsync_tree(tmp)
-    _swap_in(tmp, out_dir)
-    return out_dir
+    def fill(tmp: Path) -> None:
+        for f in Path(exported).iterdir():
+            shutil.copy2(f, tmp / f.name)
 
-
-def _fsync_tree(directory: Path) -> None:
-    for path in [*directory.iterdir(), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _swap_in(new: Path, out_dir: Path) -> None:
-    """Put `new` at `out_dir`; the old export is deleted only once the new
-    one is in place, so a crash never leaves neither. Linux exchanges the two
-    atomically; elsewhere the old one is first renamed aside (a crash in that
-    instant leaves it there, whole, under .<name>.old-<pid>)."""
-    if not out_dir.exists():
-        os.replace(new, out_dir)
-        return
-    if _exchange(new, out_dir):
-        shutil.rmtree(new)  # now the old export
-        return
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    os.replace(out_dir, old)
-    os.replace(new, out_dir)
-    shutil.rmtree(old)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """renameat2(RENAME_EXCHANGE); False where the OS or filesystem lacks it."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    return write_dir_atomically(out_dir, fill)
 
 
 def variant_of(config: dict) -> str:
