@@ -30,7 +30,7 @@ from tasks.train.atomic_dir import write_dir_atomically
 from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_target import DEFAULT_MASK_TOKEN, check_target_layer_ids
 from tasks.train.drafter import target_sizes
-from tasks.train.export import UnservedTensor
+from tasks.train.export import refuse_unserved
 
 ARCHITECTURE = "DFlashDraftModel"
 # The checkpoint names DFlashDraftModel.load_weights maps to its parameters
@@ -52,16 +52,7 @@ def served_tensors(num_layers: int) -> set[str]:
 
 def check_served(names, num_layers: int) -> None:
     """Refuse an export SGLang's DFlashDraftModel would not load whole."""
-    want, names = served_tensors(num_layers), set(names)
-    wrong = []
-    if names - want:
-        wrong.append(f"it skips {', '.join(sorted(names - want))} (no parameter of its model takes it)")
-    if want - names:
-        wrong.append(f"nothing fills {', '.join(sorted(want - names))}")
-    if wrong:
-        raise UnservedTensor(
-            f"SGLang's {ARCHITECTURE} would serve this drafter only in part: {'; '.join(wrong)}. Change the "
-            f"drafter, or teach tasks/train/dflash_export.py what SGLang now loads")
+    refuse_unserved(names, served_tensors(num_layers), ARCHITECTURE, "tasks/train/dflash_export.py")
 
 
 def dflash_config(model: DFlashDrafter, target_layer_ids, *, target_config: dict, block_size: int,

@@ -83,11 +83,17 @@ def export_weights(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
 
 def check_served(names, attention: str, num_aux: int, fc_norm: bool) -> None:
     """Refuse an export that SGLang's class for `attention` would not load
-    whole: a tensor it maps to no parameter of its model (skipped without an
-    error) or a parameter no tensor fills."""
+    whole."""
     want = set(SERVED[attention]) | set(_VOCAB_MAPS)
     if fc_norm:
         want |= {f"fc_norm.{i}.weight" for i in range(num_aux)}
+    refuse_unserved(names, want, ARCHITECTURES[attention], "tasks/train/export.py SERVED")
+
+
+def refuse_unserved(names, want: set[str], served_as: str, where: str) -> None:
+    """Refuse tensor `names` that SGLang's class `served_as`, whose
+    parameters take `want`, would not load whole: a tensor it maps to no
+    parameter (skipped without an error) or a parameter no tensor fills."""
     names = set(names)
     wrong = []
     if names - want:
@@ -96,9 +102,9 @@ def check_served(names, attention: str, num_aux: int, fc_norm: bool) -> None:
         wrong.append(f"nothing fills {', '.join(sorted(want - names))}")
     if wrong:
         raise UnservedTensor(
-            f"SGLang's {ARCHITECTURES[attention]} would serve this drafter only in part: {'; '.join(wrong)}. "
-            f"The drafter has tensors its served class lacks, or lacks some it has: change the drafter, or "
-            f"teach tasks/train/export.py SERVED what SGLang now loads")
+            f"SGLang's {served_as} would serve this drafter only in part: {'; '.join(wrong)}. The drafter has "
+            f"tensors its served class lacks, or lacks some it has: change the drafter, or teach {where} what "
+            f"SGLang now loads")
 
 
 def export_config(model: Eagle3Drafter, layers: AuxLayers, architecture: Architecture, dtype: torch.dtype) -> dict:
