@@ -83,8 +83,8 @@ def rmtree_then_die(path, *a, **kw):
     os.kill(os.getpid(), signal.SIGKILL)
 shutil.rmtree = rmtree_then_die
 if sys.argv[5] == "no-exchange":  # a filesystem without renameat2's exchange
-    import tasks.train.atomic_dir
-    tasks.train.atomic_dir._exchange = lambda a, b: False
+    import tasks.durable
+    tasks.durable._exchange = lambda a, b: False
 model = trained_drafter(Path(sys.argv[1]), Path(sys.argv[2]))
 with __import__("torch").no_grad():
     model.fc.weight.add_(float(sys.argv[6]))  # a different drafter: the new export

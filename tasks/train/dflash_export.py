@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.atomic_dir import write_dir_atomically
+from tasks.durable import replace_dir_durably
 from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_target import DEFAULT_MASK_TOKEN, check_target_layer_ids
 from tasks.train.drafter import target_sizes
@@ -117,7 +117,7 @@ def export_dflash(model: DFlashDrafter, target_layer_ids, out_dir: Path, *, targ
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    return write_dir_atomically(out_dir, fill)
+    return replace_dir_durably(out_dir, fill)
 
 
 def load_dflash(out_dir: Path, target_path: Path) -> DFlashDrafter:

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.atomic_dir import write_dir_atomically
+from tasks.durable import replace_dir_durably
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter, MLA_DIMS, target_sizes, variant_named
 from tasks.train.vocab import DraftVocab
 
@@ -167,7 +167,7 @@ def export_drafter(model: Eagle3Drafter, layers: AuxLayers, out_dir: Path, *, ar
             config["eagle3_training"] = extra
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    return write_dir_atomically(out_dir, fill)
+    return replace_dir_durably(out_dir, fill)
 
 
 def copy_drafter(exported: Path, out_dir: Path) -> Path:
@@ -177,7 +177,7 @@ def copy_drafter(exported: Path, out_dir: Path) -> Path:
         for f in Path(exported).iterdir():
             shutil.copy2(f, tmp / f.name)
 
-    return write_dir_atomically(out_dir, fill)
+    return replace_dir_durably(out_dir, fill)
 
 
 def variant_of(config: dict) -> str:
