@@ -493,6 +493,7 @@ def test_the_export_refuses_a_tensor_sglang_would_drop_naming_it_and_writes_noth
 
 def test_served_epochs_and_the_best_served_one(tmp_path):
     from tasks.train.config import TrainConfig
+    from tasks.train.export import copy_drafter
     from tasks.train.served import best_served, same_files, serve_now
 
     cfg = TrainConfig(epochs=7, serve_every=3)
@@ -509,6 +510,9 @@ def test_served_epochs_and_the_best_served_one(tmp_path):
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"weights")
     same_files(a, b)
+    copied = copy_drafter(a, tmp_path / "c")  # an earlier epoch's export put in place, as keep_best_served does
+    same_files(a, copied)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]  # no temporary folder left beside it
     (b / "model.safetensors").write_bytes(b"weightz")
     with pytest.raises(RuntimeError, match="model.safetensors differs"):
         same_files(a, b)
