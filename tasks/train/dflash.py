@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tasks.train.drafter import RMSNorm, Rotary
+from tasks.train.drafter import LayerSizes, RMSNorm, Rotary
 
 # SpecForge's defaults (and the reference DFlash's).
 BLOCK_SIZE = 16
@@ -49,14 +49,7 @@ ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embe
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    vocab_size: int
+class DFlashConfig(LayerSizes):
     num_layers: int
     num_context: int  # K: target layers whose states are concatenated per token
     rope: tuple = ()  # (key, value) pairs of ROPE_KEYS the target has
@@ -66,15 +59,8 @@ class DFlashConfig:
         if num_layers < 1 or num_context < 1:
             raise ValueError(f"a DFlash drafter needs at least one layer and one target layer to read; got "
                              f"{num_layers} layers reading {num_context}")
-        heads = target_config["num_attention_heads"]
-        return cls(
-            hidden_size=target_config["hidden_size"], num_attention_heads=heads,
-            num_key_value_heads=target_config.get("num_key_value_heads") or heads,
-            head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
-            intermediate_size=target_config["intermediate_size"], rms_norm_eps=target_config["rms_norm_eps"],
-            vocab_size=target_config["vocab_size"], num_layers=num_layers, num_context=num_context,
-            rope=tuple((k, target_config[k]) for k in ROPE_KEYS if target_config.get(k) is not None),
-        )
+        return cls(**LayerSizes.of(target_config), num_layers=num_layers, num_context=num_context,
+                   rope=tuple((k, target_config[k]) for k in ROPE_KEYS if target_config.get(k) is not None))
 
     def rope_config(self) -> dict:
         """What the drafter's rope is built from, here and in SGLang: the

@@ -173,7 +173,9 @@ def mla_softmax_scale(target_config: dict, qk_head_dim: int) -> float:
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class LayerSizes:
+    """A drafter layer's sizes, the target's: both drafter families
+    (EAGLE-3 here, DFlash in dflash.py) take them."""
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -181,6 +183,20 @@ class DrafterConfig:
     intermediate_size: int
     rms_norm_eps: float
     vocab_size: int
+
+    @staticmethod
+    def of(target_config: dict, kv_heads: int | None = None) -> dict:
+        """The target's sizes, as keyword arguments (`kv_heads`: MLA's, not the target's)."""
+        heads = target_config["num_attention_heads"]
+        return dict(hidden_size=target_config["hidden_size"], num_attention_heads=heads,
+                    num_key_value_heads=kv_heads or target_config.get("num_key_value_heads") or heads,
+                    head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
+                    intermediate_size=target_config["intermediate_size"],
+                    rms_norm_eps=target_config["rms_norm_eps"], vocab_size=target_config["vocab_size"])
+
+
+@dataclass(frozen=True)
+class DrafterConfig(LayerSizes):
     draft_vocab_size: int
     num_aux: int = 3
     fc_norm: bool = False
@@ -203,16 +219,11 @@ class DrafterConfig:
             raise ValueError(f"the drafter's MLP uses SiLU; the target uses {target_config['hidden_act']}")
         if attention not in ("gqa", "mla"):
             raise ValueError(f"drafter attention {attention!r}: gqa or mla")
-        heads = target_config["num_attention_heads"]
         mla = mla_config(target_config, mla_dims or {}) if attention == "mla" else {}
-        return cls(
-            hidden_size=target_config["hidden_size"], num_attention_heads=heads,
-            num_key_value_heads=heads if attention == "mla" else target_config.get("num_key_value_heads", heads),
-            head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
-            intermediate_size=target_config["intermediate_size"], rms_norm_eps=target_config["rms_norm_eps"],
-            vocab_size=target_config["vocab_size"], draft_vocab_size=draft_vocab_size, num_aux=num_aux,
-            attention=attention, **mla, **variant_flags(variant),
-        )
+        # MLA's heads all carry their own keys and values.
+        kv_heads = target_config["num_attention_heads"] if attention == "mla" else None
+        return cls(**LayerSizes.of(target_config, kv_heads), draft_vocab_size=draft_vocab_size, num_aux=num_aux,
+                   attention=attention, **mla, **variant_flags(variant))
 
     @property
     def variant(self) -> str:
