@@ -121,6 +121,10 @@ def test_speculative_server_command(tmp_path):
     assert "--enable-return-aux-hidden-states" not in cmd
     assert "--attention-backend" not in build_command(cfg, 1234, cpu=False)
     assert "--speculative-algorithm" not in build_command(LaunchSpec(ServerConfig(model="m")), 1234, cpu=True)
+    chain_cmd = build_command(SpeculativeSpec.chain(ServerConfig(model="m"), "d", 3), 1234, cpu=True)
+    chain = dict(zip(chain_cmd, chain_cmd[1:]))
+    assert (chain["--speculative-num-steps"], chain["--speculative-eagle-topk"],
+            chain["--speculative-num-draft-tokens"]) == ("3", "1", "4")  # top-1: the drafts and the bonus token
     # A capture server has no drafter to serve, a plain or speculative one no dump dir.
     with pytest.raises(TypeError, match="draft_model_path"):
         CaptureSpec(ServerConfig(model="m"), dump_dir=tmp_path, draft_model_path="d")
@@ -307,7 +311,7 @@ def test_the_demo_targets_template_renders_humaneval_and_its_drafter_exports_in_
 
     model = resolve_model(SMOLLM2)
     tokenizer = load_tokenizer(model)
-    (prompts,) = [prompt_set("humaneval", count=2, tokenizer=tokenizer, store=None, heldout_fraction=0.1).prompts]
+    prompts = prompt_set("humaneval", count=2, tokenizer=tokenizer, store=None, heldout_fraction=0.1).prompts
     first = humaneval_problems()[0]["prompt"]
     assert len(prompts) == 2 and tokenizer.decode(prompts[0]) == (
         f"<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -17,6 +17,16 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 
+# SGLang's per-request counts everything here is computed from, as kept
+# beside each report (requests.jsonl) so its figures can be recomputed.
+RAW_COUNTS = ("completion_tokens", "spec_verify_ct", "spec_correct_drafts_histogram")
+
+
+def raw_counts(meta_info: dict) -> dict:
+    """One request's RAW_COUNTS from its meta_info."""
+    return {k: meta_info.get(k) for k in RAW_COUNTS}
+
+
 @dataclass(frozen=True)
 class Acceptance:
     requests: int

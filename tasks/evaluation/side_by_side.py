@@ -25,7 +25,7 @@ from typing import Sequence
 import httpx
 
 from tasks.failures import Permanent
-from tasks.evaluation.acceptance import acceptance
+from tasks.evaluation.acceptance import acceptance, raw_counts
 from tasks.evaluation.generate import GenerationRun, generate_all, serving_dtype
 from tasks.evaluation.config import EvaluateConfig
 from tasks.evaluation.prompts import PromptSet
@@ -41,7 +41,6 @@ from tasks.train.loop import RESULT
 
 logger = logging.getLogger("eagle3.serving")
 
-RAW_COUNTS = ("completion_tokens", "spec_verify_ct", "spec_correct_drafts_histogram")
 # On a CPU the speculative path runs plain-PyTorch stand-ins for SGLang's kernels (tasks/server/cpu/).
 CPU_SPEEDS = ("speeds measured on a CPU: not GPU figures (the drafter's attention runs as plain-PyTorch "
               "stand-ins for SGLang's kernels); the acceptance counts are real")
@@ -142,9 +141,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
 
     rows, sweep_rows, changed, raw, served, differs = [], [], {}, [], {}, {}
     for j, d in enumerate(drafters):
-        spec = SpeculativeSpec(plain.server, draft_model_path=str(d.path), speculative_num_steps=d.num_steps,
-                               speculative_eagle_topk=1, speculative_num_draft_tokens=d.num_steps + 1,
-                               extra_hooks=d.hooks)
+        spec = SpeculativeSpec.chain(plain.server, d.path, d.num_steps, extra_hooks=d.hooks)
         greedy, sampled, points = launched(d.name, f"drafter{j}", spec, True)
         served[d.name] = greedy
         differ = differs[d.name] = greedy_changes(plain_greedy, greedy)
@@ -158,7 +155,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
                              "outputs_equal": not differing if mode == "greedy" else None,
                              **acceptance(run.meta_infos, d.num_steps).to_dict()})
                 raw += [{"drafter": d.name, "prompt_set": s.name, "mode": mode, "prompt": i,
-                         **{k: m.get(k) for k in RAW_COUNTS}} for i, m in enumerate(run.meta_infos)]
+                         **raw_counts(m)} for i, m in enumerate(run.meta_infos)]
         for p, q in zip(plain_points, points):
             sweep_rows.append(sweep_row(d.name, p, q))
 

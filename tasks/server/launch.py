@@ -116,6 +116,14 @@ class SpeculativeSpec(LaunchSpec):
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
 
+    @classmethod
+    def chain(cls, server, draft_model_path, num_steps: int, **kw) -> "SpeculativeSpec":
+        """One chain of `num_steps` drafts a verify step (top-1: the bonus
+        token and the drafts, num_steps + 1 tokens verified), as this
+        project evaluates drafters and trains them to be served."""
+        return cls(server, draft_model_path=str(draft_model_path), speculative_num_steps=num_steps,
+                   speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1, **kw)
+
 
 # Below the kernel's ephemeral range (where bind(0) and every outgoing
 # connection take their ports) and below SGLang's own picks (22000-29999):

@@ -26,7 +26,7 @@ import json
 import logging
 from pathlib import Path
 
-from tasks.evaluation.acceptance import acceptance
+from tasks.evaluation.acceptance import acceptance, raw_counts
 from tasks.evaluation.generate import generate_all, serving_dtype
 from tasks.server.config import ServerConfig
 from tasks.server.launch import SpeculativeSpec, launch_server
@@ -35,7 +35,6 @@ from tasks.train.config import TrainConfig
 logger = logging.getLogger("eagle3.training")
 
 SERVED = "served"
-RAW_COUNTS = ("completion_tokens", "spec_verify_ct", "spec_correct_drafts_histogram")
 
 
 def serve_now(cfg: TrainConfig, epoch: int) -> bool:
@@ -57,15 +56,13 @@ def measure_served(drafter_dir: Path, target: Path, prompts: list[list[int]], cf
     if not prompts:
         raise ValueError("no held-out prompts to serve the drafter on")
     dtype = serving_dtype(str(target), None, None, None)
-    spec = SpeculativeSpec(ServerConfig(model=str(target), dtype=dtype), draft_model_path=str(drafter_dir),
-                           speculative_num_steps=cfg.serve_steps, speculative_eagle_topk=1,
-                           speculative_num_draft_tokens=cfg.serve_steps + 1)
+    spec = SpeculativeSpec.chain(ServerConfig(model=str(target), dtype=dtype), drafter_dir, cfg.serve_steps)
     with launch_server(spec, drafter_dir.parent / "server.log", timeout_s=startup_timeout_s) as live:
         run = asyncio.run(generate_all(live.url, prompts, api_key=live.api_key,
                                        max_new_tokens=cfg.serve_max_new_tokens, ignore_eos=True,
                                        concurrency=len(prompts), timeout_s=request_timeout_s, tag="train"))
     (drafter_dir.parent / "requests.jsonl").write_text(
-        "".join(json.dumps({"prompt": i, **{k: m.get(k) for k in RAW_COUNTS}}) + "\n"
+        "".join(json.dumps({"prompt": i, **raw_counts(m)}) + "\n"
                 for i, m in enumerate(run.meta_infos)))
     a = acceptance(run.meta_infos, cfg.serve_steps)
     return {"pooled": a.pooled, "mean_of_means": a.mean_of_means, "per_position": a.per_position,
