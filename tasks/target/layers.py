@@ -9,6 +9,7 @@ that records layer ids records both.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 # An EAGLE-3 drafter reads three; a store may hold more (one capture for
 # several drafters: other triples, or five-layer DFlash-style drafters).
@@ -71,12 +72,7 @@ class AuxLayers:
     def positions_in(self, held: "AuxLayers") -> tuple[int, ...]:
         """Where these layers sit in `held`'s (a store's) layer axis; refused,
         naming what the store holds, when one is not there."""
-        missing = [i for i in self.sglang_ids if i not in held.sglang_ids]
-        if missing:
-            raise ValueError(f"aux layers {list(missing)} are not in the store, which holds outputs of layers "
-                             f"{list(held.sglang_ids)} (SGLang ids): pick ids among those, or capture a store "
-                             f"with them")
-        return tuple(held.sglang_ids.index(i) for i in self.sglang_ids)
+        return positions_in_store(self.sglang_ids, held)
 
     def as_record(self) -> dict:
         """How layer ids are written down: both conventions, explicitly named."""
@@ -91,3 +87,16 @@ class AuxLayers:
             f"outputs of layers {list(self.sglang_ids)} (SGLang) = "
             f"HF hidden_states{list(self.hf_hidden_state_indices)}; final state {FINAL_STATE_NORM}"
         )
+
+
+def positions_in_store(ids: Sequence[int], held: AuxLayers, what: str = "aux layers") -> tuple[int, ...]:
+    """Where SGLang layer ids `ids` (any number of them: a DFlash drafter's
+    too) sit in `held`'s (a store's) layer axis; refused, naming the missing
+    ones (`what` they are) and what the store holds."""
+    ids = [int(i) for i in ids]
+    missing = [i for i in ids if i not in held.sglang_ids]
+    if missing:
+        raise ValueError(f"{what} {missing} are not in the store, which holds outputs of layers "
+                         f"{list(held.sglang_ids)} (SGLang ids): pick ids among those, or capture a store "
+                         f"with them")
+    return tuple(held.sglang_ids.index(i) for i in ids)

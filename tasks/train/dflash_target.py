@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.store.manifest import read_manifest
-from tasks.target.layers import AuxLayers
+from tasks.target.layers import AuxLayers, positions_in_store
 
 # SGLang's default mask token (dflash_utils.DEFAULT_DFLASH_MASK_TOKEN) and
 # the reference DFlash's.
@@ -39,13 +39,7 @@ def layer_positions(manifest: dict, target_layer_ids) -> tuple[int, ...]:
     manifest (the order `collate` then concatenates them in); refused,
     naming the missing ones and what the store holds."""
     held = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
-    ids = tuple(int(i) for i in target_layer_ids)
-    missing = [i for i in ids if i not in held.sglang_ids]
-    if missing:
-        raise ValueError(f"target layers {missing} are not in the store, which holds outputs of layers "
-                         f"{list(held.sglang_ids)} (SGLang ids): pick target_layer_ids among those, or capture "
-                         f"a store with them")
-    return tuple(held.sglang_ids.index(i) for i in ids)
+    return positions_in_store(target_layer_ids, held, what="target layers")
 
 
 def store_layer_positions(store: Path, target_layer_ids) -> tuple[int, ...]:
