@@ -20,44 +20,40 @@ def replace_durably(path: Path, write: Callable[[Path], None]) -> None:
     tmp.unlink(missing_ok=True)
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync(path.parent)
 
 
 def replace_dir_durably(out_dir: Path, fill: Callable[[Path], None]) -> Path:
     """A folder written whole or not at all (an export SGLang may be reading
     or loading is never seen half-written): `fill(tmp)` writes its files into
     a temporary folder beside it, which is fsynced and then replaces
-    `out_dir` (an old one is deleted only once the new one is in place)."""
+    `out_dir` (an old one is deleted only once the new one is in place), and
+    the parent fsynced so the swap survives too, as replace_durably's
+    rename does."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     fill(tmp)
-    _fsync_tree(tmp)
+    for path in [*tmp.iterdir(), tmp]:
+        _fsync(path)
     _swap_in(tmp, out_dir)
+    _fsync(out_dir.parent)
     return out_dir
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in [*directory.iterdir(), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _fsync(path: Path) -> None:
+    """A file's data, or a directory's entries, on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _swap_in(new: Path, out_dir: Path) -> None:
