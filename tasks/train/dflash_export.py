@@ -104,8 +104,9 @@ def export_dflash(model: DFlashDrafter, target_layer_ids, out_dir: Path, *, targ
     if block_size < 2:
         raise ValueError(f"block_size {block_size}: a block is the bonus token and at least one draft")
     if not 0 <= mask_token_id < model.cfg.vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary (0..{model.cfg.vocab_size - 1}): "
-                         f"SGLang embeds it with the target's embedding and refuses it")
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary "
+                         f"(0..{model.cfg.vocab_size - 1}): SGLang embeds it with the target's embedding and "
+                         f"refuses it")
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.trained_tensors().items()}
     check_served(tensors, model.cfg.num_layers)
     config = dflash_config(model, ids, target_config=target_config, block_size=block_size,

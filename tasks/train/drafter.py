@@ -88,10 +88,10 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 
     Memory-linear: the prefix part runs over blocks of `block` queries, each
     under activation checkpointing once the scores pass `checkpoint_above`
-    bytes (CHECKPOINT_ABOVE_BYTES unless given), so backward keeps only its output and log-sum-exp ([B, h, L] per
-    step) and recomputes one block's scores at a time, instead of keeping
-    fp32 [B, h, L, L] per TTT step (8k tokens x 64 heads x 7 steps do not fit
-    any GPU). The diagonal terms are merged with the prefix by log-sum-exp,
+    bytes (CHECKPOINT_ABOVE_BYTES unless given), so backward keeps only its
+    output and log-sum-exp ([B, h, L] per step) and recomputes one block's
+    scores at a time, instead of keeping fp32 [B, h, L, L] per TTT step (8k
+    tokens x 64 heads x 7 steps do not fit any GPU). The diagonal terms are merged with the prefix by log-sum-exp,
     which is exactly one softmax over both."""
     b, heads, n, d = q.shape
     kv = keys[0].shape[1]
