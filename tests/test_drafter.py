@@ -301,6 +301,22 @@ def test_blockwise_ttt_attention_equals_the_dense_one_in_values_and_gradients(de
         assert torch.allclose(ttt_attention(q, keys, values, valid, block=4), want, atol=1e-5)
 
 
+def test_the_prefix_attention_recomputes_its_blocks_in_backward_only_above_the_threshold(monkeypatch):
+    import tasks.train.drafter as drafter
+
+    calls = []
+    real = drafter._prefix_block
+    monkeypatch.setattr(drafter, "_prefix_block", lambda *a: calls.append(1) or real(*a))
+    b, h, kv, n, d = 1, 2, 1, 8, 4  # scores: 1 x 2 x 8 x 8 fp32 = 512 bytes
+    q = torch.randn(b, h, n, d, requires_grad=True)
+    keys, values = [torch.randn(b, kv, n, d)], [torch.randn(b, kv, n, d)]
+    valid = torch.ones(b, n, dtype=torch.bool)
+    for above, per_block in ((511, 2), (512, 1)):  # checkpointed: run again in backward; kept: once
+        calls.clear()
+        ttt_attention(q, keys, values, valid, block=4, checkpoint_above=above).sum().backward()
+        assert len(calls) == 2 * per_block, (above, len(calls))
+
+
 def test_acceptance_length_is_the_sum_of_running_products():
     assert acceptance_length([1.0, 1.0, 1.0]) == 3.0
     assert acceptance_length([0.5, 0.5]) == 0.75
