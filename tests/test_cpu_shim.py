@@ -40,6 +40,29 @@ def test_cpu_environment_puts_stub_first_and_enables_cpu_engine():
 def test_gpu_environment_is_left_alone():
     base = {"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64", "PATH": "/bin"}
     assert server_environment(base, cpu=False) == base
+    assert server_environment(base, cpu=False, classes=["LlamaForCausalLM"]) == base
+
+
+def test_a_cpu_servers_model_registry_holds_the_modules_of_its_classes():
+    """SGLang's registry skips every model module that names none of the
+    served classes (the target's and the drafter's); it is left whole where
+    a class is in no module, for SGLang's own fallback or refusal."""
+    from tasks.server.cpu.shim import _model_modules, registry_skips
+
+    modules = _model_modules()
+    assert len(modules) > 200 and {"llama", "llama_eagle3", "kimi_k25", "deepseek_v2", "qwen3_moe"} <= set(modules)
+    skips = set(registry_skips(["KimiK25ForConditionalGeneration", "Eagle3DeepseekV2ForCausalLM"]).split(","))
+    kept = set(modules) - skips
+    assert {"kimi_k25", "kimi_k25_eagle3"} <= kept and {"llama", "qwen3_moe", "gpt_oss"} <= skips
+    assert all("KimiK25ForConditionalGeneration" in modules[m] or "Eagle3DeepseekV2ForCausalLM" in modules[m]
+               for m in kept)
+    assert registry_skips(["LlamaForCausalLM", "NoSuchModelForCausalLM"]) is None
+    assert registry_skips([]) is None
+    env = server_environment({}, cpu=True, classes=["LlamaForCausalLM"])
+    assert "llama" not in env["SGLANG_DISABLED_MODEL_ARCHS"].split(",")
+    assert "SGLANG_DISABLED_MODEL_ARCHS" not in server_environment({}, cpu=True)
+    own = {"SGLANG_DISABLED_MODEL_ARCHS": "grok"}  # the user's setting stands
+    assert server_environment(own, cpu=True, classes=["LlamaForCausalLM"])["SGLANG_DISABLED_MODEL_ARCHS"] == "grok"
 
 
 def test_cpu_ranks_get_their_own_cores_or_share_them_in_turn():

@@ -469,6 +469,8 @@ def run_site(env: dict) -> dict:
     probe = ("import json, sys, torch\n"
              "info = {'installed': 'tasks.server.cpu.spec_ops' in sys.modules,\n"
              "        'ops': [n for n in %r if hasattr(torch.ops.sgl_kernel, n)]}\n"
+             "import importlib.util\n"
+             "info['flashinfer'] = importlib.util.find_spec('flashinfer') is not None\n"
              "if info['installed']:\n"
              "    from sglang.srt.runtime_context import get_platform\n"
              "    from sglang.srt.utils.common import cpu_has_amx_support\n"
@@ -483,6 +485,7 @@ def run_site(env: dict) -> dict:
 def test_sitecustomize_installs_in_server_processes_only_when_asked():
     on = run_site(server_environment(cpu=True, cpu_ops=True))
     assert on["installed"] and sorted(on["ops"]) == sorted(SCHEMAS)
+    assert on["flashinfer"] is False  # installed here, left out of a CPU server's processes
     # SGLang keeps intel_amx, but the model layers still see no AMX.
     assert on["has_amx"] is True and on["layers_amx"] is False
     env = server_environment(cpu=True, cpu_ops=True)

@@ -29,7 +29,7 @@ from typing import ClassVar, Sequence
 
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.config import ServerConfig
-from tasks.server.cpu.shim import gpu_present, resolve_dtype, server_environment
+from tasks.server.cpu.shim import checkpoint_classes, gpu_present, resolve_dtype, server_environment
 from tasks.server.flags import Decided, command_flags, gives_flag, refuse_capture_incompatible, refuse_owned_flags
 from tasks.server.health import PortTaken, wait_healthy
 from tasks.server.processes import pidfile_for, reap_orphan, stop_group, write_pidfile
@@ -288,8 +288,9 @@ def _launch(spec: LaunchSpec, log_path: Path, port: int, timeout_s: float,
         ensure_private_dir(spec.dump_dir)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    checkpoints = [spec.server.model, *([spec.draft_model_path] if spec.speculative else [])]
     env = server_environment(cpu=cpu, cpu_ops=cpu_attention_backend(spec) == "intel_amx" or spec.ranks > 1,
-                             ranks=spec.ranks, dtype=server_dtype(spec, cpu=cpu))
+                             ranks=spec.ranks, dtype=server_dtype(spec, cpu=cpu), classes=checkpoint_classes(*checkpoints))
     # The server's processes import the capture hook, and on a CPU the
     # operators of tasks/server/cpu/spec_ops.py, from the repository root.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
+from functools import lru_cache
 from pathlib import Path
 
 from tasks.paths import REPO_ROOT, cache_root
@@ -89,8 +92,45 @@ def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
     return "|".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
+def checkpoint_classes(*folders: str | Path) -> list[str]:
+    """The model classes the checkpoints in `folders` name (config.json's
+    "architectures"); [] where one is unreadable: nothing to go by."""
+    classes = []
+    for folder in folders:
+        try:
+            classes += json.loads((Path(folder) / "config.json").read_text())["architectures"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+    return classes
+
+
+@lru_cache(maxsize=None)
+def _model_modules() -> dict[str, str]:
+    """SGLang's model modules, name -> source, read from disk (importing
+    sglang here would cost the launcher seconds)."""
+    found = importlib.util.find_spec("sglang")
+    if found is None or not found.submodule_search_locations:
+        return {}
+    models = Path(found.submodule_search_locations[0]) / "srt" / "models"
+    return {p.stem: p.read_text(errors="replace") for p in models.glob("*.py") if p.stem != "__init__"}
+
+
+def registry_skips(classes: list[str]) -> str | None:
+    """SGLANG_DISABLED_MODEL_ARCHS for a server of `classes`: every SGLang
+    model module that names none of them. SGLang's model registry imports
+    all of its ~250 modules in every server (1.8 s a launch on this CPU, of
+    ~16); a CPU server (the tests, the demo) imports those it serves.
+    None, for SGLang's own registry, where a class is in no module (its
+    Transformers fallback, or its own refusal, then) or none is known."""
+    modules = _model_modules()
+    if not classes or not modules or not all(any(c in src for src in modules.values()) for c in classes):
+        return None
+    return ",".join(sorted(m for m, src in modules.items() if not any(c in src for c in classes)))
+
+
 def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None = None,
-                       cpu_ops: bool = False, ranks: int = 1, dtype: str = "auto") -> dict[str, str]:
+                       cpu_ops: bool = False, ranks: int = 1, dtype: str = "auto",
+                       classes: list[str] = ()) -> dict[str, str]:
     """The environment for an SGLang server process.
 
     `cpu=None` decides from the hardware. On a CPU-only machine: the CPU engine
@@ -102,8 +142,9 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
     operators SGLang's intel_amx attention backend calls
     (tasks/server/cpu/spec_ops.py): speculative decoding and MLA targets need
     that backend, and servers of `ranks` > 1 its fix for CPU tensor-parallel
-    groups. On a GPU machine: `base` unchanged, since SGLang's own kernels
-    serve all of that there.
+    groups, and SGLang's model registry limited to the modules of `classes`
+    (the target's and the drafter's: registry_skips). On a GPU machine: `base`
+    unchanged, since SGLang's own kernels serve all of that there.
     """
     env = dict(os.environ if base is None else base)
     if cpu is None:
@@ -134,6 +175,9 @@ def server_environment(base: dict[str, str] | None = None, *, cpu: bool | None =
         env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         if cpu_ops:
             env[CPU_OPS_SWITCH] = "1"
+        skips = registry_skips(list(classes))
+        if skips is not None:
+            env.setdefault("SGLANG_DISABLED_MODEL_ARCHS", skips)
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SITE_DIR), *paths])
     return env

@@ -27,6 +27,11 @@ except Exception:
     _fail("importing tasks.server.cpu.shim")
 
 if not gpu_present():
+    # flashinfer holds CUDA kernels only, and importing it costs every server
+    # process 2.6 s of its ~16-s start on this CPU; sgl_kernel and SGLang
+    # import it where it is installed and go without where it is not, as
+    # here (find_spec gives None, an import raises ModuleNotFoundError).
+    sys.modules.setdefault("flashinfer", None)
     if os.environ.get("EAGLE3_CPU_OPS") == "1":
         try:
             from tasks.server.cpu.spec_ops import install
