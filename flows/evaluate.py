@@ -33,6 +33,7 @@ from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
+from tasks.train.dflash_export import ARCHITECTURE as DFLASH
 
 
 def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerConfig | None:
@@ -49,12 +50,23 @@ def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerCon
     return server
 
 
+def served_method(train: TrainConfig) -> None:
+    """Refuse, before the capture, a pipeline whose drafter the evaluation
+    cannot serve yet."""
+    if train.method != "eagle3":
+        raise ValueError(f"train.method {train.method}: the pipeline's evaluation serves EAGLE-3 drafters only for "
+                         f"now; set evaluate.enabled false to end the pipeline at the {train.method} drafter's export")
+
+
 def trained_for(drafter_dir: Path, server: ServerConfig) -> dict:
     """How the drafter was trained (its config's eagle3_training), after
     checking the server section serves the target it was trained for: a
     drafter served on another target would be measured against the wrong
     model."""
-    trained = json.loads((drafter_dir / "config.json").read_text()).get("eagle3_training")
+    config = json.loads((drafter_dir / "config.json").read_text())
+    if config.get("architectures") == [DFLASH]:
+        raise ValueError(f"{drafter_dir} is a DFlash drafter: the evaluation serves EAGLE-3 drafters only for now")
+    trained = config.get("eagle3_training")
     if not trained:
         raise ValueError(f"{drafter_dir}/config.json does not say how it was trained (no eagle3_training): "
                          f"export it with train_drafter")

@@ -18,7 +18,7 @@ from flows.config import checked, described
 from flows.extract import extract_hidden_states
 from flows.run_record import keep_run_config
 from flows.stream import capture_and_train
-from flows.evaluate import baseline_server, evaluate_drafter
+from flows.evaluate import baseline_server, evaluate_drafter, served_method
 from flows.regenerate import regenerate_answers
 from flows.train import train_drafter
 from flows.verify import verify_store
@@ -59,7 +59,9 @@ def eagle3_pipeline(
 ) -> dict:
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, evaluate."""
     log = get_run_logger()
-    baseline_server(server, evaluate)  # refused now, not after the training
+    if evaluate.enabled:  # refused now, not after the training
+        baseline_server(server, evaluate)
+        served_method(train)
     check_mode(mode, train, capture_nodes)  # as the command line does (a run from the UI is not resolved there)
     store_dir, train_dir = Path(store.path).resolve(), Path(train.out_dir).resolve()
     store = store.model_copy(update={"path": str(store_dir)})
@@ -77,27 +79,34 @@ def eagle3_pipeline(
                 update={"out": regenerate.out or str(answers_dir(store_dir))}))
             capture = capture.model_copy(update={"dataset": answers["out"]})
         if mode == "stream":
-            trained = capture_and_train(server, capture, store, train, tuple(capture_nodes),
-                                        served_prompts=evaluate.num_prompts if "heldout" in evaluate.prompt_sets else 0)
+            to_serve = evaluate.num_prompts if evaluate.enabled and "heldout" in evaluate.prompt_sets else 0
+            trained = capture_and_train(server, capture, store, train, tuple(capture_nodes), served_prompts=to_serve)
             verify_store(store=str(store_dir))  # the whole store, as offline, before it is served
         else:
             extract_hidden_states(server=server, capture=capture, store=store, verify=False)
             verify_store(store=str(store_dir))
             trained = train_drafter(store=str(store_dir), train=train)
         report = evaluate_drafter(drafter_dirs=[trained["drafter_dir"]], store=str(store_dir),
-                                  server=server.model_copy(update={"model": trained["target"]}), evaluate=evaluate)
+                                  server=server.model_copy(update={"model": trained["target"]}),
+                                  evaluate=evaluate) if evaluate.enabled else None
     steps = train.serve_steps
     held = trained["heldout"]
+    summary = {
+        "store": str(store_dir), "drafter_dir": trained["drafter_dir"],
+        "heldout_tau": held["tau"], f"heldout_tau@{steps}": held[f"tau@{steps}"],
+        "heldout_tau_exact": held["tau_exact"], f"heldout_tau_exact@{steps}": held[f"tau_exact@{steps}"],
+        "untrained_tau": trained["untrained"]["tau"]}
+    if report is None:
+        log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); not served "
+                 "(evaluate.enabled false: python -m flows.evaluate measures it)", trained["drafter_dir"],
+                 held["tau"], steps, held[f"tau@{steps}"], held[f"tau_exact@{steps}"], summary["untrained_tau"])
+        return summary
     # The first prompt set, greedy; speeds at the fewest streams swept.
     served = next(r for r in report["acceptance"] if r["mode"] == "greedy")
     fewest = min(report["sweep"], key=lambda r: r["concurrency"])
     # With evaluate.simulate: the same set's acceptance per draft position, simulated and served.
     simulated = next((r for r in report["served_text"] if r["prompt_set"] == served["prompt_set"]), None)
-    summary = {
-        "store": str(store_dir), "drafter_dir": trained["drafter_dir"],
-        "heldout_tau": held["tau"], f"heldout_tau@{steps}": held[f"tau@{steps}"],
-        "heldout_tau_exact": held["tau_exact"], f"heldout_tau_exact@{steps}": held[f"tau_exact@{steps}"],
-        "untrained_tau": trained["untrained"]["tau"],
+    summary.update({
         "prompt_set": served["prompt_set"], "sglang_accept_length": served["pooled"],
         "sglang_accept_length_mean_of_means": served["mean_of_means"], "sglang_accept_rate": served["accept_rate"],
         "streams": fewest["concurrency"], "speedup": fewest["per_user_speedup"],
@@ -106,7 +115,7 @@ def eagle3_pipeline(
         "evaluation": report["out_dir"],
         "served_text": simulated and {k: simulated.get(k) for k in (
             "per_position", "gaps", "requests", "replay_equals_sglang", "target_agrees")},
-    }
+    })
     log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); SGLang accept length "
              "%.2f pooled, %.2f mean of means on %s; speed-up %.2fx at %d stream(s), greedy outputs identical: %s",
              trained["drafter_dir"], held["tau"], steps, held[f"tau@{steps}"], held[f"tau_exact@{steps}"],

@@ -7,7 +7,6 @@ export the drafter SGLang serves -> read it back -> metrics artifacts.
 from __future__ import annotations
 
 import base64
-import math
 from pathlib import Path
 from typing import Annotated
 
@@ -23,9 +22,8 @@ from flows.run_record import keep_run_config
 from tasks.store.lock import hold_lock
 from tasks.store.config import StoreConfig
 from tasks.store.verification import require_verified
-from tasks.train.checkpoint import trained_drafter
 from tasks.train.config import TrainConfig, TrainResult
-from tasks.train.export import export_weights, load_exported
+from tasks.train.export_check import compare_export
 from tasks.train.launch import launch_distributed
 from tasks.train.loop import train
 from tasks.train.metrics import metrics_table
@@ -57,33 +55,14 @@ def check_export_task(result: TrainResult, out_dir: str) -> dict:
     drafter SGLang accepts at ~0. An earlier epoch's weights kept as the best
     served are its served export, byte for byte, and the last epoch's served
     export is the one compared."""
-    import torch
-
-    target = result.target
     drafter_dir = export_checked_against_checkpoint(Path(result.drafter_dir), Path(out_dir), result.history,
                                                     result.exported_epoch)
     if result.exported_epoch is not None:
         same_files(Path(result.drafter_dir), served_dir(Path(out_dir), result.exported_epoch) / "drafter")
-    loaded = export_weights(load_exported(Path(drafter_dir), Path(target)))
-    trained = export_weights(trained_drafter(Path(out_dir), Path(target)))
-    worst = 0.0
-    for name, tensor in trained.items():
-        if name not in loaded:
-            raise RuntimeError(f"exported drafter {drafter_dir} lacks {name}")
-        # NaN-safe: max(worst, nan) keeps worst, so a NaN difference would pass.
-        for what, t in (("exported", loaded[name]), ("trained (checkpoint)", tensor)):
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise RuntimeError(f"{what} drafter tensor {name} holds NaN or infinite values ({drafter_dir})")
-        diff = (loaded[name].float() - tensor.float()).abs().max().item()
-        scale = tensor.float().abs().max().item() or 1.0
-        if not math.isfinite(diff / scale):
-            raise RuntimeError(f"exported drafter {drafter_dir}: {name} differs by a non-finite amount")
-        worst = max(worst, diff / scale)
-    if not worst <= 1e-2:  # bf16 export of fp32 weights: ~4e-3 relative at most
-        raise RuntimeError(f"exported drafter {drafter_dir} differs from the trained one (relative {worst:.2e})")
+    checked = compare_export(drafter_dir, Path(out_dir), Path(result.target))
     get_run_logger().info("export %s reads back: %d tensors, worst relative difference %.1e (bf16)",
-                          drafter_dir, len(loaded), worst)
-    return {"tensors": len(loaded), "worst_relative_diff": worst, "dtype": str(torch.bfloat16)}
+                          drafter_dir, checked["tensors"], checked["worst_relative_diff"])
+    return checked
 
 
 @task(name="metrics-artifacts", cache_policy=NO_CACHE)

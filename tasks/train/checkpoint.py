@@ -162,8 +162,9 @@ class CheckpointWriter:
         if keep:
             state = {"identity": self.identity, "model": weights, "optimizer": optimizer, "epoch": epoch,
                      "batches_done": batches_done, "fingerprint": self.fingerprint, "world": self.world,
-                     "step": step, "history": history, "d2t": self.model.d2t.cpu(),
-                     "vocab_size": self.model.cfg.vocab_size}
+                     "step": step, "history": history, "vocab_size": self.model.cfg.vocab_size,
+                     # An EAGLE-3 drafter's draft vocabulary; a DFlash one has none.
+                     "d2t": self.model.d2t.cpu() if hasattr(self.model, "d2t") else None}
             replace_durably(self.path, lambda tmp: torch.save(state, tmp))
 
 

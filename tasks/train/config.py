@@ -29,6 +29,18 @@ class TrainConfig(Section):
                                                         "rerun resumes")
     target: Optional[str] = Field(None, description="target checkpoint (default: the one the store was captured "
                                                     "from)")
+    method: Literal["eagle3", "dflash"] = Field("eagle3", description=(
+        "the drafter family: eagle3 (a one-layer drafter unrolled step by step, TTT) or dflash (block "
+        "diffusion: one forward drafts block_size - 1 tokens from several target layers' states; SGLang's "
+        "DFlashDraftModel, --speculative-algorithm DFLASH). Both train on the same store"))
+    block_size: int = Field(16, ge=2, le=64, description=(
+        "dflash: tokens a draft block holds (the bonus token, then block_size - 1 drafts); SGLang serves it "
+        "with the same block size"))
+    draft_layers: int = Field(1, ge=1, le=16, description="dflash: decoder layers of the drafter")
+    max_anchors: int = Field(512, ge=1, description=(
+        "dflash: random block starts per sample and batch (among its loss-masked positions)"))
+    loss_gamma: float = Field(7.0, gt=0, description=(
+        "dflash: the loss weight of draft slot k is exp(-(k - 1) / loss_gamma)"))
     variant: Literal["eagle3", "eagle3.1"] = Field("eagle3", description=(
         "the drafter: eagle3, or eagle3.1 (an RMSNorm per aux state before fc, and draft steps fed the normed "
         "output; SGLang's fc_norm and norm_output). The capture is the same"))
@@ -43,9 +55,10 @@ class TrainConfig(Section):
     aux_layer_ids: AuxLayerIds = Field(None, description=(
         "SGLang 'output of layer i' ids of the aux layers the drafter reads, among the store's (default: all of "
         "the store's; three for an EAGLE-3 drafter of SGLang's kind)"))
-    draft_vocab_size: int = Field(8192, ge=16, description="draft vocabulary: the N most frequent target tokens")
-    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll depth K (loss weights decay^k)")
-    step_decay: float = Field(0.8, gt=0, le=1, description="loss weight decay per TTT step")
+    draft_vocab_size: int = Field(8192, ge=16, description=(
+        "eagle3: draft vocabulary, the N most frequent target tokens (a DFlash drafter drafts from the whole)"))
+    ttt_steps: int = Field(7, ge=1, description="eagle3: training-time-test unroll depth K (loss weights decay^k)")
+    step_decay: float = Field(0.8, gt=0, le=1, description="eagle3: loss weight decay per TTT step")
     epochs: int = Field(2, ge=1, description="passes over the training split")
     lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW, warm-up then cosine)")
     warmup_fraction: float = Field(0.05, ge=0, le=1, description=(
@@ -153,6 +166,15 @@ class TrainConfig(Section):
         if self.mla_dims and self.attention != "mla":
             raise ValueError(f"train.mla_dims {self.mla_dims} sizes an MLA drafter: set train.attention mla too, "
                              f"or leave mla_dims empty")
+        if self.method == "dflash":
+            defaults = {"variant": "eagle3", "attention": "gqa", "mla_dims": {}}
+            eagle3_only = [f"{k} {getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
+            if eagle3_only:
+                raise ValueError(f"train.method dflash: {', '.join(eagle3_only)} set(s) an EAGLE-3 drafter; leave "
+                                 f"them at their defaults for a DFlash one")
+            if self.serve_every:
+                raise ValueError("train.method dflash: serve_every measures an EAGLE-3 drafter in SGLang while "
+                                 "training; a DFlash drafter is not served during training yet: set serve_every 0")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} of nnodes {self.nnodes}: node ranks are "
                              f"0..{self.nnodes - 1}")

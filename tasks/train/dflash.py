@@ -161,6 +161,11 @@ class DFlashDrafter(nn.Module):
         """The drafter's own parameters, by the names SGLang's checkpoint uses."""
         return {k: v for k, v in self.named_parameters() if not k.startswith(self.FROZEN)}
 
+    def trainable_state(self) -> dict:
+        """What a checkpoint holds: everything but the target's embedding and
+        head and the rope's tables."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.FROZEN)}
+
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """[B, S, K*H] target states -> ctx [B, S, H] (SGLang's project_target_hidden)."""
         return self.hidden_norm(self.fc(features))
@@ -255,20 +260,26 @@ def score(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
 
 @dataclass
 class DFlashOutput:
+    """One forward's loss and counts per draft slot k = 1..Bk-1 (index k-1),
+    the shape of the loop's StepOutput where the two meet (loss, correct,
+    counted)."""
     loss: torch.Tensor
-    hits: torch.Tensor  # [Bk-1] slot k (1..): scored slots whose top token is the label
-    scored: torch.Tensor  # [Bk-1] slot k: slots scored
-    chained: torch.Tensor  # [Bk-1] slot k: kept blocks whose slots 1..k are all scored and hit
+    correct: torch.Tensor  # [Bk-1] scored slots whose top token is the label
+    counted: torch.Tensor  # [Bk-1] slots scored
+    chained: torch.Tensor  # [Bk-1] kept blocks whose slots 1..k are all scored and hit
+    chain_counted: torch.Tensor  # [Bk-1] kept blocks whose slots 1..k are all scored
     blocks: torch.Tensor  # kept blocks
 
     @property
     def accuracy(self) -> list[float]:
-        return [float(h) / max(1, int(s)) for h, s in zip(self.hits, self.scored)]
+        return [float(h) / max(1, int(s)) for h, s in zip(self.correct, self.counted)]
 
     @property
     def chain_share(self) -> list[float]:
-        """Per slot k, the share of blocks whose drafts 1..k would all be accepted."""
-        return [float(c) / max(1, int(self.blocks)) for c in self.chained]
+        """Per slot k, the share of the blocks scored through k whose drafts
+        1..k would all be accepted (a block near a sample's end is scored
+        on fewer slots: served, the text would go on)."""
+        return [float(c) / max(1, int(n)) for c, n in zip(self.chained, self.chain_counted)]
 
     @property
     def accept_length(self) -> float:
@@ -291,7 +302,7 @@ def dflash_forward(model: DFlashDrafter, batch: dict, *, block_size: int = BLOCK
         zero = torch.zeros(slots, dtype=torch.long, device=ids.device)
         # Still through the parameters, so every rank's backward has a graph.
         loss = sum(p.sum() for p in model.trained_tensors().values()) * 0.0
-        return DFlashOutput(loss, zero, zero.clone(), zero.clone(), zero.new_zeros(()))
+        return DFlashOutput(loss, zero, zero.clone(), zero.clone(), zero.clone(), zero.new_zeros(()))
     hidden = model.blocks(batch["aux"], block_ids, anchors)
     ce, top = score(hidden[scored], model.lm_head.weight, labels[scored], rows)
     w = weights[scored]
@@ -300,8 +311,9 @@ def dflash_forward(model: DFlashDrafter, batch: dict, *, block_size: int = BLOCK
         hit = torch.zeros_like(scored)
         hit[scored] = top == labels[scored]
         alive = (hit & scored)[:, :, 1:].long().cumprod(dim=-1).bool() & keep[:, :, None]
+        through = scored[:, :, 1:].long().cumprod(dim=-1).bool() & keep[:, :, None]
         return DFlashOutput(loss, hit[:, :, 1:].sum((0, 1)), scored[:, :, 1:].sum((0, 1)), alive.sum((0, 1)),
-                            keep.sum())
+                            through.sum((0, 1)), keep.sum())
 
 
 def build_dflash(target_config: dict, embeddings: tuple[torch.Tensor, torch.Tensor], *, num_layers: int,

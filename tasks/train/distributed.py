@@ -13,7 +13,6 @@ import os
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tasks.train.ttt import TTT
 
 
 def process_group() -> tuple[int, int]:
@@ -44,16 +43,17 @@ def on_any_rank(flags: torch.Tensor, world: int) -> torch.Tensor:
     return flags
 
 
-def parallel(ttt: TTT, sharding: str, device: torch.device, world: int) -> torch.nn.Module:
-    """The TTT module as the ranks train it: DDP, or FSDP2 over all ranks
-    ("fsdp") or a (nodes, ranks per node) mesh ("hsdp": replicated across
-    nodes, sharded within one). Under FSDP2 the whole drafter is one group
-    (one layer: gathering it whole costs little, and every method the TTT
-    forward calls sees whole weights), the frozen target embedding left out
-    (replicated, as under DDP: sharding it would gather it every step and
-    save nothing at the step's peak). FSDP2 does not broadcast: each rank
-    keeps its slice of its own copy, which is rank 0's (the same seeded
-    initialisation, the same broadcast vocabulary, the same checkpoint)."""
+def parallel(ttt: torch.nn.Module, sharding: str, device: torch.device, world: int) -> torch.nn.Module:
+    """The training module (TTT, or DFlashStep) as the ranks train it: DDP,
+    or FSDP2 over all ranks ("fsdp") or a (nodes, ranks per node) mesh
+    ("hsdp": replicated across nodes, sharded within one). Under FSDP2 the
+    whole drafter is one group (gathering it whole costs little next to
+    the target, and every method the forward calls sees whole weights), the
+    frozen target matrices left out (replicated, as under DDP: sharding them
+    would gather them every step and save nothing at the step's peak).
+    FSDP2 does not broadcast: each rank keeps its slice of its own copy,
+    which is rank 0's (the same seeded initialisation, the same broadcast
+    vocabulary, the same checkpoint)."""
     if world == 1:
         return ttt
     if sharding == "ddp":
@@ -66,7 +66,8 @@ def parallel(ttt: TTT, sharding: str, device: torch.device, world: int) -> torch
         mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    return fully_shard(ttt, mesh=mesh, ignored_params={ttt.drafter.embed_tokens.weight})
+    # Frozen: the target's embedding (and a DFlash drafter's head, the target's too).
+    return fully_shard(ttt, mesh=mesh, ignored_params={p for p in ttt.drafter.parameters() if not p.requires_grad})
 
 
 def gradient_sync(ttt: torch.nn.Module, last: bool):

@@ -1,10 +1,12 @@
 """Held-out metrics, after every epoch (and before the first): loss,
-per-step accuracy and both acceptance lengths (tasks/train/ttt.py)."""
+per-step accuracy and both acceptance lengths (tasks/train/ttt.py; a DFlash
+drafter's per block slot: tasks/train/dflash_training.py)."""
 from __future__ import annotations
 
 import torch
 
 from tasks.train.data import plan_batches, prefetch
+from tasks.train.dflash_training import evaluate_dflash
 from tasks.train.prepare import Run
 from tasks.train.ttt import acceptance_length, exact_acceptance_length, ttt_forward
 
@@ -13,6 +15,8 @@ from tasks.train.ttt import acceptance_length, exact_acceptance_length, ttt_forw
 def evaluate(run: Run) -> dict:
     """Held-out loss, per-step accuracy and both taus (the product estimate
     and the exact chained one), over up to eval_max_samples."""
+    if run.dflash:
+        return evaluate_dflash(run)
     cfg = run.cfg
     model = run.model
     model.eval()

@@ -1,5 +1,6 @@
 """The training loop over a verified store: prepare once (split, draft
-vocabulary, drafter; tasks/train/prepare.py), train with TTT, evaluate on
+vocabulary, drafter; tasks/train/prepare.py), train with TTT (a DFlash
+drafter: on random blocks, tasks/train/dflash_training.py), evaluate on
 held-out samples per epoch (tasks/train/heldout.py), checkpoint atomically
 with the data position (tasks/train/checkpoint.py), export at the end.
 
@@ -37,7 +38,8 @@ from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare
 from tasks.train.served import best_served, describe_served, measure_served, serve_now, served_dir
 from tasks.stream.reader import Spool
-from tasks.train.ttt import TTT, StepOutput
+from tasks.train.dflash_training import export_run
+from tasks.train.ttt import StepOutput
 from tasks.train.vocab import DraftVocab
 
 logger = logging.getLogger("eagle3.training")
@@ -65,9 +67,9 @@ class Stepper:
     finite. Keeps the run's counts: tokens trained, seconds spent waiting for
     data and computing, steps skipped."""
 
-    def __init__(self, run: Run, ttt: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, run: Run, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  trainable: list[torch.nn.Parameter], checkpoint_path: Path):
-        self.run, self.ttt, self.optimizer, self.trainable = run, ttt, optimizer, trainable
+        self.run, self.module, self.optimizer, self.trainable = run, module, optimizer, trainable
         self.checkpoint_path = checkpoint_path
         self.tokens, self.wait_s, self.compute_s = 0, 0.0, 0.0
         self.skipped = self.in_a_row = 0
@@ -90,14 +92,14 @@ class Stepper:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         outs = []
-        for i, (_, weight) in enumerate(batches):
+        for i, (index, weight) in enumerate(batches):
             batch = next(self.loaded)
             t0 = time.time()
             self.wait_s += t0 - self.idle_since
             batch = run.on_device(batch)
-            with distributed.gradient_sync(self.ttt, last=i == len(batches) - 1):
+            with distributed.gradient_sync(self.module, last=i == len(batches) - 1):
                 with run.autocast():
-                    out = self.ttt(batch, run.head_rows, cfg.ttt_steps, cfg.step_decay, run.full_head)
+                    out = run.forward(self.module, batch, epoch, index)
                 # weight: world/m on the slots with a batch of their own, 0
                 # on a slot repeating one (assign_batches), so that the mean
                 # over the ranks of the sum over each rank's batches is the
@@ -179,12 +181,13 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
     ckpt_path = out_dir / CHECKPOINT
     rank, world = distributed.process_group()
     ckpt = read_checkpoint(ckpt_path, cfg, store, world)
-    run = prepare(cfg, store, DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt else None, rank, world)
+    vocab = DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt and ckpt.get("d2t") is not None else None
+    run = prepare(cfg, store, vocab, rank, world)
     model = run.model
     if ckpt is not None:
         model.load_state_dict(ckpt["model"], strict=False)
     # After the checkpoint's weights are in: FSDP2 shards what each rank holds.
-    ttt = distributed.parallel(TTT(model), cfg.sharding, run.device, world)
+    module = distributed.parallel(run.module(), cfg.sharding, run.device, world)
     # The frozen embedding has no optimizer state (nor, under FSDP, shards).
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -209,10 +212,10 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
                              for e, p in enumerate(plans) if e >= epoch)
     _log_start(run, plans, per_step)
     writer = CheckpointWriter(ckpt_path, cfg.identity(store), fingerprint, model, opt, rank, world)
-    steps = Stepper(run, ttt, opt, trainable, ckpt_path)
+    steps = Stepper(run, module, opt, trainable, ckpt_path)
     spool = Spool(run, store)
     if not history:
-        _evaluate(run, ttt, history, 0, 0, on_eval, store)
+        _evaluate(run, module, history, 0, 0, on_eval, store)
     while epoch < cfg.epochs:
         plan = plans[epoch]
         mine = assign_batches(len(plan), done, rank, world, cfg.accumulate)
@@ -238,7 +241,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
                              "sample_ids": [run.reader.sample_ids[i] for i in plan[b]], "weight": weight,
                              "loss": out.loss.item(), "grad_norm": grad_norm.item()})
         epoch, done = epoch + 1, 0
-        _evaluate(run, ttt, history, epoch, step, on_eval, store)
+        _evaluate(run, module, history, epoch, step, on_eval, store)
         writer.save(epoch, 0, step, history)
         spool.checkpointed(epoch, 0)
     spool.finish(cfg.epochs)
@@ -246,7 +249,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
     writer.require_finite(f"the export {drafter_dir}", step)
     best = best_served(history) if cfg.keep_best_served else None
     exported_epoch = best["epoch"] if best is not None and best["epoch"] != history[-1]["epoch"] else None
-    with distributed.whole_weights(ttt):
+    with distributed.whole_weights(module):
         if rank == 0:
             if exported_epoch is None:
                 _export(run, drafter_dir, store, step, history[-1])
@@ -260,7 +263,8 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
         torch.distributed.barrier()
     result = TrainResult(drafter_dir=str(drafter_dir), history=history, steps=step,
                          train_samples=len(run.train_idx), heldout_samples=len(run.held_idx),
-                         draft_vocab_size=run.vocab.size, target=str(run.target), resumed_from=resumed,
+                         draft_vocab_size=run.vocab.size if run.vocab else run.model.cfg.vocab_size,
+                         target=str(run.target), resumed_from=resumed,
                          seconds=time.time() - started, data_wait_s=steps.wait_s, compute_s=steps.compute_s,
                          tokens=steps.tokens, nonfinite_steps=steps.skipped, exported_epoch=exported_epoch)
     if rank == 0:
@@ -270,32 +274,40 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
 
 def _log_start(run: Run, plans: list[list[list[int]]], per_step: int) -> None:
     cfg = run.cfg
-    logger.info("training on %d samples (%s tokens), held out %d; %d epochs of %s batches, %d per step, TTT %d "
-                "steps, draft vocab %d, device %s x %d (%s), %s", len(run.train_idx),
-                f"{int(run.reader.num_tokens[run.train_idx].sum()):,}", len(run.held_idx), cfg.epochs,
+    if run.dflash:
+        drafter = (f"DFlash: {cfg.draft_layers} layer(s) reading target layers "
+                   f"{list(run.dflash.target_layer_ids)}, blocks of {cfg.block_size}")
+    else:
+        drafter = f"TTT {cfg.ttt_steps} steps, draft vocab {run.vocab.size}"
+    logger.info("training on %d samples (%s tokens), held out %d; %d epochs of %s batches, %d per step, %s, "
+                "device %s x %d (%s), %s", len(run.train_idx), f"{int(run.reader.num_tokens[run.train_idx].sum()):,}",
+                len(run.held_idx), cfg.epochs,
                 "/".join(str(len(p)) for p in plans) if len({len(p) for p in plans}) > 1 else len(plans[0]),
-                per_step, cfg.ttt_steps, run.vocab.size, run.device, run.world,
-                cfg.sharding if run.world > 1 else "one process",
+                per_step, drafter, run.device, run.world, cfg.sharding if run.world > 1 else "one process",
                 "bf16 autocast" if autocast_dtype(cfg.precision, run.device) else "fp32")
 
 
 def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: dict) -> None:
     """The drafter's weights as they are now, exported with how they were
     trained and their held-out metrics."""
-    export_drafter(run.model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
-                   extra={"store": str(Path(store).resolve()), "target": str(run.target), "steps": step,
-                          "heldout": {k: v for k, v in heldout.items() if k not in ("epoch", "served")},
-                          "config": run.cfg.identity(store)})
+    extra = {"store": str(Path(store).resolve()), "target": str(run.target), "steps": step,
+             "heldout": {k: v for k, v in heldout.items() if k not in ("epoch", "served")},
+             "config": run.cfg.identity(store)}
+    if run.dflash:
+        export_run(run, drafter_dir, extra)
+    else:
+        export_drafter(run.model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
+                       extra=extra)
 
 
-def _evaluate(run: Run, ttt: torch.nn.Module, history: list[dict], epoch: int, step: int,
+def _evaluate(run: Run, module: torch.nn.Module, history: list[dict], epoch: int, step: int,
               on_eval: Callable[[dict], None] | None, store: str | Path) -> None:
     """Rank 0 evaluates the drafter after `epoch` epochs (0: untrained) into
     `history`, and serves it in SGLang when serve_every says so
     (tasks/train/served.py); under FSDP every rank takes part in gathering
     its weights."""
     cfg = run.cfg
-    with distributed.whole_weights(ttt):
+    with distributed.whole_weights(module):
         if run.rank == 0:
             entry = {"epoch": epoch, "step": step, **evaluate(run)}
             if epoch == 0:

@@ -1,7 +1,7 @@
 """What a training run needs, prepared once: the verified store and its
-split, the target's embeddings, the draft vocabulary (counted by rank 0
-alone, broadcast to the others) and the drafter, on the rank's device in the
-precision the config asks for."""
+split, the target's embeddings, the draft vocabulary (an EAGLE-3 drafter's:
+counted by rank 0 alone, broadcast to the others) and the drafter, on the
+rank's device in the precision the config asks for."""
 from __future__ import annotations
 
 import logging
@@ -18,8 +18,11 @@ from tasks.train import distributed
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import collate, plan_batches, split
 from tasks.target.embeddings import load_target_embeddings
+from tasks.train.dflash import DFlashDrafter
+from tasks.train.dflash_training import DFlashSetup, DFlashStep, anchor_generator, prepare_dflash
 from tasks.train.drafter import Eagle3Drafter, build_drafter
 from tasks.stream.reader import StreamReader
+from tasks.train.ttt import TTT
 from tasks.train.vocab import DraftVocab, count_target_tokens
 
 logger = logging.getLogger("eagle3.training")
@@ -39,16 +42,17 @@ class Run:
     reader: StoreReader
     train_idx: np.ndarray
     held_idx: np.ndarray
-    layers: AuxLayers  # what the drafter reads, a subset of the store's
+    layers: AuxLayers | None  # what an EAGLE-3 drafter reads, a subset of the store's
     target: Path
-    model: Eagle3Drafter
-    head_rows: torch.Tensor
+    model: Eagle3Drafter | DFlashDrafter
+    head_rows: torch.Tensor | None  # EAGLE-3: the target head's rows of the draft vocabulary
     full_head: torch.Tensor
     device: torch.device
     rank: int = 0
     world: int = 1
-    vocab: DraftVocab | None = None
-    aux_positions: tuple[int, ...] | None = None  # of `layers` in the store's layer axis; None: all of them
+    vocab: DraftVocab | None = None  # EAGLE-3's; a DFlash drafter drafts from the whole vocabulary
+    aux_positions: tuple[int, ...] | None = None  # of the layers read, in the store's layer axis; None: all of them
+    dflash: DFlashSetup | None = None
 
     def collate(self, indices: list[int]) -> dict:
         return collate(self.reader, indices, self.aux_positions)
@@ -59,6 +63,18 @@ class Run:
 
     def on_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def module(self) -> torch.nn.Module:
+        """The drafter's training forward as a module (what DDP or FSDP wraps)."""
+        return DFlashStep(self.model, self.cfg, self.dflash) if self.dflash else TTT(self.model)
+
+    def forward(self, module: torch.nn.Module, batch: dict, epoch: int, index: int):
+        """Batch `index` of `epoch`'s order through `module` (self.module(),
+        wrapped): its loss and per-step (EAGLE-3) or per-slot (DFlash) counts."""
+        cfg = self.cfg
+        if self.dflash:
+            return module(batch, anchor_generator(cfg.seed, epoch, index))
+        return module(batch, self.head_rows, cfg.ttt_steps, cfg.step_decay, self.full_head)
 
 
 def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None, rank: int = 0,
@@ -84,15 +100,21 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if not (target / "config.json").exists():
         raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
                             f"captured from, {manifest.get('target')})")
+    train_idx, held_idx = split(reader.sample_ids, cfg.heldout_fraction)
+    embed, head = load_target_embeddings(target)
+    device = distributed.device()
+    if cfg.method == "dflash":
+        model, setup, positions = prepare_dflash(cfg, reader, target, (embed, head))
+        model = _in_precision(model.to(device), cfg, device)
+        # The drafter holds the target's head (its own lm_head, frozen): no second copy.
+        return Run(cfg, reader, train_idx, held_idx, None, target, model, None, model.lm_head.weight.detach(),
+                   device, rank, world, None, _unless_all(positions, manifest), setup)
     held = AuxLayers(tuple(manifest["aux_layers"]["sglang_layer_output_ids"]))
     try:
         layers = AuxLayers(tuple(cfg.aux_layer_ids)) if cfg.aux_layer_ids is not None else held
         positions = layers.positions_in(held)
     except ValueError as e:
         raise TrainingError(f"train.aux_layer_ids {cfg.aux_layer_ids}: {e}") from None
-    train_idx, held_idx = split(reader.sample_ids, cfg.heldout_fraction)
-    embed, head = load_target_embeddings(target)
-    device = distributed.device()
     head = head.to(device)
     if vocab is None:
         vocab = draft_vocab(cfg, reader, train_idx, head, device, rank, world)
@@ -105,13 +127,26 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
     low = autocast_dtype(cfg.precision, device)
     if low is not None:
+        head = head.to(low)
+    return Run(cfg, reader, train_idx, held_idx, layers, target, _in_precision(model, cfg, device), head_rows, head,
+               device, rank, world, vocab, _unless_all(positions, manifest))
+
+
+def _in_precision(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    low = autocast_dtype(cfg.precision, device)
+    if low is not None:
         # The two target-vocabulary matrices (4.7 GB each in fp32 for a 160k x
         # 7168 target) are frozen and only feed bf16 matmuls under autocast;
         # a bf16 checkpoint's values are bf16 anyway.
         model.embed_tokens.to(low)
-        head = head.to(low)
-    return Run(cfg, reader, train_idx, held_idx, layers, target, model, head_rows, head, device, rank, world,
-               vocab, None if positions == tuple(range(len(held.sglang_ids))) else positions)
+        if isinstance(model, DFlashDrafter):
+            model.lm_head.to(low)
+    return model
+
+
+def _unless_all(positions: tuple[int, ...], manifest: dict) -> tuple[int, ...] | None:
+    """None where the drafter reads every layer of the store, in its order."""
+    return None if positions == tuple(range(len(manifest["aux_layers"]["sglang_layer_output_ids"]))) else positions
 
 
 def draft_vocab(cfg: TrainConfig, reader, train_idx: np.ndarray, head: torch.Tensor, device: torch.device,

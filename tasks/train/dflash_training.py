@@ -1,0 +1,129 @@
+"""A DFlash drafter in the training loop (train.method dflash): what it is
+built from (the store's target layers it reads, the target's embedding,
+head and mask token), its training forward as a module DDP can wrap, its
+held-out metrics, and its export. The loop, the data order, checkpoints,
+resume and sharding are EAGLE-3's (tasks/train/loop.py).
+
+The anchors of a batch are drawn from a generator seeded by (seed, epoch,
+batch): a resumed run draws the blocks the uninterrupted one would have,
+and every held-out evaluation scores the same blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.store.reader import StoreReader
+from tasks.target.architectures import load_tokenizer
+from tasks.train.config import TrainConfig, TrainingError
+from tasks.train.data import plan_batches, prefetch
+from tasks.train.dflash import DFlashDrafter, DFlashOutput, build_dflash, dflash_forward
+from tasks.train.dflash_export import export_dflash
+from tasks.train.dflash_target import check_target_layer_ids, layer_positions, mask_token_for
+from tasks.train.drafter import target_sizes
+from tasks.train.ttt import acceptance_length
+
+# The epoch number of held-out anchors: no training epoch has it.
+HELDOUT = -1
+
+
+@dataclass(frozen=True)
+class DFlashSetup:
+    """What the drafter is fixed to on the target's side, and exported with."""
+    target_layer_ids: tuple[int, ...]  # SGLang's "output of layer i", ascending
+    mask_token: str
+    mask_token_id: int
+
+
+def prepare_dflash(cfg: TrainConfig, reader: StoreReader, target: Path,
+                   embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[DFlashDrafter, DFlashSetup, tuple[int, ...]]:
+    """The fresh drafter (on the CPU), its setup, and where its target layers
+    sit in the store's layer axis. train.aux_layer_ids picks the target
+    layers among the store's (default: all of them); refused, naming them,
+    where the store lacks one."""
+    manifest = reader.manifest
+    config = target_sizes(target)
+    wanted = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else manifest["aux_layers"]["sglang_layer_output_ids"]
+    try:
+        ids = check_target_layer_ids(wanted, config["num_hidden_layers"])
+        positions = layer_positions(manifest, ids)
+    except ValueError as e:
+        raise TrainingError(f"train.aux_layer_ids {list(wanted)} (a DFlash drafter's target layers): {e}") from None
+    try:
+        mask_token, mask_id = mask_token_for(load_tokenizer(target), config["vocab_size"])
+    except ValueError as e:
+        raise TrainingError(f"target {target}: {e}") from None
+    model = build_dflash(config, embeddings, num_layers=cfg.draft_layers, num_context=len(ids), seed=cfg.seed)
+    return model, DFlashSetup(ids, mask_token, mask_id), positions
+
+
+def anchor_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
+    state = np.random.SeedSequence([seed, epoch + 1, batch]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+class DFlashStep(torch.nn.Module):
+    """`dflash_forward` as a module's forward, so DDP (which syncs gradients
+    only for calls through its own forward) can wrap it."""
+
+    def __init__(self, drafter: DFlashDrafter, cfg: TrainConfig, setup: DFlashSetup):
+        super().__init__()
+        self.drafter = drafter
+        self.cfg, self.setup = cfg, setup
+
+    def forward(self, batch: dict, generator: torch.Generator) -> DFlashOutput:
+        cfg = self.cfg
+        return dflash_forward(self.drafter, batch, block_size=cfg.block_size, mask_token_id=self.setup.mask_token_id,
+                              max_anchors=cfg.max_anchors, gamma=cfg.loss_gamma, generator=generator)
+
+
+@torch.no_grad()
+def evaluate_dflash(run) -> dict:
+    """Held-out loss, per-slot accuracy and the accept lengths they imply,
+    over up to eval_max_samples: `tau` (the product of the slots'
+    accuracies) and `tau_exact` (sum over slots k of the share of blocks
+    whose drafts 1..k all hit), in the keys EAGLE-3's metrics use (a
+    slot is a TTT step's counterpart; the accept length is tau + 1)."""
+    cfg, model = run.cfg, run.model
+    step = DFlashStep(model, cfg, run.dflash)
+    model.eval()
+    slots = cfg.block_size - 1
+    correct, counted = torch.zeros(slots, dtype=torch.long), torch.zeros(slots, dtype=torch.long)
+    chained, chain_counted = torch.zeros(slots, dtype=torch.long), torch.zeros(slots, dtype=torch.long)
+    loss, weight = 0.0, 0
+    batches = plan_batches(run.reader.num_tokens, run.held_idx[:cfg.eval_max_samples], cfg.tokens_per_batch, None)
+    for i, batch in enumerate(prefetch(run.collate, batches)):
+        with run.autocast():
+            out = step(run.on_device(batch), anchor_generator(cfg.seed, HELDOUT, i))
+        correct += out.correct.cpu()
+        counted += out.counted.cpu()
+        chained += out.chained.cpu()
+        chain_counted += out.chain_counted.cpu()
+        loss += float(out.loss) * int(out.counted[0])
+        weight += int(out.counted[0])
+    model.train()
+    acc = (correct / counted.clamp(min=1)).tolist()
+    chain = (chained / chain_counted.clamp(min=1)).tolist()
+    s = min(cfg.serve_steps, slots)
+    return {
+        "loss": loss / max(1, weight),
+        "acc": acc,
+        "tau": acceptance_length(acc),
+        f"tau@{cfg.serve_steps}": acceptance_length(acc[:s]),
+        "tau_exact": sum(chain),
+        f"tau_exact@{cfg.serve_steps}": sum(chain[:s]),
+        "chain": chain,
+        "chain_counted": chain_counted.tolist(),
+        "heldout_tokens": int(counted[0]),
+        "unproposable": 0.0,  # a DFlash drafter drafts from the whole vocabulary
+    }
+
+
+def export_run(run, drafter_dir: Path, extra: dict) -> Path:
+    """The drafter as it is now, as SGLang's DFlashDraftModel loads it."""
+    return export_dflash(run.model, run.dflash.target_layer_ids, drafter_dir, target_config=target_sizes(run.target),
+                         block_size=run.cfg.block_size, mask_token_id=run.dflash.mask_token_id,
+                         mask_token=run.dflash.mask_token, extra=extra)
