@@ -215,18 +215,44 @@ def test_sglang_loads_our_drafter(served):
         assert torch.equal(served.params[name], want.float()), name
 
 
-def test_the_greedy_output_through_the_drafter_is_the_targets_own(served):
-    """HF's greedy tokens, each checked to lead its runner-up by far more than
-    SGLang's target differs from HF's (TARGET_ATOL on states): a near tie
-    would make the comparison a coin toss, and is reported as such."""
-    reference = load_reference_model(str(served.target_path), torch.float32)
+def hf_greedy(target_path: Path, n: int) -> list[int]:
+    """HF's greedy tokens after PROMPT, each checked to lead its runner-up by
+    far more than SGLang's target differs from HF's (TARGET_ATOL on states):
+    a near tie would make a comparison a coin toss, and is reported as such."""
+    reference = load_reference_model(str(target_path), torch.float32)
     ids = list(PROMPT)
     with torch.inference_mode():
-        for _ in served.output_ids:
+        for _ in range(n):
             top = torch.topk(reference(input_ids=torch.tensor([ids])).logits[0, -1], 2)
             assert top.values[0] - top.values[1] > 1e-2, f"near tie after {len(ids)} tokens: change PROMPT"
             ids.append(int(top.indices[0]))
-    assert served.output_ids == ids[len(PROMPT):]
+    return ids[len(PROMPT):]
+
+
+def test_the_greedy_output_through_the_drafter_is_the_targets_own(served):
+    assert served.output_ids == hf_greedy(served.target_path, len(served.output_ids))
+
+
+def test_a_dflash_drafter_of_the_llama_store_is_served_with_the_targets_greedy_output(llama_store, tmp_path):
+    """A DFlash drafter trained (briefly) on all five layers of the captured
+    store, served by SGLang's DFLASH path on this CPU (its stand-ins:
+    tasks/server/cpu/spec_ops.py dflash_on_cpu): the greedy output is HF's,
+    and SGLang verified its blocks (a verify step per block, fewer steps than
+    tokens once a draft is accepted)."""
+    target = ensure_model(TINY)
+    result = train(TrainConfig(out_dir=str(tmp_path / "train"), method="dflash", block_size=4, max_anchors=16,
+                               epochs=2, tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), llama_store)
+    cfg = SpeculativeSpec.dflash(ServerConfig(model=str(target), dtype="float32", max_total_tokens=8192),
+                                 result.drafter_dir)
+    with launch_server(cfg, ARTIFACTS / "dflash-server.log", timeout_s=600) as server:
+        reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
+            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}).json()
+    assert reply["output_ids"] == hf_greedy(target, 12), reply
+    # SGLang's own counts: the first token is the prefill's, each verify step
+    # commits its accepted drafts and one more, and proposes block_size - 1.
+    meta = reply["meta_info"]
+    assert meta["spec_verify_ct"] + meta["spec_num_correct_drafts"] == 11, meta
+    assert meta["spec_num_proposed_drafts"] == 3 * meta["spec_verify_ct"], meta
 
 
 def test_sglang_feeds_the_drafter_the_layers_it_was_trained_on(served):

@@ -63,6 +63,11 @@ def _drafting(c: Decided, args) -> list[str] | None:
     return args() if c.spec.speculative else None
 
 
+def _eagle_chain(c: Decided, args) -> list[str] | None:
+    """EAGLE's chain settings; a DFlash server drafts one block a step."""
+    return args() if c.spec.speculative and c.spec.algorithm == "EAGLE3" else None
+
+
 def _if_set(value) -> list[str] | None:
     return None if value is None else [str(value)]
 
@@ -88,19 +93,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--enable-return-aux-hidden-states", "CaptureSpec (a capture server)",
          lambda c: [] if c.spec.capture else None, owned="capture"),
     Flag("--speculative-algorithm", SPECULATE,
-         lambda c: ["EAGLE3"] if c.spec.capture or c.spec.speculative else None, owned="always"),
+         lambda c: [c.spec.algorithm] if c.spec.speculative else ["EAGLE3"] if c.spec.capture else None,
+         owned="always"),
     Flag("--return-aux-hidden-state-layer-ids", "capture.aux_layer_ids",
          lambda c: [*map(str, c.spec.aux_layer_ids)] if c.spec.capture and c.spec.aux_layer_ids is not None
          else None, owned="capture"),
     Flag("--speculative-draft-model-path", SPECULATE,
          lambda c: _drafting(c, lambda: [str(c.spec.draft_model_path)]), owned="always"),
     Flag("--speculative-num-steps", "evaluate.num_steps",
-         lambda c: _drafting(c, lambda: [str(c.spec.speculative_num_steps)]), owned="always"),
+         lambda c: _eagle_chain(c, lambda: [str(c.spec.speculative_num_steps)]), owned="always"),
     Flag("--speculative-eagle-topk",
          "nothing: the evaluation serves a top-1 chain (SpeculativeSpec.speculative_eagle_topk)",
-         lambda c: _drafting(c, lambda: [str(c.spec.speculative_eagle_topk)]), owned="always"),
+         lambda c: _eagle_chain(c, lambda: [str(c.spec.speculative_eagle_topk)]), owned="always"),
     Flag("--speculative-num-draft-tokens", "evaluate.num_steps (a top-1 chain verifies num_steps + 1 tokens)",
-         lambda c: _drafting(c, lambda: [str(c.spec.speculative_num_draft_tokens)]), owned="always"),
+         lambda c: _eagle_chain(c, lambda: [str(c.spec.speculative_num_draft_tokens)]), owned="always"),
     Flag("--trust-remote-code", "--trust-remote-code spelt in full: the launcher then leaves its own out",
          lambda c: [] if c.trust_remote_code else None, shown=False),
     Flag("--attention-backend", "--attention-backend spelt in full: the launcher then leaves its own out",

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import ClassVar, Literal, Sequence
 
 from tasks.paths import REPO_ROOT, ensure_private_dir
 from tasks.server.config import ServerConfig
@@ -107,11 +107,15 @@ class CaptureSpec(LaunchSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeSpec(LaunchSpec):
-    """A server of EAGLE-3 speculative decoding with a trained drafter (an
-    SGLang LlamaForCausalLMEagle3 directory)."""
+    """A server of speculative decoding with a trained drafter: EAGLE-3 (an
+    exported LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM
+    directory), or DFlash (a DFlashDraftModel one)."""
     speculative: ClassVar[bool] = True
 
     draft_model_path: str
+    # EAGLE3, or DFLASH (a DFlash drafter, tasks/train/dflash_export.py: one
+    # block a step, of the drafter's block_size; the three below are EAGLE's).
+    algorithm: Literal["EAGLE3", "DFLASH"] = "EAGLE3"
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
@@ -123,6 +127,11 @@ class SpeculativeSpec(LaunchSpec):
         project evaluates drafters and trains them to be served."""
         return cls(server, draft_model_path=str(draft_model_path), speculative_num_steps=num_steps,
                    speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1, **kw)
+
+    @classmethod
+    def dflash(cls, server, draft_model_path, **kw) -> "SpeculativeSpec":
+        """A DFlash drafter, served with the block size it was trained with."""
+        return cls(server, draft_model_path=str(draft_model_path), algorithm="DFLASH", **kw)
 
 
 # Below the kernel's ephemeral range (where bind(0) and every outgoing
