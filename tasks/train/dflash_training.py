@@ -18,6 +18,7 @@ import torch
 
 from tasks.store.reader import StoreReader
 from tasks.target.architectures import load_tokenizer
+from tasks.target.embeddings import load_target_embeddings
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import plan_batches, prefetch
 from tasks.train.dflash import DFlashDrafter, DFlashOutput, build_dflash, dflash_forward
@@ -38,12 +39,13 @@ class DFlashSetup:
     mask_token_id: int
 
 
-def prepare_dflash(cfg: TrainConfig, reader: StoreReader, target: Path,
-                   embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[DFlashDrafter, DFlashSetup, tuple[int, ...]]:
+def prepare_dflash(cfg: TrainConfig, reader: StoreReader, target: Path
+                   ) -> tuple[DFlashDrafter, DFlashSetup, tuple[int, ...]]:
     """The fresh drafter (on the CPU), its setup, and where its target layers
     sit in the store's layer axis. train.aux_layer_ids picks the target
     layers among the store's (default: all of them); refused, naming them,
-    where the store lacks one."""
+    where the store lacks one, before the target's embedding and head are
+    read."""
     manifest = reader.manifest
     config = target_sizes(target)
     wanted = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else manifest["aux_layers"]["sglang_layer_output_ids"]
@@ -56,7 +58,8 @@ def prepare_dflash(cfg: TrainConfig, reader: StoreReader, target: Path,
         mask_token, mask_id = mask_token_for(load_tokenizer(target), config["vocab_size"])
     except ValueError as e:
         raise TrainingError(f"target {target}: {e}") from None
-    model = build_dflash(config, embeddings, num_layers=cfg.draft_layers, num_context=len(ids), seed=cfg.seed)
+    model = build_dflash(config, load_target_embeddings(target), num_layers=cfg.draft_layers, num_context=len(ids),
+                         seed=cfg.seed)
     return model, DFlashSetup(ids, mask_token, mask_id), positions
 
 

@@ -101,10 +101,9 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
         raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
                             f"captured from, {manifest.get('target')})")
     train_idx, held_idx = split(reader.sample_ids, cfg.heldout_fraction)
-    embed, head = load_target_embeddings(target)
     device = distributed.device()
     if cfg.method == "dflash":
-        model, setup, positions = prepare_dflash(cfg, reader, target, (embed, head))
+        model, setup, positions = prepare_dflash(cfg, reader, target)
         model = _in_precision(model.to(device), cfg, device)
         # The drafter holds the target's head (its own lm_head, frozen): no second copy.
         return Run(cfg, reader, train_idx, held_idx, None, target, model, None, model.lm_head.weight.detach(),
@@ -115,6 +114,9 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
         positions = layers.positions_in(held)
     except ValueError as e:
         raise TrainingError(f"train.aux_layer_ids {cfg.aux_layer_ids}: {e}") from None
+    # Only once the settings are known to fit the store: the two target-vocabulary matrices are the
+    # run's largest read (4.7 GB each in fp32 at 160k x 7168).
+    embed, head = load_target_embeddings(target)
     head = head.to(device)
     if vocab is None:
         vocab = draft_vocab(cfg, reader, train_idx, head, device, rank, world)
