@@ -1,5 +1,5 @@
-"""Flow `evaluate_drafter`: one or several drafters of one target served
-speculatively in SGLang on the same prompt sets and server settings:
+"""Flow `evaluate_drafter`: one or several drafters of one target (EAGLE-3
+or DFlash, of one store or of several) served speculatively in SGLang on the same prompt sets and server settings:
 greedy output unchanged, acceptance pooled and as a mean of per-request
 means, per position, greedy and sampled, and a concurrency sweep of
 per-user against total throughput. One table, one plot, beside the run and
@@ -50,26 +50,16 @@ def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerCon
     return server
 
 
-def served_method(train: TrainConfig) -> None:
-    """Refuse, before the capture, a pipeline whose drafter the evaluation
-    cannot serve yet."""
-    if train.method != "eagle3":
-        raise ValueError(f"train.method {train.method}: the pipeline's evaluation serves EAGLE-3 drafters only for "
-                         f"now; set evaluate.enabled false to end the pipeline at the {train.method} drafter's export")
-
-
 def trained_for(drafter_dir: Path, server: ServerConfig) -> dict:
-    """How the drafter was trained (its config's eagle3_training), after
-    checking the server section serves the target it was trained for: a
-    drafter served on another target would be measured against the wrong
-    model."""
+    """How the drafter was trained (its config's eagle3_training or
+    dflash_training), after checking the server section serves the target it
+    was trained for: a drafter served on another target would be measured
+    against the wrong model."""
     config = json.loads((drafter_dir / "config.json").read_text())
-    if config.get("architectures") == [DFLASH]:
-        raise ValueError(f"{drafter_dir} is a DFlash drafter: the evaluation serves EAGLE-3 drafters only for now")
-    trained = config.get("eagle3_training")
+    trained = config.get("dflash_training" if config.get("architectures") == [DFLASH] else "eagle3_training")
     if not trained:
-        raise ValueError(f"{drafter_dir}/config.json does not say how it was trained (no eagle3_training): "
-                         f"export it with train_drafter")
+        raise ValueError(f"{drafter_dir}/config.json does not say how it was trained (no eagle3_training or "
+                         f"dflash_training): export it with train_drafter")
     ours, theirs = resolve_model(server.model), Path(trained["target"])
     if ours.resolve() != theirs.resolve() and (not (theirs / "config.json").exists() or
                                                (ours / "config.json").read_bytes()
@@ -129,7 +119,7 @@ def evaluate_task(server: ServerConfig, drafters: list[Drafter], sets: list[Prom
 @described
 def evaluate_drafter(
     drafter_dirs: Annotated[list[str], Field(min_length=1, description=(
-        "exported EAGLE-3 drafters of one target (train_drafter's drafter/), compared side by side"))] = [
+        "exported EAGLE-3 or DFlash drafters of one target (train_drafter's drafter/), compared side by side"))] = [
         f"{TrainConfig().out_dir}/drafter"],
     store: Annotated[Optional[str], Field(description=(
         "the store the first drafter was trained on: its held-out samples are the 'heldout' prompt set"))] = (

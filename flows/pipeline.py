@@ -18,7 +18,7 @@ from flows.config import checked, described
 from flows.extract import extract_hidden_states
 from flows.run_record import keep_run_config
 from flows.stream import capture_and_train
-from flows.evaluate import baseline_server, evaluate_drafter, served_method
+from flows.evaluate import baseline_server, evaluate_drafter
 from flows.regenerate import regenerate_answers
 from flows.train import train_drafter
 from flows.verify import verify_store
@@ -61,7 +61,6 @@ def eagle3_pipeline(
     log = get_run_logger()
     if evaluate.enabled:  # refused now, not after the training
         baseline_server(server, evaluate)
-        served_method(train)
     check_mode(mode, train, capture_nodes)  # as the command line does (a run from the UI is not resolved there)
     store_dir, train_dir = Path(store.path).resolve(), Path(train.out_dir).resolve()
     store = store.model_copy(update={"path": str(store_dir)})

@@ -15,7 +15,8 @@ fed_back (what the next step is fed: the output before the final norm, or
 with norm_output the same as out) and req_pool_indices (which
 request's KV cache the forward reads and writes). With one request in flight,
 a decode step follows the extend or decode just before it.
-tests/test_drafter_in_sglang.py recomputes them with our drafter."""
+tests/test_drafter_in_sglang.py recomputes them with our drafter.
+make_dflash_probe does the same for a DFlash drafter."""
 from __future__ import annotations
 
 import os
@@ -60,5 +61,62 @@ def make_probe(config: dict):
                "req_pool_indices": forward_batch.req_pool_indices.detach().cpu().long()},
               out_dir / f"forward-{calls[0]:03d}.safetensors", kind=kind, mode=forward_batch.forward_mode)
         calls[0] += 1
+
+    return hook
+
+
+DFLASH_PROBE_MODULES = ["fc", "hidden_norm", "layers.?", "norm"]  # top-level names: none in the target
+
+
+def make_dflash_probe(config: dict):
+    """The same for a DFlash drafter (`DFlashDraftModel`), hooked on its
+    `fc`, `hidden_norm`, `layers.?` and `norm` (DFLASH_PROBE_MODULES: SGLang
+    calls the model's own forward directly, past any hook on the model
+    itself). params.safetensors
+    holds those modules' parameters by the model's names; then, in call
+    order:
+
+        kind "context"  fc's input: the target layers' states of the tokens
+                        just committed (the prompt after prefill, then each
+                        verify's accepted prefix), and ctx (hidden_norm's
+                        output), what the draft KV cache's context is made of
+        kind "block"    a draft block: input_ids, positions, the embeddings
+                        the first layer is fed, req_pool_indices, and out
+                        (after the final norm: what the target's head scores)
+    """
+    out_dir = Path(config["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    calls, pending, params = [0], {}, {}
+
+    def record(tensors: dict, kind: str) -> None:
+        if calls[0] < MAX_FORWARDS:
+            _save(tensors, out_dir / f"forward-{calls[0]:03d}.safetensors", kind=kind)
+            calls[0] += 1
+
+    def hook(module, args, output):
+        kind = type(module).__name__
+        if kind == "DFlashDecoderLayer":  # (positions, hidden, forward_batch, residual)
+            prefix = f"layers.{module.self_attn.attn.layer_id}."
+            positions, hidden, forward_batch = args[:3]
+            if hidden.numel() and "block" not in pending:  # the first layer: fed the block's embeddings
+                pending["block"] = {"input_ids": forward_batch.input_ids.detach().cpu().long(),
+                                    "positions": positions.detach().cpu().long(), "embeds": _cpu(hidden),
+                                    "req_pool_indices": forward_batch.req_pool_indices.detach().cpu().long()}
+        elif "Linear" in kind:  # fc
+            prefix = "fc."
+            pending["context"] = _cpu(args[0])
+        elif isinstance(output, tuple):  # norm(hidden, residual): the block's output
+            prefix = "norm."
+            if "block" in pending:
+                record({**pending.pop("block"), "out": _cpu(output[0])}, "block")
+        else:  # hidden_norm(fc's output): ctx
+            prefix = "hidden_norm."
+            if "context" in pending:
+                record({"target_hidden": pending.pop("context"), "ctx": _cpu(output)}, "context")
+        for name, p in module.named_parameters():
+            if prefix + name not in params:
+                params[prefix + name] = _cpu(p)
+        if not (out_dir / "params.safetensors").exists() and "norm.weight" in params:
+            _save(params, out_dir / "params.safetensors")
 
     return hook

@@ -54,6 +54,7 @@ def test_a_dflash_drafter_trains_exports_and_resumes_to_the_same_weights(store, 
     assert exported["dflash_training"]["heldout"]["loss"] == last["loss"]
     assert load_dflash(drafter, tiny_model).cfg.num_context == len(READS)
     assert compare_export(drafter, tmp_path / "whole", tiny_model)["worst_relative_diff"] <= 1e-2
+    check_read_for_serving(drafter, tiny_model, tmp_path / "evaluation")
 
     # Stopped at step 4, just after its checkpoint; the rerun resumes there.
     def stop_at_4(s: dict) -> None:
@@ -69,6 +70,27 @@ def test_a_dflash_drafter_trains_exports_and_resumes_to_the_same_weights(store, 
         (drafter / "model.safetensors").read_bytes()
 
 
+def check_read_for_serving(drafter: Path, tiny_model, log_dir: Path) -> None:
+    """The evaluation reads the export as a DFlash drafter: served with its
+    block (3 drafts a verify step), its run's held-out tau beside it; and
+    on a CPU it refuses bf16 before starting any server (SGLang's bf16
+    DFlash attention is a Triton kernel)."""
+    from tasks.evaluation.config import EvaluateConfig
+    from tasks.evaluation.prompts import PromptSet
+    from tasks.evaluation.side_by_side import drafter_at, evaluate_drafters
+    from tasks.server.config import ServerConfig
+    from tasks.server.cpu.shim import gpu_present
+
+    d = drafter_at(drafter, num_steps=5)  # evaluate.num_steps is an EAGLE-3 chain's: a block is the drafter's
+    assert (d.method, d.num_steps) == ("dflash", 3) and d.heldout_tau == d.heldout["tau"]
+    assert d.served_as(ServerConfig(model=str(tiny_model))).algorithm == "DFLASH"
+    if not gpu_present():
+        with pytest.raises(ValueError, match="served on a CPU in float32 only, not bfloat16"):
+            evaluate_drafters(ServerConfig(model=str(tiny_model)), [d], [PromptSet("p", [[1, 2]])],
+                              EvaluateConfig(dtype="bfloat16"), log_dir=log_dir)
+        assert not (log_dir / "plain-server.log").exists()
+
+
 def test_a_dflash_run_refuses_missing_layers_and_eagle3_settings(store, tmp_path):
     with pytest.raises(TrainingError, match=r"target layers \[3\] are not in the store, which holds outputs of "
                                             r"layers \[1, 2, 4, 5, 6\]"):
@@ -78,8 +100,3 @@ def test_a_dflash_run_refuses_missing_layers_and_eagle3_settings(store, tmp_path
         config(tmp_path / "x", variant="eagle3.1")
     with pytest.raises(ValidationError, match="set serve_every 0"):
         config(tmp_path / "x", serve_every=1)
-    from flows.evaluate import served_method
-
-    # The pipeline refuses it before capturing anything: its evaluation serves EAGLE-3 drafters.
-    with pytest.raises(ValueError, match="train.method dflash: the pipeline's evaluation serves EAGLE-3"):
-        served_method(config(tmp_path / "x"))

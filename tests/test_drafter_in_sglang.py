@@ -14,7 +14,7 @@ against HF before a drafter trains on a triple of it."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -233,26 +233,189 @@ def test_the_greedy_output_through_the_drafter_is_the_targets_own(served):
     assert served.output_ids == hf_greedy(served.target_path, len(served.output_ids))
 
 
-def test_a_dflash_drafter_of_the_llama_store_is_served_with_the_targets_greedy_output(llama_store, tmp_path):
-    """A DFlash drafter trained (briefly) on all five layers of the captured
-    store, served by SGLang's DFLASH path on this CPU (its stand-ins:
-    tasks/server/cpu/spec_ops.py dflash_on_cpu): the greedy output is HF's,
-    and SGLang verified its blocks (a verify step per block, fewer steps than
-    tokens once a draft is accepted)."""
+@dataclass
+class SideBySide:
+    report: dict
+    raw: list[dict]  # SGLang's per-request counts
+    eagle_dir: Path
+    dflash_dir: Path
+    forwards: list[dict]  # the DFlash probe's files in call order
+    params: dict[str, torch.Tensor]  # the DFlash drafter's parameters as SGLang loaded them
+
+
+# The DFlash drafter's block: the bonus token and three drafts a verify step.
+DFLASH_BLOCK = 4
+SIDE_BY_SIDE_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def side_by_side(llama_store, float32_server, tmp_path_factory) -> SideBySide:
+    """An EAGLE-3 drafter (three of the store's five layers) and a DFlash
+    drafter (all five) trained briefly on the captured Llama store, served
+    side by side by the evaluation (tasks/evaluation/side_by_side.py) beside
+    the float32 server as the plain baseline, PROMPT its one prompt; the
+    DFlash server carries the probe (SGLang's DFLASH path on this CPU: its
+    stand-ins in tasks/server/cpu/spec_ops.py dflash_on_cpu). The suite's
+    one DFlash server start."""
+    from tasks.evaluation.config import EvaluateConfig
+    from tasks.evaluation.prompts import prompt_set
+    from tasks.evaluation.side_by_side import drafter_at, evaluate_drafters
+    from tasks.target.architectures import load_tokenizer
+    from tests.sglang_draft_probe import DFLASH_PROBE_MODULES
+
+    d = tmp_path_factory.mktemp("side-by-side")
+    common = dict(tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4)
+    eagle = train(TrainConfig(out_dir=str(d / "eagle3"), aux_layer_ids=list(AUX_LAYER_IDS["eagle3"]),
+                              draft_vocab_size=256, ttt_steps=2, epochs=1, **common), llama_store)
+    dflash = train(TrainConfig(out_dir=str(d / "dflash"), method="dflash", block_size=DFLASH_BLOCK, max_anchors=16,
+                               epochs=2, **common), llama_store)
+    probe = d / "probe"
+    hooks = ({"name": "dflash_probe", "target_modules": DFLASH_PROBE_MODULES,
+              "hook_factory": "tests.sglang_draft_probe:make_dflash_probe", "config": {"out_dir": str(probe)}},)
+    drafters = [drafter_at(eagle.drafter_dir), replace(drafter_at(dflash.drafter_dir), hooks=hooks)]
+    rows = d / "prompt.jsonl"
+    rows.write_text(json.dumps({"input_ids": PROMPT}) + "\n")
+    sets = [prompt_set(str(rows), count=1, tokenizer=load_tokenizer(ensure_model(TINY)), store=None,
+                       heldout_fraction=0.25)]
+    # Greedy only, one stream: the probe's first request after SGLang's warm-up is PROMPT's.
+    cfg = EvaluateConfig(num_prompts=1, max_new_tokens=SIDE_BY_SIDE_TOKENS, temperature=0, concurrency=[1],
+                         min_verify_steps=8, baseline="attached")
+    out = ARTIFACTS / "side-by-side"
+    report = evaluate_drafters(ServerConfig(model=str(ensure_model(TINY))), drafters, sets, cfg, log_dir=out,
+                               baseline_url=float32_server.url, baseline_api_key=float32_server.api_key)
+    raw = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    with safe_open(str(probe / "params.safetensors"), framework="pt") as f:
+        params = {k: f.get_tensor(k) for k in f.keys()}
+    return SideBySide(report, raw, Path(eagle.drafter_dir), Path(dflash.drafter_dir),
+                      [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params)
+
+
+def test_an_eagle3_and_a_dflash_drafter_of_one_store_are_served_side_by_side(side_by_side):
+    """Both keep the plain target's greedy output, and each one's figures
+    are SGLang's own counts: the first token is the prefill's, each verify
+    step commits its accepted drafts and one more (the last may accept past
+    the limit), an EAGLE-3 step checking a chain of 3 drafts, a DFlash step
+    a block of block_size - 1."""
+    from flows.evaluate import trained_for
+
+    report, target = side_by_side.report, ensure_model(TINY)
+    assert [(d["name"], d["method"], d["num_steps"]) for d in report["drafters"]] == [
+        ("eagle3/drafter", "eagle3", 3), ("dflash/drafter", "dflash", DFLASH_BLOCK - 1)]
+    commands = report["settings"]["commands"]
+    assert "--speculative-algorithm DFLASH" in commands["dflash/drafter"], commands
+    assert "--speculative-algorithm EAGLE3" in commands["eagle3/drafter"], commands
+    assert not report["greedy_changed"]
+    for d in report["drafters"]:
+        (row,) = [r for r in report["acceptance"] if r["drafter"] == d["name"]]
+        (request,) = [r for r in side_by_side.raw if r["drafter"] == d["name"]]
+        assert row["outputs_equal"] and row["completion_tokens"] == SIDE_BY_SIDE_TOKENS, row
+        histogram = request["spec_correct_drafts_histogram"]
+        assert sum(histogram) == request["spec_verify_ct"] == row["verify_steps"]
+        assert len(row["per_position"]) == d["num_steps"] and len(histogram) <= d["num_steps"] + 1
+        committed = 1 + sum((k + 1) * n for k, n in enumerate(histogram))
+        assert 0 <= committed - SIDE_BY_SIDE_TOKENS <= d["num_steps"], (d, histogram)
+        assert row["pooled"] == SIDE_BY_SIDE_TOKENS / request["spec_verify_ct"]
+        # How it was trained, read as flows.evaluate reads it, for this target.
+        assert trained_for(Path(d["path"]), ServerConfig(model=str(target)))["config"]["method"] == d["method"]
+    assert [(p["drafter"], p["concurrency"]) for p in report["sweep"]] == [("eagle3/drafter", 1),
+                                                                         ("dflash/drafter", 1)]
+
+
+def _first_request(side_by_side: SideBySide) -> tuple[torch.Tensor, dict, list[dict]]:
+    """PROMPT's request, from the DFlash probe: the target states of every
+    token it committed, in position order, its prompt's context call, and
+    its draft blocks. After prefill the context is the prompt's states;
+    after each verify, the block's block_size states, of which the tokens
+    committed (the accepted drafts and the token before them) are the
+    first next_start - start: the next block starts where they end. The
+    next request starts a context of its own."""
+    forwards = side_by_side.forwards
+    first = next(i for i, f in enumerate(forwards) if f["kind"] == "context"
+                 and f["target_hidden"].shape[0] == len(PROMPT))
+    features, committed, blocks, verified = [forwards[first]["target_hidden"]], len(PROMPT), [], None
+    for f in forwards[first + 1:]:
+        if f["kind"] == "context":
+            if f["target_hidden"].shape[0] != DFLASH_BLOCK:  # a prompt: the next request
+                break
+            verified = f["target_hidden"]
+            continue
+        start = f["positions"][0].item()
+        if blocks:
+            kept = start - blocks[-1]["positions"][0].item()
+            if verified is None or not 1 <= kept <= DFLASH_BLOCK:
+                break
+            features.append(verified[:kept])
+            committed, verified = committed + kept, None
+        if start != committed:
+            break
+        blocks.append(f)
+    assert len(blocks) >= 3, [(f["kind"], f["target_hidden"].shape[0] if f["kind"] == "context" else
+                               f["positions"][0].item()) for f in forwards[first:first + 12]]
+    return torch.cat(features), forwards[first], blocks
+
+
+def test_sglang_loads_our_dflash_drafter(side_by_side):
+    """Every parameter of SGLang's DFlashDraftModel holds ours (q/k/v and
+    gate/up fused as its loader fuses them); the embedding and head it
+    drafts with are the target's, which it borrows."""
+    ours = load_file(str(side_by_side.dflash_dir / "model.safetensors"))
+    pairs = {k: ours[k] for k in ("fc.weight", "hidden_norm.weight", "norm.weight")}
+    for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                 "self_attn.o_proj", "mlp.down_proj"):
+        pairs[f"layers.0.{name}.weight"] = ours[f"layers.0.{name}.weight"]
+    pairs["layers.0.self_attn.qkv_proj.weight"] = torch.cat([ours[f"layers.0.self_attn.{p}_proj.weight"]
+                                                            for p in "qkv"])
+    pairs["layers.0.mlp.gate_up_proj.weight"] = torch.cat([ours["layers.0.mlp.gate_proj.weight"],
+                                                          ours["layers.0.mlp.up_proj.weight"]])
+    assert sorted(side_by_side.params) == sorted(pairs)
+    for name, want in pairs.items():
+        assert torch.equal(side_by_side.params[name], want.float()), name
+
+
+def test_sglang_feeds_the_dflash_drafter_the_layers_it_was_trained_on(side_by_side):
+    """The context SGLang projects for the prompt is the target's states of
+    the five layers the drafter was trained on (HF's forward), and its ctx
+    is our drafter's."""
+    from tasks.train.dflash_export import load_dflash
+
     target = ensure_model(TINY)
-    result = train(TrainConfig(out_dir=str(tmp_path / "train"), method="dflash", block_size=4, max_anchors=16,
-                               epochs=2, tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), llama_store)
-    cfg = SpeculativeSpec.dflash(ServerConfig(model=str(target), dtype="float32", max_total_tokens=8192),
-                                 result.drafter_dir)
-    with launch_server(cfg, ARTIFACTS / "dflash-server.log", timeout_s=600) as server:
-        reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}).json()
-    assert reply["output_ids"] == hf_greedy(target, 12), reply
-    # SGLang's own counts: the first token is the prefill's, each verify step
-    # commits its accepted drafts and one more, and proposes block_size - 1.
-    meta = reply["meta_info"]
-    assert meta["spec_verify_ct"] + meta["spec_num_correct_drafts"] == 11, meta
-    assert meta["spec_num_proposed_drafts"] == 3 * meta["spec_verify_ct"], meta
+    config = json.loads((side_by_side.dflash_dir / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == list(STORE_LAYER_IDS)
+    _, prompt, _ = _first_request(side_by_side)
+    n, hidden = (target_sizes(target)[k] for k in ("num_hidden_layers", "hidden_size"))
+    reference = load_reference_model(str(target), torch.float32)
+    states, _ = reference_states(reference, PROMPT, AuxLayers.for_model(n, STORE_LAYER_IDS))
+    fed = prompt["target_hidden"].view(len(PROMPT), len(STORE_LAYER_IDS), hidden)
+    torch.testing.assert_close(fed, states.float(), atol=TARGET_ATOL, rtol=TARGET_RTOL)
+    with torch.no_grad():
+        ctx = load_dflash(side_by_side.dflash_dir, target).context(prompt["target_hidden"])
+    torch.testing.assert_close(ctx, prompt["ctx"], atol=ATOL, rtol=RTOL)
+
+
+def test_the_dflash_draft_blocks_compute_what_we_train(side_by_side):
+    """The probe: each of the request's draft blocks is [the token committed
+    last, MASK x 3] at the positions after the committed tokens, embedded by
+    the target's embedding, and SGLang's output for it (before the target's
+    head) is our drafter's, given the same target states as context (the
+    training forward, tasks/train/dflash.py, one block at its anchor): the
+    context SGLang's draft KV cache holds is the committed tokens' and no
+    rejected draft's. The first block starts with HF's first greedy token."""
+    from tasks.train.dflash_export import load_dflash
+
+    target = ensure_model(TINY)
+    mask = json.loads((side_by_side.dflash_dir / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    features, _, blocks = _first_request(side_by_side)
+    model = load_dflash(side_by_side.dflash_dir, target)
+    assert blocks[0]["input_ids"][0].item() == hf_greedy(target, 1)[0]
+    with torch.no_grad():
+        for block in blocks:
+            start = block["positions"][0].item()
+            assert block["positions"].tolist() == list(range(start, start + DFLASH_BLOCK))
+            assert block["input_ids"][1:].tolist() == [mask] * (DFLASH_BLOCK - 1)
+            assert torch.equal(block["embeds"], model.embed_tokens(block["input_ids"]))
+            # The context is the committed tokens' states, up to the block (the rest is masked out).
+            out = model.blocks(features[None, :start], block["input_ids"][None, None], torch.tensor([[start]]))
+            torch.testing.assert_close(out[0, 0], block["out"], atol=ATOL, rtol=RTOL)
 
 
 def test_sglang_feeds_the_drafter_the_layers_it_was_trained_on(served):

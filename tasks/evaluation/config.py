@@ -49,9 +49,11 @@ class EvaluateConfig(Section):
     simulate: bool = Field(False, description=(
         "also score each drafter as training does on the very text SGLang verified (a capture server of the "
         "target is launched after the drafters' servers): per draft position, training's held-out chain, the "
-        "same chain on the served text, SGLang's verify steps replayed, and SGLang's own count"))
+        "same chain on the served text, SGLang's verify steps replayed, and SGLang's own count (EAGLE-3 "
+        "drafters; a DFlash drafter's is SGLang's count alone)"))
     num_steps: Optional[int] = Field(None, ge=1, description=(
-        "--speculative-num-steps for every drafter (default: each drafter's own serve_steps)"))
+        "--speculative-num-steps for every EAGLE-3 drafter (default: each drafter's own serve_steps; a DFlash "
+        "drafter drafts its block_size - 1 a step)"))
 
     @field_validator("baseline")
     @classmethod

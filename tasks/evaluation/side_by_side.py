@@ -8,6 +8,12 @@ in turn, one server at a time: greedy outputs per set (which must equal the
 plain ones), acceptance greedy and sampled (tasks/evaluation/acceptance.py), and
 the same sweep (tasks/evaluation/sweep.py). Every server the launcher starts has
 the prefix cache off, so a repeated prompt costs what a new one does.
+
+EAGLE-3 and DFlash drafters of one target compare in the same run and the
+same figures: a verify step checks a chain of num_steps drafts (EAGLE-3) or
+a block of block_size - 1 (DFlash), and SGLang counts both the same way
+(verify steps, drafts accepted per step), so the accept length and the
+share of steps accepting their k-th draft mean the same for both.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, SpeculativeSpec, check_serves, launch_server
 from tasks.sglang_api import ServerError, server_says
 from tasks.target.embeddings import load_target_embeddings
+from tasks.train.dflash_export import ARCHITECTURE as DFLASH
 from tasks.train.launch import result_from_dir
 from tasks.train.loop import RESULT
 
@@ -48,29 +55,44 @@ CPU_SPEEDS = ("speeds measured on a CPU: not GPU figures (the drafter's attentio
 
 @dataclass(frozen=True)
 class Drafter:
-    """A drafter under evaluation: its exported directory, the steps it is
-    served with and, when its training run is beside it, its held-out tau."""
+    """A drafter under evaluation: its exported directory, the drafts a
+    verify step checks (EAGLE-3: the steps it is served with; DFlash: its
+    block_size - 1) and, when its training run is beside it, its held-out
+    tau."""
     name: str
     path: Path
     num_steps: int
     heldout_tau: float | None = None
     heldout: dict | None = None  # its run's last held-out metrics (per-step chain and counts)
     hooks: tuple[dict, ...] = ()  # forward hooks for its server (`--forward-hooks`): probes, injected faults
+    method: str = "eagle3"  # or "dflash": how SGLang serves it
+
+    def served_as(self, server: ServerConfig) -> SpeculativeSpec:
+        if self.method == "dflash":  # served with the block size it was trained with
+            return SpeculativeSpec.dflash(server, self.path, extra_hooks=self.hooks)
+        return SpeculativeSpec.chain(server, self.path, self.num_steps, extra_hooks=self.hooks)
 
 
 def drafter_at(path: str | Path, num_steps: int | None = None) -> Drafter:
     """The drafter exported at `path` (train_drafter's <out_dir>/drafter):
-    its serve_steps unless `num_steps` is given, its run's held-out tau."""
+    an EAGLE-3 drafter with its serve_steps unless `num_steps` is given, a
+    DFlash drafter with its block; its run's held-out tau."""
     path = Path(path).resolve()
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"no drafter at {path}: expected an SGLang EAGLE-3 directory with config.json")
-    trained = json.loads(config_path.read_text()).get("eagle3_training") or {}
-    steps = num_steps or trained.get("config", {}).get("serve_steps")
+        raise FileNotFoundError(f"no drafter at {path}: expected an exported EAGLE-3 or DFlash drafter, a "
+                                f"directory with config.json")
+    config = json.loads(config_path.read_text())
+    method = "dflash" if config.get("architectures") == [DFLASH] else "eagle3"
+    if method == "dflash":
+        steps = config["dflash_config"]["block_size"] - 1
+    else:
+        steps = num_steps or (config.get("eagle3_training") or {}).get("config", {}).get("serve_steps")
     if not steps:
         raise ValueError(f"{path}/config.json does not say the steps it serves with: give num_steps")
     final = result_from_dir(path.parent).final if (path.parent / RESULT).is_file() else None
-    return Drafter(f"{path.parent.name}/{path.name}", path, int(steps), final["tau"] if final else None, final)
+    return Drafter(f"{path.parent.name}/{path.name}", path, int(steps), final["tau"] if final else None, final,
+                   method=method)
 
 
 class SpeculationChangedOutput(Permanent, RuntimeError):
@@ -98,6 +120,11 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
     if baseline_url is not None:
         check_serves(baseline_url, Path(server.model), api_key=baseline_api_key)
     dtype = serving_dtype(server.model, cfg.dtype, baseline_url, baseline_api_key)
+    dflash = [d.name for d in drafters if d.method == "dflash"]
+    if dflash and dtype != "float32" and not gpu_present():
+        raise ValueError(f"{dflash}: a DFlash drafter is served on a CPU in float32 only, not {dtype} (in bf16 "
+                         f"SGLang's DFlash attention calls a Triton kernel, table_qk_norm_rope_, models/dflash.py:"
+                         f"383): set evaluate.dtype float32, and serve an attached baseline in float32")
     plain = LaunchSpec(server.model_copy(update={"dtype": dtype}))
     commands: dict[str, str] = {}
 
@@ -141,8 +168,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
 
     rows, sweep_rows, changed, raw, served, differs = [], [], {}, [], {}, {}
     for j, d in enumerate(drafters):
-        spec = SpeculativeSpec.chain(plain.server, d.path, d.num_steps, extra_hooks=d.hooks)
-        greedy, sampled, points = launched(d.name, f"drafter{j}", spec, True)
+        greedy, sampled, points = launched(d.name, f"drafter{j}", d.served_as(plain.server), True)
         served[d.name] = greedy
         differ = differs[d.name] = greedy_changes(plain_greedy, greedy)
         changed.update({f"{d.name} on {name}": prompts for name, prompts in differ.items()})
@@ -160,15 +186,19 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
             sweep_rows.append(sweep_row(d.name, p, q))
 
     simulated, texts = [], []
-    if cfg.simulate:
+    # The simulation replays EAGLE-3's chain; a DFlash drafter's acceptance is SGLang's count alone.
+    chains = [d for d in drafters if d.method == "eagle3"]
+    if cfg.simulate and not chains:
+        logger.warning("evaluate.simulate: no EAGLE-3 drafter among these, nothing to simulate")
+    elif cfg.simulate:
         def on_served_text(handle: ServerHandle) -> tuple[list[dict], list[dict]]:
-            return simulate_served_text(handle, Path(server.model), drafters, sets, cfg, plain_greedy, served,
+            return simulate_served_text(handle, Path(server.model), chains, sets, cfg, plain_greedy, served,
                                         differs, request_timeout_s)
 
         if capture_server is not None:
             simulated, texts = on_served_text(capture_server)
         else:
-            layers = sorted({i for d in drafters for i in drafter_layers(d.path)})
+            layers = sorted({i for d in chains for i in drafter_layers(d.path)})
             capture = CaptureSpec(plain.server, dump_dir=log_dir / "served-text-dumps", aux_layer_ids=layers)
             logger.info("starting a capture server for the served text (log: %s)", log_dir / "capture-server.log")
             with launch_server(capture, log_dir / "capture-server.log", timeout_s=startup_timeout_s) as live:
@@ -177,8 +207,8 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
     report = {
         "out_dir": str(log_dir),
         "baseline": baseline_url or "launched",
-        "drafters": [{"name": d.name, "path": str(d.path), "num_steps": d.num_steps, "heldout_tau": d.heldout_tau}
-                     for d in drafters],
+        "drafters": [{"name": d.name, "path": str(d.path), "method": d.method, "num_steps": d.num_steps,
+                      "heldout_tau": d.heldout_tau} for d in drafters],
         "prompt_sets": {s.name: len(s.prompts) for s in sets},
         "settings": {**cfg.model_dump(exclude={"baseline_api_key"}), "dtype": dtype, "sglang": version("sglang"),
                      "commands": commands, "device": "gpu" if gpu_present() else "cpu"},
