@@ -98,5 +98,3 @@ def test_a_dflash_run_refuses_missing_layers_and_eagle3_settings(store, tmp_path
     assert not (tmp_path / "out" / "drafter").exists()
     with pytest.raises(ValidationError, match="variant 'eagle3.1'.* leave them at their defaults"):
         config(tmp_path / "x", variant="eagle3.1")
-    with pytest.raises(ValidationError, match="set serve_every 0"):
-        config(tmp_path / "x", serve_every=1)

@@ -241,6 +241,7 @@ class SideBySide:
     dflash_dir: Path
     forwards: list[dict]  # the DFlash probe's files in call order
     params: dict[str, torch.Tensor]  # the DFlash drafter's parameters as SGLang loaded them
+    dflash_history: list[dict]  # its training's metrics, the last epoch's served in SGLang (serve_every)
 
 
 # The DFlash drafter's block: the bonus token and three drafts a verify step.
@@ -267,8 +268,11 @@ def side_by_side(llama_store, float32_server, tmp_path_factory) -> SideBySide:
     common = dict(tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4)
     eagle = train(TrainConfig(out_dir=str(d / "eagle3"), aux_layer_ids=list(AUX_LAYER_IDS["eagle3"]),
                               draft_vocab_size=256, ttt_steps=2, epochs=1, **common), llama_store)
+    # Served while training too (serve_every), after its last epoch; serve_steps 2 is an EAGLE-3
+    # chain's, which a DFlash drafter is not served with.
     dflash = train(TrainConfig(out_dir=str(d / "dflash"), method="dflash", block_size=DFLASH_BLOCK, max_anchors=16,
-                               epochs=2, **common), llama_store)
+                               epochs=2, serve_every=2, serve_prompts=2, serve_max_new_tokens=8, serve_steps=2,
+                               **common), llama_store)
     probe = d / "probe"
     hooks = ({"name": "dflash_probe", "target_modules": DFLASH_PROBE_MODULES,
               "hook_factory": "tests.sglang_draft_probe:make_dflash_probe", "config": {"out_dir": str(probe)}},)
@@ -287,7 +291,7 @@ def side_by_side(llama_store, float32_server, tmp_path_factory) -> SideBySide:
     with safe_open(str(probe / "params.safetensors"), framework="pt") as f:
         params = {k: f.get_tensor(k) for k in f.keys()}
     return SideBySide(report, raw, Path(eagle.drafter_dir), Path(dflash.drafter_dir),
-                      [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params)
+                      [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params, dflash.history)
 
 
 def test_an_eagle3_and_a_dflash_drafter_of_one_store_are_served_side_by_side(side_by_side):
@@ -319,6 +323,26 @@ def test_an_eagle3_and_a_dflash_drafter_of_one_store_are_served_side_by_side(sid
         assert trained_for(Path(d["path"]), ServerConfig(model=str(target)))["config"]["method"] == d["method"]
     assert [(p["drafter"], p["concurrency"]) for p in report["sweep"]] == [("eagle3/drafter", 1),
                                                                          ("dflash/drafter", 1)]
+
+
+def test_a_dflash_drafter_is_served_while_it_trains(side_by_side):
+    """train.serve_every: the last epoch's weights, exported beside the run,
+    served by SGLang as a DFlash block (3 drafts a step, not the 2 of an
+    EAGLE-3 chain of serve_steps), figures from its own counts; the weights
+    are the drafter's the run exported."""
+    from tasks.train.served import served_dir
+
+    history = side_by_side.dflash_history
+    assert [(m["epoch"], "served" in m) for m in history] == [(0, False), (1, False), (2, True)]
+    served, at = history[-1]["served"], served_dir(side_by_side.dflash_dir.parent, 2)
+    requests = [json.loads(line) for line in (at / "requests.jsonl").read_text().splitlines()]
+    # serve_prompts 2, of a held-out split of one sample.
+    assert served["requests"] == len(requests) == 1 and len(served["per_position"]) == DFLASH_BLOCK - 1
+    assert served["verify_steps"] == sum(r["spec_verify_ct"] for r in requests)
+    assert served["pooled"] == 8 / served["verify_steps"]
+    assert "--speculative-algorithm DFLASH" in (at / "server.log").read_text().splitlines()[0]
+    assert (at / "drafter" / "model.safetensors").read_bytes() == \
+        (side_by_side.dflash_dir / "model.safetensors").read_bytes()
 
 
 def _first_request(side_by_side: SideBySide) -> tuple[torch.Tensor, dict, list[dict]]:

@@ -172,9 +172,6 @@ class TrainConfig(Section):
             if eagle3_only:
                 raise ValueError(f"train.method dflash: {', '.join(eagle3_only)} set(s) an EAGLE-3 drafter; leave "
                                  f"them at their defaults for a DFlash one")
-            if self.serve_every:
-                raise ValueError("train.method dflash: serve_every measures an EAGLE-3 drafter in SGLang while "
-                                 "training; a DFlash drafter is not served during training yet: set serve_every 0")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} of nnodes {self.nnodes}: node ranks are "
                              f"0..{self.nnodes - 1}")

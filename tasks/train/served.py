@@ -8,7 +8,7 @@ served τ peak mid-training). Every `serve_every` epochs and after the last,
 rank 0 exports the weights into <out_dir>/served/epoch-<e>/drafter, starts
 one speculative server of the target with them (the evaluation's settings:
 float32 unless SGLang runs the target in one dtype only, prefix cache off,
-top-1, serve_steps drafts), generates greedily on the first serve_prompts
+top-1, serve_steps drafts; a DFlash drafter its block), generates greedily on the first serve_prompts
 held-out prompts (serve_max_new_tokens each, EOS ignored), stops it, and
 adds acceptance() of SGLang's meta_info to that epoch's history row, so the
 metrics, the plot, the checkpoint and a resumed run have it. Each request's
@@ -56,7 +56,11 @@ def measure_served(drafter_dir: Path, target: Path, prompts: list[list[int]], cf
     if not prompts:
         raise ValueError("no held-out prompts to serve the drafter on")
     dtype = serving_dtype(str(target), None, None, None)
-    spec = SpeculativeSpec.chain(ServerConfig(model=str(target), dtype=dtype), drafter_dir, cfg.serve_steps)
+    server = ServerConfig(model=str(target), dtype=dtype)
+    if cfg.method == "dflash":  # its block: block_size - 1 drafts a verify step
+        spec, drafts = SpeculativeSpec.dflash(server, drafter_dir), cfg.block_size - 1
+    else:
+        spec, drafts = SpeculativeSpec.chain(server, drafter_dir, cfg.serve_steps), cfg.serve_steps
     with launch_server(spec, drafter_dir.parent / "server.log", timeout_s=startup_timeout_s) as live:
         run = asyncio.run(generate_all(live.url, prompts, api_key=live.api_key,
                                        max_new_tokens=cfg.serve_max_new_tokens, ignore_eos=True,
@@ -64,7 +68,7 @@ def measure_served(drafter_dir: Path, target: Path, prompts: list[list[int]], cf
     (drafter_dir.parent / "requests.jsonl").write_text(
         "".join(json.dumps({"prompt": i, **raw_counts(m)}) + "\n"
                 for i, m in enumerate(run.meta_infos)))
-    a = acceptance(run.meta_infos, cfg.serve_steps)
+    a = acceptance(run.meta_infos, drafts)
     return {"pooled": a.pooled, "mean_of_means": a.mean_of_means, "per_position": a.per_position,
             "verify_steps": a.verify_steps, "requests": a.requests, "dtype": dtype}
 
