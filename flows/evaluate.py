@@ -106,8 +106,9 @@ def evaluate_task(server: ServerConfig, drafters: list[Drafter], sets: list[Prom
         create_table_artifact(table=served_text_table(report["served_text"]), key=f"{key}-served-text",
                               description="per draft position: training's held-out chain, the same chain on the "
                                           "text SGLang verified, its verify steps replayed, SGLang's own count")
-    if note:
-        log.warning(report["speeds_note"])
+    for said in (report["speeds_note"], report["sampled_note"]):
+        if said:
+            log.warning(said)
     for r in report["acceptance"]:
         log.info("%s on %s (%s): accept length %.2f pooled, %.2f mean of means; per position %s; held-out tau %s",
                  r["drafter"], r["prompt_set"], r["mode"], r["pooled"], r["mean_of_means"],

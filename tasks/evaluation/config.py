@@ -29,7 +29,8 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(48, ge=1, description="tokens per generation (EOS ignored, so every "
                                                      "request does the same work)")
     temperature: float = Field(0.7, ge=0.0, description=(
-        "acceptance is also measured sampling at this temperature (0: greedy only)"))
+        "acceptance is also measured sampling at this temperature (0: greedy only; on a GPU: on a CPU SGLang "
+        "verifies sampled requests greedily)"))
     concurrency: list[int] = Field([1, 4, 16, 64], min_length=1, description=(
         "streams in flight at each point of the throughput sweep (one point, e.g. [1], for a quick check)"))
     min_verify_steps: int = Field(64, ge=1, description=(

@@ -5,7 +5,7 @@ settings, in one run.
 The plain target runs once (launched, or the attached server): its greedy
 outputs per set and its sweep. Then each drafter's speculative server runs
 in turn, one server at a time: greedy outputs per set (which must equal the
-plain ones), acceptance greedy and sampled (tasks/evaluation/acceptance.py), and
+plain ones), acceptance greedy and, on a GPU, sampled (tasks/evaluation/acceptance.py), and
 the same sweep (tasks/evaluation/sweep.py). Every server the launcher starts has
 the prefix cache off, so a repeated prompt costs what a new one does.
 
@@ -51,6 +51,12 @@ logger = logging.getLogger("eagle3.serving")
 # On a CPU the speculative path runs plain-PyTorch stand-ins for SGLang's kernels (tasks/server/cpu/).
 CPU_SPEEDS = ("speeds measured on a CPU: not GPU figures (the drafter's attention runs as plain-PyTorch "
               "stand-ins for SGLang's kernels); the acceptance counts are real")
+# SGLang 0.5.23 verifies every request greedily on a CPU (EAGLE: speculative/eagle_utils.py:500,
+# _verify_uses_greedy; DFlash: no sampling-verify kernel, dflash_utils.py:46): a sampled request's
+# drafts are checked against the target's argmax, so its counts would be a greedy figure under a
+# sampled name.
+CPU_SAMPLED = ("acceptance measured greedy only: on a CPU SGLang verifies sampled requests against the target's "
+               "argmax, so a sampled figure would be a greedy one (evaluate.temperature applies on a GPU)")
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         try:
             greedy = {s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}") for k, s in enumerate(sets)}
             sampled = ({s.name: generate(url, api_key, s.prompts, f"{tag}-set{k}-t", cfg.temperature)
-                        for k, s in enumerate(sets)} if speculative and cfg.temperature > 0 else {})
+                        for k, s in enumerate(sets)} if speculative and cfg.temperature > 0 and gpu_present() else {})
             points = sweep(url, [p for s in sets for p in s.prompts], cfg.concurrency,
                            max_new_tokens=cfg.max_new_tokens, speculative=speculative,
                            min_verify_steps=cfg.min_verify_steps, timeout_s=request_timeout_s, tag=tag, api_key=api_key)
@@ -213,6 +219,7 @@ def evaluate_drafters(server: ServerConfig, drafters: Sequence[Drafter], sets: S
         "settings": {**cfg.model_dump(exclude={"baseline_api_key"}), "dtype": dtype, "sglang": version("sglang"),
                      "commands": commands, "device": "gpu" if gpu_present() else "cpu"},
         "speeds_note": None if gpu_present() else CPU_SPEEDS,
+        "sampled_note": None if gpu_present() or not cfg.temperature else CPU_SAMPLED,
         "acceptance": rows, "sweep": sweep_rows, "greedy_changed": changed, "served_text": simulated,
     }
     write_report(report, log_dir)
