@@ -10,7 +10,13 @@ hidden state (pre-norm for eagle3, normed for eagle3.1) and attend to the
 extend's keys plus the chain's own (the TTT unroll of tasks/train/ttt.py).
 The greedy output through the drafter is the target's own. The Llama
 target's store is captured by a real server with five layers and checked
-against HF before a drafter trains on a triple of it."""
+against HF before a drafter trains on a triple of it.
+
+The same store feeds a DFlash drafter (all five layers), served by the
+evaluation beside an EAGLE-3 one (the side_by_side fixture, the suite's
+DFlash server): SGLang's DFlashDraftModel holds our tensors, projects the
+trained layers' states, and computes each draft block as our training
+forward does."""
 from __future__ import annotations
 
 import json
