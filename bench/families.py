@@ -32,8 +32,9 @@ from tasks.train.config import TrainConfig
 DFLASH_LAYERS = 5
 # Sized for a 2-core CPU: every anchor's block is scored over the target's
 # whole vocabulary (49,152 for SmolLM2), so anchors and block are what a
-# CPU epoch costs (at 64 anchors of 8, 150 tokens/s: an epoch 3x an EAGLE-3
-# one); a GPU takes the defaults (16, 512) and the run's epochs.
+# CPU epoch costs (at 64 anchors of 8, 150 tokens/s, an epoch 3x an EAGLE-3
+# one; at 32, 450 tokens/s); a GPU takes the defaults (16, 512) and the
+# run's epochs.
 DFLASH_BLOCK_SIZE = 8
 DFLASH_MAX_ANCHORS = 32
 DFLASH_EPOCHS = 6
