@@ -1,5 +1,6 @@
 """Flow `evaluate_drafter`: one or several drafters of one target (EAGLE-3
-or DFlash, of one store or of several) served speculatively in SGLang on the same prompt sets and server settings:
+or DFlash, of one store or of several) served speculatively in SGLang on
+the same prompt sets and server settings:
 greedy output unchanged, acceptance pooled and as a mean of per-request
 means, per position, greedy and sampled, and a concurrency sweep of
 per-user against total throughput. One table, one plot, beside the run and
@@ -33,7 +34,7 @@ from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
-from tasks.train.dflash_export import ARCHITECTURE as DFLASH
+from tasks.train.dflash_export import is_dflash
 
 
 def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerConfig | None:
@@ -56,7 +57,7 @@ def trained_for(drafter_dir: Path, server: ServerConfig) -> dict:
     was trained for: a drafter served on another target would be measured
     against the wrong model."""
     config = json.loads((drafter_dir / "config.json").read_text())
-    trained = config.get("dflash_training" if config.get("architectures") == [DFLASH] else "eagle3_training")
+    trained = config.get("dflash_training" if is_dflash(config) else "eagle3_training")
     if not trained:
         raise ValueError(f"{drafter_dir}/config.json does not say how it was trained (no eagle3_training or "
                          f"dflash_training): export it with train_drafter")

@@ -42,7 +42,7 @@ from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, SpeculativeSpec, check_serves, launch_server
 from tasks.sglang_api import ServerError, server_says
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.dflash_export import ARCHITECTURE as DFLASH
+from tasks.train.dflash_export import is_dflash
 from tasks.train.launch import result_from_dir
 from tasks.train.loop import RESULT
 
@@ -89,7 +89,7 @@ def drafter_at(path: str | Path, num_steps: int | None = None) -> Drafter:
         raise FileNotFoundError(f"no drafter at {path}: expected an exported EAGLE-3 or DFlash drafter, a "
                                 f"directory with config.json")
     config = json.loads(config_path.read_text())
-    method = "dflash" if config.get("architectures") == [DFLASH] else "eagle3"
+    method = "dflash" if is_dflash(config) else "eagle3"
     if method == "dflash":
         steps = config["dflash_config"]["block_size"] - 1
     else:

@@ -33,6 +33,7 @@ from tasks.train.drafter import target_sizes
 from tasks.train.export import refuse_unserved
 
 ARCHITECTURE = "DFlashDraftModel"
+
 # The checkpoint names DFlashDraftModel.load_weights maps to its parameters
 # (dflash.py:886-999: q/k/v_proj into qkv_proj, gate/up_proj into
 # gate_up_proj, the rest by name), per decoder layer and once.
@@ -44,6 +45,11 @@ MODEL_TENSORS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # config (sizes, eps) or hands them to the tokenizer side (token ids).
 _SHARED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                        "rms_norm_eps", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def is_dflash(config: dict) -> bool:
+    """Whether an exported drafter's config.json is a DFlash drafter's (else EAGLE-3's)."""
+    return config.get("architectures") == [ARCHITECTURE]
 
 
 def served_tensors(num_layers: int) -> set[str]:
@@ -126,7 +132,7 @@ def load_dflash(out_dir: Path, target_path: Path) -> DFlashDrafter:
     refused if it was exported for a target of other sizes."""
     out_dir = Path(out_dir)
     config = json.loads((out_dir / "config.json").read_text())
-    if config.get("architectures") != [ARCHITECTURE]:
+    if not is_dflash(config):
         raise ValueError(f"{out_dir}: architectures {config.get('architectures')}, not [{ARCHITECTURE!r}]")
     target_config = target_sizes(target_path)
     layer_ids = config["dflash_config"]["target_layer_ids"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, trained_drafter
-from tasks.train.dflash_export import ARCHITECTURE as DFLASH, load_dflash
+from tasks.train.dflash_export import is_dflash, load_dflash
 from tasks.train.export import export_weights, load_exported
 
 # A bf16 export of fp32 weights differs by ~4e-3 relative at most.
@@ -24,7 +24,7 @@ def exported_and_trained(drafter_dir: Path, out_dir: Path, target: Path
     """(the export's tensors as its reader loads them, the checkpoint's), by
     the export's names."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    if config.get("architectures") == [DFLASH]:
+    if is_dflash(config):
         # The checkpoint holds a DFlash drafter's trained tensors under the export's names.
         return load_dflash(drafter_dir, target).trained_tensors(), load_checkpoint(Path(out_dir) / CHECKPOINT)["model"]
     return export_weights(load_exported(drafter_dir, target)), export_weights(trained_drafter(out_dir, target))
