@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
@@ -19,7 +18,7 @@ from pydantic import Field
 from flows.artifacts import artifact_key
 from flows.config import described
 from flows.extract import plan_task
-from flows.node_runs import run_on_node
+from flows.node_runs import node_task, report_nodes
 from flows.run_record import keep_run_config
 from flows.verify import VerifyAtEnd, verify_task
 from tasks.capture import extraction, nodes
@@ -34,32 +33,6 @@ from tasks.store.shards import WRITER_NAME, remove_leaked_temps
 MAX_NODES = 64  # node tasks each hold a thread of the run until the plan is done
 # The target: the server section's own declaration (the nodes' servers serve it).
 SERVER_MODEL = ServerConfig.model_fields["model"]
-
-
-@task(name="node", cache_policy=NO_CACHE, task_run_name="node-{queue}")
-def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: dict, start_timeout_s: float,
-              meter: extraction.ProgressMeter, artifact) -> dict:
-    """Feed one node its shares, one child run at a time, until none is left
-    for it."""
-    log = get_run_logger()
-    parent = child["parent_run"]
-    # A retry of this flow run keeps its id: the attempt keeps its children's
-    # keys apart from the earlier attempts' (Prefect would hand those back).
-    attempt = flow_run.run_count
-
-    def run_share(share: nodes.Share, n: int) -> tuple[str | None, str]:
-        run = run_on_node(deployment, {**child, "rows": list(share.rows), "node": queue}, queue,
-                          start_timeout_s=start_timeout_s, name=f"{queue}-share-{share.index}",
-                          idempotency_key=f"{parent}-{attempt}-{queue}-{n}")
-        return (None if run.state.is_completed() else f"{run.name} ended {run.state.name}: {run.state.message}",
-                run.name)
-
-    def on_progress() -> None:
-        progress = meter.read()
-        update_progress_artifact(artifact, progress=min(progress["percent"], 100.0))
-        log.info("progress, all nodes: %s", meter.describe(progress))
-
-    return nodes.feed_node(queue, dispatcher, run_share, log, on_progress)
 
 
 @flow(name="extract_across_nodes", task_runner=ThreadPoolTaskRunner(max_workers=MAX_NODES))
@@ -122,13 +95,7 @@ def extract_across_nodes(
                                             description=f"extraction into {path} on {len(queues)} nodes")
         reports = [f.result() for f in [node_task.submit(q, dispatcher, deployment, child, start_timeout_s, meter,
                                                          artifact) for q in queues]]
-        for r in reports:
-            log.info("node %s: %d samples, %s tokens%s", r["queue"], r["samples"], f"{r['tokens']:,}",
-                     f"; drained: {r['drained']}" if r["drained"] else "")
-        create_table_artifact(table=[{"node": r["queue"], "samples": r["samples"], "tokens": r["tokens"],
-                                      "status": "drained: " + r["drained"] if r["drained"] else "OK"}
-                                     for r in reports],
-                              key=artifact_key("nodes", path), description=f"nodes of the extraction into {path}")
+        report_nodes(reports, log, path, "extraction", "samples")
         # The index, not the children's reports, says what is stored.
         stored = ledger.stored_ids()
         missing = [s for s in plan.todo if s.sample_id not in stored]

@@ -1,7 +1,8 @@
-"""Child flow runs on a node's work queue, and the heartbeat automation
-that marks a dead node's runs Crashed: Prefect's side of the work spread
-over capture nodes (the share-out itself is tasks/capture/nodes.py; a
-stream run's part queue, tasks/stream/parts.py).
+"""Child flow runs on a node's work queue, one node's feed of them (the
+`node` task of a parent run: extraction's and regeneration's), and the
+heartbeat automation that marks a dead node's runs Crashed: Prefect's side
+of the work spread over nodes (the share-out itself is tasks/capture/nodes.py;
+a stream run's part queue, tasks/stream/parts.py).
 
 Every call to the Prefect API while a child runs is retried for
 API_PATIENCE_S (a server restart, a network blip) before the child is given
@@ -15,17 +16,65 @@ from datetime import timedelta
 from typing import Callable
 
 import httpx
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.automations import Automation
+from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
 from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
+from prefect.runtime import flow_run
 from prefect.states import Cancelled
+
+from flows.artifacts import artifact_key
+
+from tasks.capture import nodes
 
 ZOMBIE_AUTOMATION = "eagle3: crash flow runs that stop sending heartbeats"
 API_PATIENCE_S = 300.0
+
+
+@task(name="node", cache_policy=NO_CACHE, task_run_name="node-{queue}")
+def node_task(queue: str, dispatcher: nodes.Dispatcher, deployment: str, child: dict, start_timeout_s: float,
+              meter, artifact) -> dict:
+    """Feed one node its shares, one child run of `deployment` at a time
+    (`child`: its parameters, less the share's rows and the node's name),
+    until none is left for it. `meter`: the parent's progress, read() from
+    the index and describe()d."""
+    log = get_run_logger()
+    parent = child["parent_run"]
+    # A retry of the parent keeps its id: the attempt keeps its children's
+    # keys apart from the earlier attempts' (Prefect would hand those back).
+    attempt = flow_run.run_count
+
+    def run_share(share: nodes.Share, n: int) -> tuple[str | None, str]:
+        run = run_on_node(deployment, {**child, "rows": list(share.rows), "node": queue}, queue,
+                          start_timeout_s=start_timeout_s, name=f"{queue}-share-{share.index}",
+                          idempotency_key=f"{parent}-{attempt}-{queue}-{n}")
+        return (None if run.state.is_completed() else f"{run.name} ended {run.state.name}: {run.state.message}",
+                run.name)
+
+    def on_progress() -> None:
+        progress = meter.read()
+        update_progress_artifact(artifact, progress=min(progress["percent"], 100.0))
+        log.info("progress, all nodes: %s", meter.describe(progress))
+
+    return nodes.feed_node(queue, dispatcher, run_share, log, on_progress)
+
+
+def report_nodes(reports: list[dict], log, path, what: str, unit: str) -> None:
+    """Each node's part of a parent run (node_task's reports: `unit` is
+    what its shares held) in its log and in the run's nodes table."""
+    for r in reports:
+        tokens = f", {r['tokens']:,} tokens" if r["tokens"] else ""
+        log.info("node %s: %d %s%s%s", r["queue"], r["samples"], unit, tokens,
+                 f"; drained: {r['drained']}" if r["drained"] else "")
+    create_table_artifact(table=[{"node": r["queue"], unit: r["samples"], "tokens": r["tokens"],
+                                  "status": "drained: " + r["drained"] if r["drained"] else "OK"} for r in reports],
+                          key=artifact_key("nodes", path), description=f"nodes of the {what} into {path}")
 
 
 def run_on_node(deployment: str, parameters: dict, queue: str, *, start_timeout_s: float,

@@ -8,9 +8,9 @@ reads as its dataset; a rerun answers only what is missing.
 from __future__ import annotations
 
 import secrets
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
@@ -32,8 +32,8 @@ from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.stage import Progress, answer_batch, plan_regeneration, provenance
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec, check_serves
-from tasks.server.supervisor import ServerSupervisor
-from tasks.store.lock import hold_lock
+from tasks.server.supervisor import ServerSupervisor, node_server
+from tasks.store.lock import check_held_by, hold_lock
 from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 
@@ -45,8 +45,11 @@ def server_log(out: Path) -> Path:
 
 
 @task(name="answer-batch", cache_policy=NO_CACHE, retry_condition_fn=unless_permanent)
-def answer_batch_task(batch: list, asker: Asker, out: str, server: ServerSupervisor) -> dict:
+def answer_batch_task(batch: list, asker: Asker, out: str, server: ServerSupervisor,
+                      parent_run: str | None = None) -> dict:
     log = get_run_logger()
+    if parent_run:  # a node's child of regenerate_across_nodes: only while its parent holds the answers
+        check_held_by(Path(out), parent_run)
     result = answer_batch(asker, AnswerStore(Path(out)), batch, on_down=server.recover)
     server.forward_log(log)
     log.info("batch of %d: %d answered, %s tokens in %.1f s (%.0f tok/s) -> %s; quarantined %d", len(batch),
@@ -78,6 +81,13 @@ def regenerate_answers(
     regenerate: RegenerateConfig = RegenerateConfig(),
     dataset: Annotated[str, Field(description="the conversations to answer: JSONL, JSON or Parquet rows of messages "
                                               "or conversations")] = str(DEMO_DATASET),
+    rows: Annotated[Optional[list[int]], Field(description="only these dataset rows (0-based): a node's share, "
+                                                           "given by regenerate_across_nodes")] = None,
+    parent_run: Annotated[Optional[str], Field(description="the regenerate_across_nodes run holding the answers, "
+                                                           "which this child answers for")] = None,
+    node: Annotated[str, Field(description="the node this child runs on (its work queue)")] = "",
+    verify: Annotated[bool, Field(description="verify every answer shard at the end (a node's child leaves it to "
+                                              "its parent)")] = True,
 ) -> dict:
     """The dataset's answers written again by the target, into regenerate.out (resumable)."""
     log = get_run_logger()
@@ -87,30 +97,34 @@ def regenerate_answers(
     out = Path(regenerate.out).resolve()
     model_path = resolve_model(server.model)
     tokenizer = load_tokenizer(model_path)
-    with hold_lock(out, f"regenerate {dataset}", run=flow_run.get_id()), ExitStack() as stack:
-        store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate))
-        plan = plan_regeneration(Path(dataset), store, regenerate, tokenizer)
+    # A node's child writes beside its siblings while the parent holds the lock.
+    held = (nullcontext(check_held_by(out, parent_run)) if parent_run else
+            hold_lock(out, f"regenerate {dataset}", run=flow_run.get_id()))
+    with held, ExitStack() as stack:
+        store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate), regenerate.index_url)
+        plan = plan_regeneration(Path(dataset), store, regenerate, tokenizer, rows)
         log.info("%d conversations in %s: %d answered before, %d to answer in batches of %d; %d rows rejected%s",
                  plan.rows, dataset, plan.answered, len(plan.todo), regenerate.batch_size, len(plan.rejected),
                  f" (e.g. row {plan.rejected[0].source_row}: {plan.rejected[0].reason})" if plan.rejected else "")
         if plan.todo:
             if server.url:
-                supervisor = ServerSupervisor(server)
+                supervisor = ServerSupervisor(node_server(server))
             else:
                 plain = LaunchSpec(server.model_copy(update={"model": str(model_path)}))
                 supervisor = ServerSupervisor(plain, server_log(out))
             stack.callback(supervisor.stop)
-            log.info("SGLang server for the answers at %s", supervisor.start())
+            log.info("SGLang server for the answers at %s%s", supervisor.start(), f" (node {node})" if node else "")
             check_serves(supervisor.url, model_path, api_key=supervisor.api_key)
             # A prefix of this run's own: a request a killed run left on the
             # server never shares a rid with this one's.
             asker = Asker(supervisor.url, tokenizer, regenerate, api_key=supervisor.api_key,
                           rid_prefix=f"regen-{secrets.token_hex(4)}-")
-            _answer_all(plan, asker, out, supervisor, regenerate)
-        return {"out": str(out), **verify_answers_task(str(out))}
+            _answer_all(plan, asker, out, supervisor, regenerate, parent_run)
+        return {"out": str(out), **(verify_answers_task(str(out)) if verify else store.summary())}
 
 
-def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, regenerate: RegenerateConfig) -> None:
+def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, regenerate: RegenerateConfig,
+                parent_run: str | None) -> None:
     log = get_run_logger()
     batch_task = answer_batch_task.with_options(retries=regenerate.batch_retries, retry_jitter_factor=0.5,
                                                 retry_delay_seconds=exponential_backoff(backoff_factor=10))
@@ -118,7 +132,7 @@ def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, reg
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("regeneration-progress", str(out)),
                                         description=f"regeneration into {out}")
     futures = batch_task.map(plan.batches(regenerate.batch_size), unmapped(asker), unmapped(str(out)),
-                             unmapped(supervisor))
+                             unmapped(supervisor), unmapped(parent_run))
 
     def after_each() -> None:
         now = progress.read()

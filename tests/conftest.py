@@ -160,17 +160,17 @@ def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_s
     return result, reports[0]
 
 
-def wait_for(condition, proc, stderr: Path, timeout_s: float = 600):
-    """What `condition()` returns once it is truthy; fail, quoting
-    `stderr`'s tail, if the process `proc` exits first or `timeout_s`
-    passes."""
+def wait_for(condition, proc, stderr: Path, timeout_s: float = 600, poll_s: float = 0.5):
+    """What `condition()` returns once it is truthy (asked every `poll_s`);
+    fail, quoting `stderr`'s tail, if the process `proc` exits first or
+    `timeout_s` passes."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
         assert proc.poll() is None, stderr.read_text()[-3000:]
         assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s: {stderr.read_text()[-3000:]}"
-        time.sleep(0.5)
+        time.sleep(poll_s)
     return value
 
 
@@ -332,14 +332,17 @@ class IndexDB:
     psycopg), not through tasks.store: an independent reader. SQL uses `?`
     placeholders for both."""
 
-    def __init__(self, store: Path, url: str | None = None):
+    def __init__(self, store: Path, url: str | None = None, record: str = "ledger.json",
+                 sqlite: str = "ledger.sqlite"):
+        """`record`, `sqlite`: the files that name the index (an answers
+        directory's: index.json, index.sqlite)."""
         import json
         import sqlite3
 
-        record_path = Path(store) / "ledger.json"
+        record_path = Path(store) / record
         record = json.loads(record_path.read_text()) if record_path.exists() else {"backend": "sqlite"}
         if record["backend"] == "sqlite":
-            self.db, self.marker = sqlite3.connect(Path(store) / "ledger.sqlite"), "?"
+            self.db, self.marker = sqlite3.connect(Path(store) / sqlite), "?"
         else:
             import psycopg
 

@@ -45,7 +45,8 @@ def leaves(tree: dict, prefix: str = "") -> dict:
 
 
 def test_there_is_a_run_file_for_each_kind_of_run():
-    assert {p.stem for p in CONFIGS} >= {"demo", "extract", "train", "pipeline", "nodes", "kimi-k2.5", "regenerate"}
+    assert {p.stem for p in CONFIGS} >= {"demo", "extract", "train", "pipeline", "nodes", "kimi-k2.5", "regenerate",
+                                        "regenerate-nodes"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -8,6 +8,8 @@ The tests, in order (each fault injected for real):
 - a dataset over both nodes, node-a's server SIGKILLed under a share;
 - a stream run's capture on both nodes feeding one trainer, node-a's loop
   SIGKILLed in the middle of a part;
+- a regeneration over both nodes' servers, node-b's child SIGKILLed in the
+  middle of its share;
 - both nodes silent at once under a share: node-b killed (server, worker,
   its child's process), node-a's child SIGSTOPped, then SIGCONTed;
 - the parent retried by Prefect after a failed first attempt;
@@ -49,7 +51,8 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
     nodes = {}
     try:
         cli(["work-pool", "create", "eagle3", "--type", "process"], env)
-        cli(["--no-prompt", "deploy", "--name", "extract-node", "--name", "stream-node"], env)
+        cli(["--no-prompt", "deploy", "--name", "extract-node", "--name", "stream-node", "--name", "regenerate-node"],
+            env)
         done = subprocess.run([sys.executable, "-c", "from flows.node_runs import ensure_zombie_automation as z; "
                                f"print(z({ZOMBIE_AFTER_S}))"], cwd=REPO, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
@@ -275,6 +278,86 @@ def test_two_capture_nodes_feed_one_stream_trainer_through_postgres(stack, tiny_
     # reference (the environment): no run's parameters, artifact, log line
     # or kept file holds them.
     assert not secrets_found(stack["api"], [PASSWORD, *keys], tmp_path)
+
+
+def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_killed(stack, tmp_path,
+                                                                                        monkeypatch):
+    """`python -m flows.regenerate_nodes`: the dataset's conversations
+    answered in shares on both nodes' capture servers (outside their rid
+    prefix: served, not captured), into one answers directory whose index
+    is in PostgreSQL. Node-b's child is SIGKILLed once it has committed
+    part of its share (its processes stopped first, so it is caught
+    mid-share) and marked Crashed, as the heartbeat automation would: its
+    share goes back whole to node-a, which did not fail it; the rows it
+    committed stay answered, and node-a answers the rest. Every row answered
+    once, verified."""
+    from tasks.regeneration.answer_store import AnswerStore
+
+    url = stack["env"]["EAGLE3_LEDGER_URL"]
+    monkeypatch.setenv("EAGLE3_LEDGER_URL", url)
+    api, out, answers = stack["api"], tmp_path / "parent.out", tmp_path / "answers"
+    run_file = tmp_path / "regenerate.yaml"
+    run_file.write_text(yaml.safe_dump({
+        "queues": list(QUEUES), "model": stack["model"],
+        "dataset": str(write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))),
+        # One conversation a batch, two batches at once: a share of 8 takes four waves, and the
+        # child runs only in the 0.1 s between two looks at it (stopped for each look).
+        "regenerate": {"out": str(answers), "index_url": "env", "batch_size": 1, "max_new_tokens": 8,
+                       "turns": "last"},
+        "batches_per_child": 8}))
+    proc = subprocess.Popen([sys.executable, "-m", "flows.regenerate_nodes", "--config", str(run_file)], cwd=REPO,
+                            env=stack["env"], stdout=open(out, "w"), stderr=subprocess.STDOUT, text=True)
+
+    def regenerating(queue: str) -> dict | None:
+        runs = api.call("POST", "/flow_runs/filter", {"flow_runs": {"name": {"like_": f"{queue}-share-"}}})
+        return next((r for r in runs if r["state_type"] == "RUNNING"
+                     and r["parameters"].get("regenerate", {}).get("out") == str(answers)), None)
+
+    def stopped_mid_share() -> dict | None:
+        child = regenerating("node-b")
+        if child is None or not (answers / "index.json").exists():
+            return None
+        pids = run_processes(child["id"])
+        signal_all(pids, signal.SIGSTOP)
+        rows = set(child["parameters"]["rows"])
+        done = {r for r, _ in AnswerStore(answers).read(rows)}
+        if pids and 0 < len(done) < len(rows):
+            signal_all(pids, signal.SIGKILL)
+            return {"run": child}
+        signal_all(pids, signal.SIGCONT)
+        return None
+
+    killed = wait_for(stopped_mid_share, proc, out, poll_s=0.1)
+    api.call("POST", f"/flow_runs/{killed['run']['id']}/set_state",
+             {"state": {"type": "CRASHED", "message": "killed by the test"}, "force": True})
+    result = parent_result(proc, out, 900)
+
+    store = AnswerStore(answers)
+    rows = [r for r, _ in store.read()]
+    assert rows == list(range(ROWS)) and result["rows"] == ROWS and not store.quarantined()
+    reports = store.verify()
+    assert all(r["ok"] for r in reports) and sum(r["rows"] for r in reports) == ROWS  # no row in two shards
+    runs = [r for q in QUEUES for r in api.call("POST", "/flow_runs/filter",
+                                                 {"flow_runs": {"name": {"like_": f"{q}-share-"}}})
+            if r["parameters"].get("regenerate", {}).get("out") == str(answers)]
+    # The killed share ran again, whole, on node-a (its committed rows skipped there).
+    again = [r for r in runs if r["parameters"]["rows"] == killed["run"]["parameters"]["rows"]
+             and r["id"] != killed["run"]["id"]]
+    assert [(r["work_queue_name"], r["state_type"]) for r in again] == [("node-a", "COMPLETED")], again
+    assert {r["queue"]: (r["samples"], r["drained"]) for r in result["nodes"]} == {"node-a": (ROWS, None),
+                                                                                   "node-b": (0, None)}
+    assert not [p.name for q in QUEUES for p in (LOGS / f"dumps-{q}").glob("*.safetensors")]  # served, not captured
+
+
+ROWS = 16
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # its run ended meanwhile
+            pass
 
 
 def node_api_key(worker_pid: int) -> str:

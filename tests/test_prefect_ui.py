@@ -85,7 +85,8 @@ def test_prefect_yaml_deploys_every_flow(prefect_stack, deployment):
     flows = {f["id"]: f["name"] for f in prefect_stack["api"].call("POST", "/flows/filter", {})}
     # (each flow is named after its function)
     assert {(flows[d["flow_id"]], d["name"]) for d in deployed} == wanted
-    assert {"extract", "extract-across-nodes", "extract-node", "regenerate", "verify", "train", "evaluate",
+    assert {"extract", "extract-across-nodes", "extract-node", "regenerate", "regenerate-across-nodes",
+            "regenerate-node", "verify", "train", "evaluate",
             "pipeline"} <= {name for _, name in wanted}
 
 

@@ -170,6 +170,37 @@ def test_a_killed_regeneration_resumes_and_answers_each_conversation_once(tiny_m
         AnswerStore(out, provenance(source, tiny_model, RegenerateConfig(turns="last", max_new_tokens=25)))
 
 
+def test_two_writers_of_one_conversation_commit_it_once(ledger_url, tmp_path):
+    """Two nodes answered the same conversations (one taken for dead went on,
+    and the one given its share): the later commit keeps the earlier
+    answers, commits its other rows in a shard of its own, and deletes the
+    file it wrote first. The index, read with the database's own driver,
+    holds each row once; the PostgreSQL one's record carries no password."""
+    from tests.conftest import IndexDB
+
+    out = tmp_path / "answers"
+    store = AnswerStore(out, {"source": "x"}, index_url="env" if ledger_url else None)
+
+    def row(i: int, who: str) -> dict:
+        return {"row_id": f"r{i}", "source_row": i, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
+                "answer_tokens": 2, "by": who}
+
+    first = store.commit([row(0, "a"), row(1, "a")])
+    second = store.commit([row(1, "b"), row(2, "b")])
+    assert store.commit([row(0, "b")]) is None  # all taken: nothing written
+    assert [(r, a["by"]) for r, a in AnswerStore(out).read()] == [(0, "a"), (1, "a"), (2, "b")]
+    assert sorted(p.name for p in out.glob("answers-*")) == sorted([first, second])
+    with IndexDB(out, ledger_url, "index.json", "index.sqlite") as db:
+        assert db.execute("SELECT source_row, shard FROM rows ORDER BY source_row").fetchall() == [
+            (0, first), (1, first), (2, second)]
+        assert db.execute("SELECT name, rows FROM shards ORDER BY rows DESC").fetchall() == [(first, 2), (second, 1)]
+    assert all(r["ok"] for r in store.verify())
+    if ledger_url:
+        from tests.pg_server import PASSWORD
+
+        assert PASSWORD not in (out / "index.json").read_text() and not (out / "index.sqlite").exists()
+
+
 THINKING_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"

@@ -1,6 +1,8 @@
-"""Extraction across many nodes: the parent run's share-out of the dataset to
-node work queues (the child runs it starts and watches there, through
-Prefect, are flows/node_runs.py's).
+"""Extraction (and regeneration) across many nodes: the parent run's
+share-out of the dataset to node work queues (the child runs it starts and
+watches there, through Prefect, are flows/node_runs.py's). A regeneration's
+children run flows/regenerate.py on the nodes' servers the same way, with
+its answers index in PostgreSQL (flows/regenerate_nodes.py).
 
 One node = one Prefect worker on its own work queue, beside one long-lived
 capture server (tasks/server/node.py starts both). The parent plans once,
@@ -96,8 +98,10 @@ class Dispatcher:
         size = -(-size // self.batch_size) * self.batch_size
         share = [self._pending.popleft() for _ in range(min(size, len(self._pending)))]
         self._cut_so_far += 1
+        # Planned tokens where the plan knows them (a capture's samples); a
+        # regeneration's conversations are measured only once answered: 0.
         return Share(self._cut_so_far - 1, tuple(s.source_row for s in share), len(share),
-                     sum(s.num_tokens for s in share))
+                     sum(getattr(s, "num_tokens", 0) for s in share))
 
     def _returned_for(self, node: str) -> Share | None:
         """The first returned share `node` may take: one it has not failed,
@@ -202,8 +206,9 @@ def feed_node(queue: str, dispatcher: Dispatcher, run_share: Callable[[Share, in
             time.sleep(busy_wait_s)
         elif error is None:
             samples, tokens = samples + share.samples, tokens + share.tokens
-            log.info("share %d on %s: %d samples, %s tokens in %.0f s (%.0f tok/s) [%s]", share.index, queue,
-                     share.samples, f"{share.tokens:,}", seconds, share.tokens / max(seconds, 1e-9), name)
+            rate = f", {share.tokens:,} tokens ({share.tokens / max(seconds, 1e-9):.0f} tok/s)" if share.tokens else ""
+            log.info("share %d on %s: %d rows%s in %.0f s [%s]", share.index, queue, share.samples, rate, seconds,
+                     name)
         else:
             log.warning("share %d on %s did not complete (%s); it goes back in line, first for the other nodes",
                         share.index, queue, error)

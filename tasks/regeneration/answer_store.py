@@ -7,14 +7,17 @@
     <out>/answers-<hash>.jsonl one batch's answered conversations, one row a
                                line (FORMAT below), written durably, then
     <out>/index.sqlite         committed: shards(name, sha256, bytes, rows,
-                               answer_tokens), rows(row_id, source_row,
-                               shard, offset, length, tokens, answer_tokens),
-                               quarantine(row_id, source_row, reason,
+      (or index.json, naming   answer_tokens), rows(row_id, source_row,
+      its PostgreSQL schema:   shard, offset, length, tokens, answer_tokens),
+      answer_index.py)         quarantine(row_id, source_row, reason,
                                attempts), crashes(row_id, count)
 
 A conversation is answered when, and only when, the index has committed its
 shard: a shard file the index does not name (a run killed between the two)
-is written again by the batch's retry, never read. A directory of answers is
+is never read, and the batch's retry writes a shard of its own. Each shard
+file has a name no other writer uses, and a conversation is committed once:
+of two nodes that answered it (one taken for dead), the second's commit
+finds it taken and keeps the first's answer. A directory of answers is
 a dataset (tasks/data/dataset.py read_rows): its rows, in source order, each
 under its source row number, read at the offsets the index holds.
 """
@@ -22,29 +25,29 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
+import secrets
 import time
-from contextlib import closing
 from pathlib import Path
 from typing import Collection, Iterator, Sequence
 
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
+from tasks.regeneration.answer_index import has_index, open_index
 
 FORMAT = "eagle3-answers/1"
-INDEX = "index.sqlite"
 PROVENANCE = "provenance.json"
+# Types both backends take ("offset" is a keyword in PostgreSQL: quoted).
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS shards(
-    name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, bytes INTEGER NOT NULL, rows INTEGER NOT NULL,
-    answer_tokens INTEGER NOT NULL, created REAL NOT NULL);
+    name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, bytes BIGINT NOT NULL, rows BIGINT NOT NULL,
+    answer_tokens BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS rows(
-    row_id TEXT PRIMARY KEY, source_row INTEGER NOT NULL UNIQUE, shard TEXT NOT NULL REFERENCES shards(name),
-    offset INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL, answer_tokens INTEGER NOT NULL);
+    row_id TEXT PRIMARY KEY, source_row BIGINT NOT NULL UNIQUE, shard TEXT NOT NULL REFERENCES shards(name),
+    "offset" BIGINT NOT NULL, length BIGINT NOT NULL, tokens BIGINT NOT NULL, answer_tokens BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine(
-    row_id TEXT PRIMARY KEY, source_row INTEGER NOT NULL, reason TEXT NOT NULL, attempts INTEGER NOT NULL,
-    at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS crashes(row_id TEXT PRIMARY KEY, count INTEGER NOT NULL);
+    row_id TEXT PRIMARY KEY, source_row BIGINT NOT NULL, reason TEXT NOT NULL, attempts BIGINT NOT NULL,
+    at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS crashes(row_id TEXT PRIMARY KEY, count BIGINT NOT NULL);
 """
 
 
@@ -53,7 +56,7 @@ class AnswersMismatch(Permanent, ValueError):
 
 
 def is_answers_dir(path: Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+    return Path(path).is_dir() and has_index(path)
 
 
 def sources_provenance(sources: Sequence[Path]) -> dict[str, dict]:
@@ -65,11 +68,13 @@ def sources_provenance(sources: Sequence[Path]) -> dict[str, dict]:
 
 class AnswerStore:
     """One answers directory. Safe from the threads Prefect runs batch tasks
-    in: one short SQLite connection per call."""
+    in, and from many nodes with a PostgreSQL index: one short connection
+    per call."""
 
-    def __init__(self, root: Path, provenance: dict | None = None):
-        """Open `root`; with `provenance`, create it if new, or refuse it if
-        its answers were made from anything else."""
+    def __init__(self, root: Path, provenance: dict | None = None, index_url: str | None = None):
+        """Open `root`; with `provenance`, create it if new (its index where
+        index_url says: answer_index.py), or refuse it if its answers were
+        made from anything else."""
         self.root = Path(root)
         kept = self.root / PROVENANCE
         if provenance is not None:
@@ -88,15 +93,10 @@ class AnswerStore:
         elif not kept.is_file():
             raise FileNotFoundError(f"{self.root} holds no regenerated answers ({PROVENANCE} missing)")
         self.provenance = json.loads(kept.read_text())
-        with closing(self._connect()) as db, db:
-            db.executescript(SCHEMA)
-
-    def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.root / INDEX, timeout=120)
+        self.index = open_index(self.root, SCHEMA, index_url, new=provenance is not None)
 
     def _rows(self, sql: str, args=()) -> list[tuple]:
-        with closing(self._connect()) as db:
-            return db.execute(sql, args).fetchall()
+        return self.index.rows(sql, args)
 
     def answered_ids(self) -> set[str]:
         return {r[0] for r in self._rows("SELECT row_id FROM rows")}
@@ -110,11 +110,17 @@ class AnswerStore:
     def commit(self, records: list[dict]) -> str | None:
         """Write `records` (FORMAT rows, each with row_id and source_row) as
         one shard and commit it with its rows in one transaction, ending any
-        quarantine of theirs; the shard's name (None: nothing to write)."""
+        quarantine of theirs; the shard's name (None: nothing to write, or
+        every row committed by another writer first). Rows another writer
+        committed first are left out of a shard written again."""
         if not records:
             return None
         lines = [(json.dumps(r, ensure_ascii=False) + "\n").encode() for r in records]
-        name = "answers-" + hashlib.sha256("".join(r["row_id"] for r in records).encode()).hexdigest()[:20] + ".jsonl"
+        # The rows' hash names the shard for a person; the token keeps two
+        # writers of the same rows (a node taken for dead, and the one given
+        # its share) off one file.
+        digest = hashlib.sha256("".join(r["row_id"] for r in records).encode()).hexdigest()[:20]
+        name = f"answers-{digest}-{secrets.token_hex(4)}.jsonl"
         body = b"".join(lines)
         replace_durably(self.root / name, lambda tmp: tmp.write_bytes(body))
         offsets, at = [], 0
@@ -122,26 +128,37 @@ class AnswerStore:
             offsets.append(at)
             at += len(line)
         answer_tokens = sum(r["answer_tokens"] for r in records)
-        with closing(self._connect()) as db, db:
-            db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
-                       (name, hashlib.sha256(body).hexdigest(), len(body), len(records), answer_tokens, time.time()))
-            db.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)",
-                           [(r["row_id"], r["source_row"], name, o, len(line), len(r["input_ids"]), r["answer_tokens"])
-                            for r, o, line in zip(records, offsets, lines)])
-            db.executemany("DELETE FROM quarantine WHERE row_id = ?", [(r["row_id"],) for r in records])
+        try:
+            with self.index.transaction() as db:
+                db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
+                           (name, hashlib.sha256(body).hexdigest(), len(body), len(records), answer_tokens,
+                            time.time()))
+                db.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)",
+                               [(r["row_id"], r["source_row"], name, o, len(line), len(r["input_ids"]),
+                                 r["answer_tokens"]) for r, o, line in zip(records, offsets, lines)])
+                db.executemany("DELETE FROM quarantine WHERE row_id = ?", [(r["row_id"],) for r in records])
+        except Exception as e:
+            if not self.index.is_duplicate(e):
+                raise
+            (self.root / name).unlink(missing_ok=True)
+            taken = self.answered_among([r["row_id"] for r in records])
+            if not taken:
+                raise
+            return self.commit([r for r in records if r["row_id"] not in taken])
         return name
 
     def quarantine(self, rows: list[tuple[str, int, str, int]]) -> None:
         """(row_id, source_row, reason, attempts) of conversations given up on."""
-        with closing(self._connect()) as db, db:
-            db.executemany("INSERT OR REPLACE INTO quarantine VALUES (?,?,?,?,?)",
-                           [(*r, time.time()) for r in rows])
+        with self.index.transaction() as db:
+            db.executemany("INSERT INTO quarantine VALUES (?,?,?,?,?) ON CONFLICT(row_id) DO UPDATE SET "
+                           "source_row = excluded.source_row, reason = excluded.reason, "
+                           "attempts = excluded.attempts, at = excluded.at", [(*r, time.time()) for r in rows])
 
     def record_crash(self, row_ids: list[str]) -> dict[str, int]:
         """One more server crash with these conversations in flight; their counts."""
-        with closing(self._connect()) as db, db:
-            db.executemany("INSERT INTO crashes VALUES (?, 1) ON CONFLICT(row_id) DO UPDATE SET count = count + 1",
-                           [(r,) for r in row_ids])
+        with self.index.transaction() as db:
+            db.executemany("INSERT INTO crashes VALUES (?, 1) ON CONFLICT(row_id) DO UPDATE SET "
+                           "count = crashes.count + 1", [(r,) for r in row_ids])
         counts = self.crash_counts()
         return {r: counts[r] for r in row_ids}
 
@@ -151,18 +168,22 @@ class AnswerStore:
     def quarantined(self) -> list[tuple[str, int, str, int]]:
         return self._rows("SELECT row_id, source_row, reason, attempts FROM quarantine ORDER BY source_row")
 
-    def summary(self) -> dict:
+    def summary(self, span: tuple[int, int] | None = None) -> dict:
+        """Rows, tokens, shards and quarantined conversations in the index
+        (with `span`, of the source rows in it: a node's share)."""
+        where, args = ("WHERE source_row BETWEEN ? AND ?", span) if span else ("", ())
         (rows, tokens, answer_tokens), = self._rows(
-            "SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(answer_tokens), 0) FROM rows")
+            f"SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(answer_tokens), 0) FROM rows {where}", args)
         (shards,), = self._rows("SELECT COUNT(*) FROM shards")
-        (quarantined,), = self._rows("SELECT COUNT(*) FROM quarantine")
-        return {"rows": rows, "tokens": tokens, "answer_tokens": answer_tokens, "shards": shards,
-                "quarantined": quarantined}
+        (quarantined,), = self._rows(f"SELECT COUNT(*) FROM quarantine {where}", args)
+        # int(): PostgreSQL sums to a Decimal.
+        return {"rows": int(rows), "tokens": int(tokens), "answer_tokens": int(answer_tokens), "shards": int(shards),
+                "quarantined": int(quarantined)}
 
     def read(self, rows: Collection[int] | None = None) -> Iterator[tuple[int, dict]]:
         """(source row, row) for every answered conversation in source order
         (with `rows`, only those), read at the index's offsets."""
-        index = self._rows("SELECT source_row, shard, offset, length FROM rows ORDER BY source_row")
+        index = self._rows('SELECT source_row, shard, "offset", length FROM rows ORDER BY source_row')
         handles = {}
         try:
             for source_row, shard, offset, length in index:
@@ -186,6 +207,21 @@ class AnswerStore:
         replace_durably(Path(path), write)
         return len(rows)
 
+    def remove_unindexed(self) -> list[str]:
+        """Delete shard files the index does not name, and their temps: a
+        writer killed between its file and its commit (a node taken for
+        dead) left them. Call only when no writer is left (every node's
+        child has ended, under the directory's lock)."""
+        named = {r[0] for r in self._rows("SELECT name FROM shards")}
+        removed = []
+        for path in self.root.iterdir():
+            shard = path.name.lstrip(".").split(".jsonl")[0] + ".jsonl"
+            if path.is_file() and path.name.lstrip(".").startswith("answers-") and (
+                    path.name.startswith(".") or shard not in named):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+        return removed
+
     def verify(self) -> list[dict]:
         """Every shard recounted against the index: its bytes and sha256, its
         rows (ids, offsets, token counts, a loss mask per id, an answer),
@@ -203,8 +239,8 @@ class AnswerStore:
                 problems.append(f"{len(body)} bytes, sha256 {digest[:12]}: not the {size} bytes, sha256 {sha[:12]} "
                                 f"committed")
             else:
-                indexed = self._rows("SELECT row_id, source_row, offset, length, tokens, answer_tokens FROM rows "
-                                     "WHERE shard = ? ORDER BY offset", (name,))
+                indexed = self._rows('SELECT row_id, source_row, "offset", length, tokens, answer_tokens FROM rows '
+                                     'WHERE shard = ? ORDER BY "offset"', (name,))
                 lines = body.splitlines(keepends=True)
                 if len(indexed) != n or len(lines) != n:
                     problems.append(f"{len(lines)} lines, {len(indexed)} indexed rows: {n} committed")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.config import Section
+from tasks.store.config import no_password
 
 
 class RegenerateConfig(Section):
@@ -48,6 +49,15 @@ class RegenerateConfig(Section):
         "stop the run when more than this share of the conversations tried fail (judged once 100 were tried)"))
     out: Optional[str] = Field(None, description=(
         "where the answer shards and their index go (default: <store>/regenerated; flows.regenerate requires it)"))
+    index_url: Optional[str] = Field(None, description=(
+        "where new answers keep their index: none = SQLite beside them (one machine); a postgresql:// URL, or "
+        "'env' for $EAGLE3_LEDGER_URL, = PostgreSQL (answered from many nodes). Its password never travels as a "
+        "parameter: give it in $EAGLE3_LEDGER_URL, PGPASSWORD or ~/.pgpass"))
+
+    @field_validator("index_url")
+    @classmethod
+    def _no_password(cls, url: str | None) -> str | None:
+        return no_password(url, "regenerate.index_url")
 
     @model_validator(mode="after")
     def _consistent(self):

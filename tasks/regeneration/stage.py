@@ -51,20 +51,26 @@ class RegenerationPlan:
     rows: int  # usable rows (conversations with a user turn to answer)
     answered: int  # of them, answered before this run
     rejected: list[Rejected]
+    # A node's share: the source rows it spans, which no other share's do
+    # (shares are runs of the parent's plan): its progress is read there,
+    # beside the other nodes' commits.
+    span: tuple[int, int] | None = None
 
     def batches(self, size: int) -> list[list[Conversation]]:
         return [self.todo[i:i + size] for i in range(0, len(self.todo), size)]
 
 
-def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, tokenizer) -> RegenerationPlan:
-    """Every row of `source` with a user turn to answer, less those answered
-    under the store's provenance; a row that is no conversation is
-    Rejected with its reason (and not answered)."""
+def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, tokenizer,
+                      only: Sequence[int] | None = None) -> RegenerationPlan:
+    """Every row of `source` with a user turn to answer (with `only`, of
+    those rows: a node's share), less those answered under the store's
+    provenance; a row that is no conversation is Rejected with its reason
+    (and not answered)."""
     settings = {k: store.provenance[k] for k in ("target_config_sha256", "settings")}
     answered, seen = store.answered_ids(), set()
     todo, rejected, rows, done = [], [], 0, 0
     tool_calls = renders_tool_calls(tokenizer)
-    for i, row in read_rows(Path(source)):
+    for i, row in read_rows(Path(source), rows=only):
         try:
             if isinstance(row, Rejected):
                 raise ValueError(row.reason)
@@ -88,7 +94,7 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
         why = f"e.g. row {rejected[0].source_row}: {rejected[0].reason}" if rejected else "it holds no rows"
         raise ValueError(f"dataset {source} has no conversation to answer ({why}): give rows of messages or "
                          f"conversations with a user turn")
-    return RegenerationPlan(todo, rows, done, rejected)
+    return RegenerationPlan(todo, rows, done, rejected, (min(only), max(only)) if only else None)
 
 
 @dataclass
@@ -168,10 +174,10 @@ class Progress:
     start: dict = field(init=False)
 
     def __post_init__(self):
-        self.start = self.store.summary()
+        self.start = self.store.summary(self.plan.span)
 
     def read(self) -> dict:
-        now = self.store.summary()
+        now = self.store.summary(self.plan.span)
         rows, tokens = now["rows"] - self.start["rows"], now["answer_tokens"] - self.start["answer_tokens"]
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         todo = len(self.plan.todo)

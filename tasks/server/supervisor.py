@@ -35,14 +35,24 @@ def node_sections(server: ServerConfig, capture: CaptureConfig) -> tuple[ServerC
     environment."""
     if server.url != FROM_NODE:
         return server, capture
+    return node_server(server), capture.model_copy(update={"dump_dir": os.environ[NODE_ENV["dump_dir"]]})
+
+
+def node_server(server: ServerConfig) -> ServerConfig:
+    """The section as given, or for server.url "env" this node's server
+    (its URL, rid prefix and API key) from the environment: a regeneration's
+    child asks the node's capture server, which serves requests outside its
+    rid prefix without capturing them."""
+    if server.url != FROM_NODE:
+        return server
     missing = [v for v in NODE_ENV.values() if not os.environ.get(v)]
     if missing:
         raise ValueError(f"server.url is {FROM_NODE!r} but ${', $'.join(missing)} is not set on this node: start "
                          f"the node with `python -m flows.node`, which sets it for its worker")
-    env = {k: os.environ[v] for k, v in NODE_ENV.items()}
-    return (server.model_copy(update={"url": env["url"], "rid_prefix": env["rid_prefix"],
-                                      "api_key": os.environ.get(API_KEY_ENV), "attach_wait_s": float(env["wait_s"])}),
-            capture.model_copy(update={"dump_dir": env["dump_dir"]}))
+    return server.model_copy(update={"url": os.environ[NODE_ENV["url"]],
+                                     "rid_prefix": os.environ[NODE_ENV["rid_prefix"]],
+                                     "api_key": os.environ.get(API_KEY_ENV),
+                                     "attach_wait_s": float(os.environ[NODE_ENV["wait_s"]])})
 
 
 def attach_api_key(given: SecretStr | None) -> str | None:

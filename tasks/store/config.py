@@ -25,12 +25,17 @@ class StoreConfig(Section):
     @field_validator("ledger_url")
     @classmethod
     def _no_password(cls, url: str | None) -> str | None:
-        # Prefect keeps a run's parameters in its database and shows them in
-        # its UI; a node's child run would carry them too.
-        from tasks.store.ledger.postgres import has_password
+        return no_password(url, "ledger_url")
 
-        if url and url != "env" and has_password(url):
-            raise ValueError("the URL carries a password, which Prefect would keep with the run's parameters and "
-                             "show in its UI: give the URL without it and the password in PGPASSWORD or "
-                             "~/.pgpass, or the whole URL in $EAGLE3_LEDGER_URL and ledger_url: env")
-        return url
+
+def no_password(url: str | None, field: str) -> str | None:
+    """`url` (an index's PostgreSQL URL), refused if it carries a password:
+    Prefect keeps a run's parameters in its database and shows them in its
+    UI, and a node's child run would carry them too."""
+    from tasks.store.ledger.postgres import has_password
+
+    if url and url != "env" and has_password(url):
+        raise ValueError("the URL carries a password, which Prefect would keep with the run's parameters and "
+                         "show in its UI: give the URL without it and the password in PGPASSWORD or "
+                         f"~/.pgpass, or the whole URL in $EAGLE3_LEDGER_URL and {field}: env")
+    return url
