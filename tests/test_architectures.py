@@ -17,6 +17,7 @@ from tasks.capture import canary
 from tasks.capture.client import capture_many
 from tasks.capture.config import CaptureConfig
 from tasks.evaluation.config import EvaluateConfig
+from tasks.regeneration.config import RegenerateConfig
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec, build_command, cpu_attention_backend, hook_spec, launch_server
 from tasks.target.architectures import ARCHITECTURES, DEEPSEEK_V3, KIMI_K25, LLAMA, UnsupportedArchitecture, \
@@ -99,6 +100,31 @@ def test_a_hook_that_attaches_to_nothing_fails_the_launch(tiny_model, tmp_path):
         launch_server(cfg, tmp_path / "server.log", timeout_s=600)
 
 
+REGENERATED_TOKENS = 16
+
+
+def check_regenerated(store: Path, dataset: Path, model: Path) -> None:
+    """The pipeline's regenerated answers (in the store, by default) are what
+    its store holds: every conversation answered, each sample its answers
+    row token for token, its loss on the target's answers only; the
+    manifest names what they were made from."""
+    from tasks.regeneration.answer_store import AnswerStore
+    from tasks.store.ledger.open import open_ledger
+
+    answers = AnswerStore(store / "regenerated")
+    assert answers.summary()["rows"] == len(demo_rows(120)) and not answers.quarantined()
+    rows = dict(answers.read())
+    assert all(0 < r["answer_tokens"] <= REGENERATED_TOKENS * r["turns"] for r in rows.values())
+    samples = open_ledger(store).samples().set_index("source_row")
+    assert sorted(samples.index) == sorted(rows)
+    assert {r: (int(s.num_tokens), int(s.num_loss_tokens)) for r, s in samples.iterrows()} == {
+        r: (len(a["input_ids"]), sum(a["loss_mask"])) for r, a in rows.items()}
+    regenerated = json.loads((store / "manifest.json").read_text())["regenerated"]
+    (source, made_from), = regenerated.items()
+    assert source == str(answers.root.resolve()) and made_from["source"] == str(dataset.resolve())
+    assert made_from["target"] == str(model) and made_from["settings"]["max_new_tokens"] == REGENERATED_TOKENS
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_MOE, TINY_DEEPSEEK_V3, TINY_KIMI_K25, TINY_GLM4_MOE,
                                   TINY_GPT_OSS])
@@ -169,7 +195,11 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
         attached = section.model_copy(update={"url": server.url, "api_key": server.api_key,
                                               "rid_prefix": server.rid_prefix})
         dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(120))
+        # Kimi-K2.5's pipeline first has the target answer every turn again, on this server (served outside
+        # its rid prefix, not captured): the capture reads those answers as its dataset.
+        regenerate = RegenerateConfig(enabled=name == TINY_KIMI_K25, max_new_tokens=REGENERATED_TOKENS)
         summary = eagle3_pipeline(
+            regenerate=regenerate,
             server=attached,
             capture=CaptureConfig(dataset=str(dataset), max_length=512, batch_size=32,
                                   aux_layer_ids=list(layers.sglang_ids), dump_dir=str(spec.dump_dir)),
@@ -192,6 +222,8 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
         assert "sglang_accept_length" not in summary and not (tmp_path / "run" / "train" / "evaluation").exists()
     if name == TINY_QWEN3:  # launched in the target's dtype, as the capture's server was
         assert f"--dtype {dtype}" in evaluation["settings"]["commands"]["plain"], evaluation["settings"]
+    if regenerate.enabled:
+        check_regenerated(tmp_path / "run" / "store", dataset, model)
     # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
     report = json.loads((tmp_path / "run" / "store" / "reports" / "latest.json").read_text())
     assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report
