@@ -101,7 +101,10 @@ def regenerate_answers(
     held = (nullcontext(check_held_by(out, parent_run)) if parent_run else
             hold_lock(out, f"regenerate {dataset}", run=flow_run.get_id()))
     with held, ExitStack() as stack:
-        store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate), regenerate.index_url)
+        # A node's child opens what its parent made and checked: no hash of
+        # a dataset of many GB per share.
+        store = (AnswerStore(out) if parent_run else
+                 AnswerStore(out, provenance(Path(dataset), model_path, regenerate), regenerate.index_url))
         plan = plan_regeneration(Path(dataset), store, regenerate, tokenizer, rows)
         log.info("%d conversations in %s: %d answered before, %d to answer in batches of %d; %d rows rejected%s",
                  plan.rows, dataset, plan.answered, len(plan.todo), regenerate.batch_size, len(plan.rejected),

@@ -16,7 +16,8 @@ The same store feeds a DFlash drafter (all five layers), served by the
 evaluation beside an EAGLE-3 one (the side_by_side fixture, the suite's
 DFlash server): SGLang's DFlashDraftModel holds our tensors, projects the
 trained layers' states, and computes each draft block as our training
-forward does."""
+forward does. That EAGLE-3 drafter, probed there, is the Llama case of the
+checks above."""
 from __future__ import annotations
 
 import json
@@ -149,42 +150,59 @@ GRID = [(TINY, "eagle3", "gqa"), (TINY_KIMI_K25, "eagle3.1", "gqa"), (TINY_KIMI_
 @pytest.fixture(scope="module", params=GRID, ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory) -> Served:
     """A drafter trained (briefly: what is checked is the path, not its
-    quality) on its AUX_LAYER_IDS of a five-layer store (the Llama target's
-    captured; the MLA targets' random states),
-    served with the probe, and one greedy request through it."""
+    quality) on its AUX_LAYER_IDS of a five-layer store (the MLA targets'
+    random states), served with the probe, and one greedy request through
+    it. The Llama target's is the side-by-side evaluation's EAGLE-3 drafter
+    (the same training on its captured store), probed there: one server
+    start less."""
     target, variant, attention = request.param
+    if target == TINY:
+        return request.getfixturevalue("side_by_side").eagle
     target_path = ensure_model(target)
     d = tmp_path_factory.mktemp(f"served-{target}-{variant}-{attention}")
-    store = request.getfixturevalue("llama_store") if target == TINY else \
-        random_store(d, target_path, 8, max_length=64, aux_layer_ids=STORE_LAYER_IDS)
+    store = random_store(d, target_path, 8, max_length=64, aux_layer_ids=STORE_LAYER_IDS)
     result = train(TrainConfig(out_dir=str(d / "train"), variant=variant, attention=attention,
                                aux_layer_ids=list(AUX_LAYER_IDS[variant]), draft_vocab_size=256, ttt_steps=2,
                                epochs=1, tokens_per_batch=512, heldout_fraction=0.25, eval_max_samples=4), store)
     if variant == "eagle3.1":
         _distinct_fc_norms(Path(result.drafter_dir))
     probe = d / "probe"
-    hooks = [{"name": "draft_probe", "target_modules": ["model"],
-              "hook_factory": "tests.sglang_draft_probe:make_probe", "config": {"out_dir": str(probe)}}]
     cfg = SpeculativeSpec(ServerConfig(model=str(target_path), dtype="float32", max_total_tokens=8192,
-                                       extra_args=["--forward-hooks", json.dumps(hooks)]),
+                                       extra_args=["--forward-hooks", json.dumps([eagle_probe(probe)])]),
                           draft_model_path=result.drafter_dir)
     log = ARTIFACTS / f"draft-probe-server-{target}-{variant}-{attention}.log"
     with launch_server(cfg, log, timeout_s=600) as server:
-        reply = httpx.post(f"{server.url}/generate", timeout=300, headers=auth_headers(server.api_key), json={
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+        output_ids = greedy(server.url, server.api_key)
+    return Served(target_path, Path(result.drafter_dir), variant, attention, output_ids, *_probed(probe))
+
+
+def eagle_probe(out_dir: Path) -> dict:
+    return {"name": "draft_probe", "target_modules": ["model"], "hook_factory": "tests.sglang_draft_probe:make_probe",
+            "config": {"out_dir": str(out_dir)}}
+
+
+def greedy(url: str, api_key: str | None) -> list[int]:
+    """PROMPT's first greedy tokens from the server at `url`."""
+    return httpx.post(f"{url}/generate", timeout=300, headers=auth_headers(api_key), json={
+        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()["output_ids"]
+
+
+def _probed(probe: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The probe's forwards in call order, and the drafter's parameters as SGLang loaded them."""
     with safe_open(str(probe / "params.safetensors"), framework="pt") as f:
         params = {k: f.get_tensor(k) for k in f.keys()}
-    return Served(target_path, Path(result.drafter_dir), variant, attention, reply["output_ids"],
-                  [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params)
+    return [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params
 
 
 def _prefill_extend(served: Served) -> int:
-    """Index of the draft extend after our prefill: token t+1's embedding goes
-    with token t's aux state, the last position with the token the target just
-    chose. (Other extends are SGLang's warm-up request, or follow a verify.)"""
+    """Index of the draft extend after PROMPT's first prefill: token t+1's
+    embedding goes with token t's aux state, the last position with the
+    token the target just chose. (Other extends are SGLang's warm-up
+    request's, follow a verify, or are of PROMPT sent again: the
+    evaluation's sweep.)"""
     want = PROMPT[1:] + [served.output_ids[0]]
     found = [i for i, f in enumerate(served.forwards) if f["kind"] == "extend" and f["input_ids"].tolist() == want]
-    assert len(found) == 1, [(f["kind"], f["input_ids"][:6].tolist()) for f in served.forwards]
+    assert found, [(f["kind"], f["input_ids"][:6].tolist()) for f in served.forwards]
     return found[0]
 
 
@@ -248,6 +266,7 @@ class SideBySide:
     forwards: list[dict]  # the DFlash probe's files in call order
     params: dict[str, torch.Tensor]  # the DFlash drafter's parameters as SGLang loaded them
     dflash_history: list[dict]  # its training's metrics, the last epoch's served in SGLang (serve_every)
+    eagle: Served  # the EAGLE-3 drafter as the probe saw it served (the `served` grid's Llama case)
 
 
 # The DFlash drafter's block: the bonus token and three drafts a verify step.
@@ -282,7 +301,9 @@ def side_by_side(llama_store, float32_server, tmp_path_factory) -> SideBySide:
     probe = d / "probe"
     hooks = ({"name": "dflash_probe", "target_modules": DFLASH_PROBE_MODULES,
               "hook_factory": "tests.sglang_draft_probe:make_dflash_probe", "config": {"out_dir": str(probe)}},)
-    drafters = [drafter_at(eagle.drafter_dir), replace(drafter_at(dflash.drafter_dir), hooks=hooks)]
+    eagle_probed = d / "eagle-probe"
+    drafters = [replace(drafter_at(eagle.drafter_dir), hooks=(eagle_probe(eagle_probed),)),
+                replace(drafter_at(dflash.drafter_dir), hooks=hooks)]
     rows = d / "prompt.jsonl"
     rows.write_text(json.dumps({"input_ids": PROMPT}) + "\n")
     sets = [prompt_set(str(rows), count=1, tokenizer=load_tokenizer(ensure_model(TINY)), store=None,
@@ -294,10 +315,13 @@ def side_by_side(llama_store, float32_server, tmp_path_factory) -> SideBySide:
     report = evaluate_drafters(ServerConfig(model=str(ensure_model(TINY))), drafters, sets, cfg, log_dir=out,
                                baseline_url=float32_server.url, baseline_api_key=float32_server.api_key)
     raw = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    with safe_open(str(probe / "params.safetensors"), framework="pt") as f:
-        params = {k: f.get_tensor(k) for k in f.keys()}
-    return SideBySide(report, raw, Path(eagle.drafter_dir), Path(dflash.drafter_dir),
-                      [_read(p) for p in sorted(probe.glob("forward-*.safetensors"))], params, dflash.history)
+    # Through each drafter the greedy output was the plain server's (the evaluation fails otherwise):
+    # the plain server's first tokens are the EAGLE-3 drafter's.
+    assert not report["greedy_changed"], report["greedy_changed"]
+    served_eagle = Served(ensure_model(TINY), Path(eagle.drafter_dir), "eagle3", "gqa",
+                          greedy(float32_server.url, float32_server.api_key), *_probed(eagle_probed))
+    return SideBySide(report, raw, Path(eagle.drafter_dir), Path(dflash.drafter_dir), *_probed(probe),
+                      dflash.history, served_eagle)
 
 
 def test_an_eagle3_and_a_dflash_drafter_of_one_store_are_served_side_by_side(side_by_side):

@@ -91,9 +91,11 @@ def parent_result(proc: subprocess.Popen, out: Path, timeout_s: float) -> dict:
 
 
 def children(api, parent_id: str | None = None, store: str | None = None) -> list[dict]:
+    """Child runs of the extraction parents (with `store`, of that store's;
+    the regeneration's children have none)."""
     runs = api.call("POST", "/flow_runs/filter", {"flow_runs": {"name": {"like_": "node-"}}})
     return [r for r in runs if (parent_id is None or r["parameters"].get("parent_run") == parent_id)
-            and (store is None or r["parameters"]["store"]["path"] == store)]
+            and (store is None or r["parameters"].get("store", {}).get("path") == store)]
 
 
 def running_child(api, store: str, queue: str, beating: bool = False) -> dict | None:
