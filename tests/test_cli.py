@@ -9,6 +9,7 @@ from flows.config import ConfigError, is_section, parameters, parameters_model, 
 
 FLOWS = ["flows.extract:extract_hidden_states", "flows.extract_nodes:extract_across_nodes",
          "flows.verify:verify_store", "flows.train:train_drafter", "flows.evaluate:evaluate_drafter",
+         "flows.regenerate:regenerate_answers", "flows.regenerate_nodes:regenerate_across_nodes",
          "flows.pipeline:eagle3_pipeline"]
 
 

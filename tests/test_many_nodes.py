@@ -302,11 +302,11 @@ def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_
     run_file.write_text(yaml.safe_dump({
         "queues": list(QUEUES), "model": stack["model"],
         "dataset": str(write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))),
-        # One conversation a batch, two batches at once: a share of 8 takes four waves, and the
+        # One conversation a batch, two batches at once: a share of 4 takes two waves, and the
         # child runs only in the 0.1 s between two looks at it (stopped for each look).
         "regenerate": {"out": str(answers), "index_url": "env", "batch_size": 1, "max_new_tokens": 8,
                        "turns": "last"},
-        "batches_per_child": 8}))
+        "batches_per_child": 4}))
     proc = subprocess.Popen([sys.executable, "-m", "flows.regenerate_nodes", "--config", str(run_file)], cwd=REPO,
                             env=stack["env"], stdout=open(out, "w"), stderr=subprocess.STDOUT, text=True)
 
@@ -351,7 +351,7 @@ def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_
     assert not [p.name for q in QUEUES for p in (LOGS / f"dumps-{q}").glob("*.safetensors")]  # served, not captured
 
 
-ROWS = 16
+ROWS = 8
 
 
 def signal_all(pids: list[int], sig: int) -> None:
