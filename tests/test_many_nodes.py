@@ -284,7 +284,8 @@ def test_two_capture_nodes_feed_one_stream_trainer_through_postgres(stack, tiny_
 
 def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_killed(stack, tmp_path,
                                                                                         monkeypatch):
-    """`python -m flows.regenerate_nodes`: the dataset's conversations
+    """`regenerate_across_nodes` (flows/regenerate_nodes.py), run here on the
+    run file's settings: the dataset's conversations
     answered in shares on both nodes' capture servers (outside their rid
     prefix: served, not captured), into one answers directory whose index
     is in PostgreSQL. Node-b's child is SIGKILLed once it has committed
@@ -293,11 +294,15 @@ def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_
     share goes back whole to node-a, which did not fail it; the rows it
     committed stay answered, and node-a answers the rest. Every row answered
     once, verified."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.cli import config_from_argv
+    from flows.regenerate_nodes import regenerate_across_nodes
     from tasks.regeneration.answer_store import AnswerStore
 
     url = stack["env"]["EAGLE3_LEDGER_URL"]
     monkeypatch.setenv("EAGLE3_LEDGER_URL", url)
-    api, out, answers = stack["api"], tmp_path / "parent.out", tmp_path / "answers"
+    api, answers = stack["api"], tmp_path / "answers"
     run_file = tmp_path / "regenerate.yaml"
     run_file.write_text(yaml.safe_dump({
         "queues": list(QUEUES), "model": stack["model"],
@@ -307,8 +312,20 @@ def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_
         "regenerate": {"out": str(answers), "index_url": "env", "batch_size": 1, "max_new_tokens": 8,
                        "turns": "last"},
         "batches_per_child": 4}))
-    proc = subprocess.Popen([sys.executable, "-m", "flows.regenerate_nodes", "--config", str(run_file)], cwd=REPO,
-                            env=stack["env"], stdout=open(out, "w"), stderr=subprocess.STDOUT, text=True)
+    # The parent in a thread of this process (its command line is the capture parents' and
+    # tests/test_cli.py's): a process of its own would take seconds to start.
+    config, _ = config_from_argv(regenerate_across_nodes, ["--config", str(run_file)])
+    results: list = []
+
+    def parent() -> None:
+        try:
+            with temporary_settings({PREFECT_API_URL: api.url}):
+                results.append(regenerate_across_nodes(**config))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            results.append(e)
+
+    running = threading.Thread(target=parent)
+    running.start()
 
     def regenerating(queue: str) -> dict | None:
         runs = api.call("POST", "/flow_runs/filter", {"flow_runs": {"name": {"like_": f"{queue}-share-"}}})
@@ -329,10 +346,15 @@ def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_
         signal_all(pids, signal.SIGCONT)
         return None
 
-    killed = wait_for(stopped_mid_share, proc, out, poll_s=0.1)
+    deadline, killed = time.monotonic() + 600, None
+    while not (killed := stopped_mid_share()):
+        assert running.is_alive() and time.monotonic() < deadline, results
+        time.sleep(0.1)
     api.call("POST", f"/flow_runs/{killed['run']['id']}/set_state",
              {"state": {"type": "CRASHED", "message": "killed by the test"}, "force": True})
-    result = parent_result(proc, out, 900)
+    running.join(900)
+    (result,) = results
+    assert isinstance(result, dict), result
 
     store = AnswerStore(answers)
     rows = [r for r, _ in store.read()]

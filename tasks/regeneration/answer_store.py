@@ -104,6 +104,8 @@ class AnswerStore:
     def answered_among(self, row_ids: Sequence[str]) -> set[str]:
         """Which of these (a batch's) are answered: a batch asks about its own
         rows, not every row of a 600k-conversation index."""
+        if not row_ids:  # PostgreSQL refuses an empty IN ()
+            return set()
         marks = ",".join("?" * len(row_ids))
         return {r[0] for r in self._rows(f"SELECT row_id FROM rows WHERE row_id IN ({marks})", tuple(row_ids))}
 
