@@ -187,7 +187,8 @@ def test_two_writers_of_one_conversation_commit_it_once(ledger_url, tmp_path):
 
     first = store.commit([row(0, "a"), row(1, "a")])
     second = store.commit([row(1, "b"), row(2, "b")])
-    assert store.commit([row(0, "b")]) is None  # all taken: nothing written
+    # The first writer's batch again, all taken: nothing written, and the first's file untouched.
+    assert store.commit([row(0, "b"), row(1, "b")]) is None
     assert [(r, a["by"]) for r, a in AnswerStore(out).read()] == [(0, "a"), (1, "a"), (2, "b")]
     assert sorted(p.name for p in out.glob("answers-*")) == sorted([first, second])
     with IndexDB(out, ledger_url, "index.json", "index.sqlite") as db:

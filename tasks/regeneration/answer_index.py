@@ -14,17 +14,15 @@ take the same statements (answer_store.py's), written with `?` marks.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import sqlite3
-import threading
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from tasks.store.ledger.postgres import URL_ENV, describe, public_url, resolve_url, same_server
-from tasks.store.manifest import StoreError, write_json_atomic
+from tasks.store.ledger.postgres import URL_ENV, describe, public_url, resolve_url, same_server, url_from_env
+from tasks.store.manifest import StoreError, write_json_once
 
 SQLITE = "index.sqlite"
 RECORD = "index.json"
@@ -33,8 +31,6 @@ RECORD = "index.json"
 class Index:
     """One backend: short connections, one per call (safe from the threads
     Prefect runs batch tasks in, and from a process that forks or dies)."""
-
-    where: str
 
     @contextmanager
     def transaction(self) -> Iterator:
@@ -54,7 +50,6 @@ class Index:
 class SqliteIndex(Index):
     def __init__(self, root: Path):
         self.path = Path(root) / SQLITE
-        self.where = str(self.path)
 
     @contextmanager
     def transaction(self):
@@ -139,11 +134,8 @@ def open_index(root: Path, ddl: str, index_url: str | None = None, *, new: bool)
     for an existing one, it must name the server it records."""
     root = Path(root)
     record_path = root / RECORD
-    if index_url == "env":
-        index_url = os.environ.get(URL_ENV) or ""
-        if not index_url:
-            raise StoreError(f"regenerate.index_url is 'env' but ${URL_ENV} is not set: set it to "
-                             f"postgresql://user:password@host:port/dbname")
+    if index_url is not None:
+        index_url = url_from_env(index_url, "regenerate.index_url")
     if record_path.is_file():
         record = json.loads(record_path.read_text())
         if index_url and not same_server(record["url"], index_url):
@@ -165,15 +157,9 @@ def open_index(root: Path, ddl: str, index_url: str | None = None, *, new: bool)
     if not new:
         raise FileNotFoundError(f"{root} holds no regenerated answers (no {SQLITE} or {RECORD})")
     # Made before the record: a wrong URL or a server that is down leaves no
-    # index.json to undo. Of two runs creating it at once, the first link wins.
+    # index.json to undo. Of two runs creating it at once, the first's wins.
     index = PostgresIndex(root, index_url, f"eagle3_answers_{secrets.token_hex(6)}")
     index.create(ddl)
-    tmp = root / f".{RECORD}.{os.getpid()}.{threading.get_ident()}"
-    write_json_atomic(tmp, {"backend": "postgres", "url": public_url(index_url), "schema": index.schema})
-    try:
-        os.link(tmp, record_path)
-    except FileExistsError:
+    if not write_json_once(record_path, {"backend": "postgres", "url": public_url(index_url), "schema": index.schema}):
         return open_index(root, ddl, index_url, new=False)
-    finally:
-        tmp.unlink()
     return index

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -137,3 +139,19 @@ def create_or_check(store: Path, manifest: dict) -> None:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     replace_durably(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
+
+
+def write_json_once(path: Path, data: dict) -> bool:
+    """Create `path` holding `data` unless it exists; whether this call made
+    it. Of two processes creating it at once, the first link wins and the
+    other must read what it wrote (a rename would let the second replace a
+    record the first already acts on)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    write_json_atomic(tmp, data)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()

@@ -6,15 +6,13 @@ created.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import threading
 from pathlib import Path
 
 from tasks.store.ledger.index import Ledger
-from tasks.store.ledger.postgres import URL_ENV, PostgresLedger, describe, public_url, resolve_url, same_server
+from tasks.store.ledger.postgres import PostgresLedger, describe, public_url, resolve_url, same_server, url_from_env
 from tasks.store.ledger.sqlite import SqliteLedger
-from tasks.store.manifest import StoreError, create_or_check, write_json_atomic
+from tasks.store.manifest import StoreError, create_or_check, write_json_once
 
 LEDGER_JSON = "ledger.json"
 
@@ -64,10 +62,7 @@ def choose_postgres(store: Path, ledger_url: str, existed: bool) -> None:
     $EAGLE3_LEDGER_URL), or check that the server it records is that one.
     existed: the store had a manifest before this run; its index, if any,
     stays where it is."""
-    if ledger_url == "env":
-        ledger_url = os.environ.get(URL_ENV) or ""
-        if not ledger_url:
-            raise StoreError(f"ledger_url is 'env' but ${URL_ENV} is not set: set it to postgresql://user:password@host:port/dbname")
+    ledger_url = url_from_env(ledger_url, "ledger_url")
     recorded = ledger_record(store)
     if recorded["backend"] == "postgres":
         if not same_server(recorded["url"], ledger_url):
@@ -83,14 +78,6 @@ def choose_postgres(store: Path, ledger_url: str, existed: bool) -> None:
     # Reach the server and make the tables before recording the choice: a
     # wrong URL or a server that is down leaves no ledger.json to undo.
     PostgresLedger(store, ledger_url, record["schema"])
-    tmp = store / f".{LEDGER_JSON}.{os.getpid()}.{threading.get_ident()}"
-    write_json_atomic(tmp, record)
-    try:
-        # Created once: of two runs creating the store at once, the first
-        # link wins and the other uses its schema (a rename would let the
-        # second replace a schema the first is already writing).
-        os.link(tmp, store / LEDGER_JSON)
-    except FileExistsError:
+    # Of two runs creating the store at once, the other uses the first's schema.
+    if not write_json_once(store / LEDGER_JSON, record):
         choose_postgres(store, ledger_url, existed)
-    finally:
-        tmp.unlink()

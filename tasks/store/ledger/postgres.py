@@ -104,6 +104,17 @@ def same_server(a: str, b: str) -> bool:
     return all(str(pa.get(k) or "") == str(pb.get(k) or "") for k in keys)
 
 
+def url_from_env(url: str, setting: str) -> str:
+    """`url` as given, or for "env" the one in $EAGLE3_LEDGER_URL (with its
+    password), which must then be set; `setting` names it in the error."""
+    if url != "env":
+        return url
+    if not os.environ.get(URL_ENV):
+        raise StoreError(f"{setting} is 'env' but ${URL_ENV} is not set: set it to "
+                         f"postgresql://user:password@host:port/dbname")
+    return os.environ[URL_ENV]
+
+
 def resolve_url(recorded: str) -> str:
     """The URL to connect with: EAGLE3_LEDGER_URL when set (it may carry the
     password), else the recorded one (libpq then reads PGPASSWORD or
