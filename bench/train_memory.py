@@ -47,6 +47,7 @@ import torch
 
 import tasks.train.drafter as drafter_module
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter
+from tasks.train.rope import gqa_rotary
 from tasks.train.ttt import ttt_forward
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -96,7 +97,7 @@ def build(shape: dict, device: torch.device) -> Eagle3Drafter:
         model = Eagle3Drafter(cfg, target_config)
         model.embed_tokens.weight = torch.nn.Parameter(model.embed_tokens.weight.bfloat16(), requires_grad=False)
     model = model.to_empty(device=device)
-    model.rotary = drafter_module.Rotary(target_config).to(device)
+    model.rotary = gqa_rotary(target_config, cfg.head_dim).to(device)  # its tables, built where they live
     with torch.no_grad():
         for name, p in model.named_parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else p.fill_(1.0)

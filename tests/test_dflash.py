@@ -461,6 +461,6 @@ def test_the_mask_token_is_one_sglang_resolves_to_the_same_id(tiny_model):
 
 def test_a_config_dict_builds_the_same_drafter_as_the_target_would():
     cfg = DFlashConfig.from_target(TARGET, 2, 3)
-    assert cfg.rope_config()["rope_parameters"]["rope_theta"] == 10000.0 and cfg.head_dim == 8
+    assert dict(cfg.rope)["rope_parameters"]["rope_theta"] == 10000.0 and cfg.head_dim == 8
     with pytest.raises(ValueError, match="at least one layer"):
         DFlashConfig.from_target(TARGET, 0, 3)

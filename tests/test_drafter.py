@@ -17,7 +17,8 @@ from tasks.target.layers import AuxLayers
 from tasks.train.config import TrainConfig
 from tasks.train.data import plan_batches
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.drafter import MLA_DIMS, DrafterConfig, build_drafter, target_sizes, ttt_attention
+from tasks.train.drafter import DrafterConfig, build_drafter, target_sizes, ttt_attention
+from tasks.train.mla import MLA_DIMS
 from tasks.train.export import UnservedTensor, export_drafter, export_weights, load_exported
 from tasks.train.loop import lr_at
 from tasks.train.metrics import write_metrics
@@ -446,12 +447,19 @@ def test_an_mla_drafter_takes_the_mla_targets_dims_and_needs_them_given_for_anot
     cfg = DrafterConfig.from_target(kimi, 64, attention="mla")
     assert cfg.mla_dims == {k: kimi[k] for k in MLA_DIMS} and cfg.rope_interleave is True
     assert cfg.num_key_value_heads == cfg.num_attention_heads
-    assert DrafterConfig.from_target(kimi, 64, attention="mla", mla_dims={"kv_lora_rank": 16}).kv_lora_rank == 16
+    # Dims of the drafter's own must be ones SGLang's GPU MLA kernels take:
+    # a 512 latent with 64 rope dims (FlashMLA, trtllm_mla, fa4, Triton's MLA decode).
+    with pytest.raises(ValueError, match="kv_lora_rank 16, qk_rope_head_dim 32, .*take a 512 latent with 64 rope "
+                                         "dims; set train.mla_dims to kv_lora_rank 512, qk_rope_head_dim 64"):
+        DrafterConfig.from_target(kimi, 64, attention="mla", mla_dims={"kv_lora_rank": 16})
     llama = target_sizes(ensure_model(TINY))  # a plain rope, no MLA dims
     with pytest.raises(ValueError, match="needs q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
                                          "v_head_dim: the target has none"):
         DrafterConfig.from_target(llama, 64, attention="mla")
-    dims = dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
+    with pytest.raises(ValueError, match="kv_lora_rank 32, qk_rope_head_dim 8, qk_nope_head_dim 16, v_head_dim 24"):
+        DrafterConfig.from_target(llama, 64, attention="mla", mla_dims=dict(
+            q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24))
+    dims = dict(q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     assert DrafterConfig.from_target(llama, 64, attention="mla", mla_dims=dims).mla_dims == dims
     with pytest.raises(ValueError, match="'longrope': SGLang serves an MLA drafter only plain or YaRN rope"):
         DrafterConfig.from_target({**llama, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, 64,

@@ -175,7 +175,8 @@ def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
     identity = ckpt["identity"]
     model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]),
                           num_aux=fc.shape[1] // fc.shape[0], variant=identity.get("variant", "eagle3"),
-                          attention=identity.get("attention", "gqa"), mla_dims=identity.get("mla_dims") or {})
+                          attention=identity.get("attention", "gqa"), mla_dims=identity.get("mla_dims") or {},
+                          head_dim=identity.get("head_dim"))
     missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
     missing = [k for k in missing if not k.startswith(Eagle3Drafter.FROZEN)]  # not checkpointed
     if missing or unexpected:

@@ -52,6 +52,10 @@ class TrainConfig(Section):
     mla_dims: dict[str, int] = Field(default_factory=dict, description=(
         "attention mla: any of q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; the "
         "others are the target's (a target without MLA needs all five)"))
+    head_dim: Optional[int] = Field(None, ge=8, description=(
+        "the drafter's attention head dim (gqa and dflash; default: the target's, or 128 with the target's head "
+        "count and 8 KV heads where the target's config gives none SGLang's GPU kernels take, as for DeepSeek-V3 "
+        "and Kimi-K2.5)"))
     aux_layer_ids: AuxLayerIds = Field(None, description=(
         "SGLang 'output of layer i' ids of the aux layers the drafter reads, among the store's (default: all of "
         "the store's; three for an EAGLE-3 drafter of SGLang's kind)"))
@@ -148,7 +152,7 @@ class TrainConfig(Section):
     @field_validator("mla_dims")
     @classmethod
     def _mla_dims(cls, dims: dict[str, int]) -> dict[str, int]:
-        from tasks.train.drafter import check_mla_dims
+        from tasks.train.mla import check_mla_dims
 
         return check_mla_dims(dims)
 
@@ -217,3 +221,8 @@ class TrainingError(RuntimeError):
 class CheckpointMismatch(Permanent, TrainingError):
     """The out_dir's checkpoint belongs to another run (other settings, a
     changed store, unreadable): resuming it again fails the same way."""
+
+
+class DrafterRefused(Permanent, TrainingError):
+    """The settings make a drafter this target cannot have (one SGLang's GPU
+    kernels would refuse, say): a retry fails the same way."""

@@ -34,7 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tasks.train.drafter import LayerSizes, RMSNorm, Rotary
+from tasks.train.decoder_layer import RMSNorm
+from tasks.train.gpu_kernels import check_dflash_head_dim, check_gqa_heads
+from tasks.train.layer_sizes import LayerSizes
+from tasks.train.rope import Rotary, gqa_rotary, rope_config
 
 # SpecForge's defaults (and the reference DFlash's).
 BLOCK_SIZE = 16
@@ -43,32 +46,26 @@ LOSS_GAMMA = 7.0
 # Rows of the full-vocabulary logits materialised at once (x vocab x 4 bytes:
 # 256 MB at 1024 rows of a 160k vocabulary).
 LOGIT_ROWS = 1024
-# The target config keys that fix the drafter's rope: written into the
-# export as they are read here, so SGLang's get_rope builds the trained one.
-ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
 class DFlashConfig(LayerSizes):
     num_layers: int
     num_context: int  # K: target layers whose states are concatenated per token
-    rope: tuple = ()  # (key, value) pairs of ROPE_KEYS the target has
+    rope: tuple = ()  # (key, value) pairs of the rope keys its config.json carries (rope.rope_config)
 
     @classmethod
-    def from_target(cls, target_config: dict, num_layers: int, num_context: int) -> "DFlashConfig":
+    def from_target(cls, target_config: dict, num_layers: int, num_context: int,
+                    head_dim: int | None = None) -> "DFlashConfig":
         if num_layers < 1 or num_context < 1:
             raise ValueError(f"a DFlash drafter needs at least one layer and one target layer to read; got "
                              f"{num_layers} layers reading {num_context}")
-        return cls(**LayerSizes.of(target_config), num_layers=num_layers, num_context=num_context,
-                   rope=tuple((k, target_config[k]) for k in ROPE_KEYS if target_config.get(k) is not None))
-
-    def rope_config(self) -> dict:
-        """What the drafter's rope is built from, here and in SGLang: the
-        head sizes and the target's rope keys, nothing else (a target's
-        partial rotary is not the drafter's: SGLang rotates the whole head
-        unless the draft config says otherwise)."""
-        return {"hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
-                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim, **dict(self.rope)}
+        sizes = LayerSizes.of(target_config, head_dim=head_dim)
+        check_gqa_heads(sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"], target_config,
+                        "a DFlash drafter")
+        check_dflash_head_dim(sizes["head_dim"])
+        return cls(**sizes, num_layers=num_layers, num_context=num_context,
+                   rope=tuple(rope_config(target_config).items()))
 
 
 class Attention(nn.Module):
@@ -155,7 +152,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([Layer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.rope_config())
+        # The target's rope keys, nothing else: SGLang rotates the whole head.
+        self.rotary = gqa_rotary(dict(self.cfg.rope), cfg.head_dim)
 
     def trained_tensors(self) -> dict[str, torch.Tensor]:
         """The drafter's own parameters, by the names SGLang's checkpoint uses."""
@@ -317,10 +315,10 @@ def dflash_forward(model: DFlashDrafter, batch: dict, *, block_size: int = BLOCK
 
 
 def build_dflash(target_config: dict, embeddings: tuple[torch.Tensor, torch.Tensor], *, num_layers: int,
-                 num_context: int, seed: int = 0) -> DFlashDrafter:
+                 num_context: int, seed: int = 0, head_dim: int | None = None) -> DFlashDrafter:
     """A fresh drafter: random layers (the target's initializer_range), the
     target's embedding and head (frozen)."""
-    cfg = DFlashConfig.from_target(target_config, num_layers, num_context)
+    cfg = DFlashConfig.from_target(target_config, num_layers, num_context, head_dim)
     torch.manual_seed(seed)
     model = DFlashDrafter(cfg)
     std = target_config.get("initializer_range", 0.02)

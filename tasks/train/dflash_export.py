@@ -30,7 +30,7 @@ from tasks.durable import replace_dir_durably
 from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_target import DEFAULT_MASK_TOKEN, check_target_layer_ids
 from tasks.train.drafter import target_sizes
-from tasks.train.export import refuse_unserved
+from tasks.train.export import SIZE_KEYS, refuse_unserved
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -41,10 +41,9 @@ LAYER_TENSORS = tuple(f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_p
     + tuple(f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")) \
     + ("input_layernorm.weight", "post_attention_layernorm.weight")
 MODEL_TENSORS = ("fc.weight", "hidden_norm.weight", "norm.weight")
-# Target config keys copied as they are: SGLang reads them from the draft's
-# config (sizes, eps) or hands them to the tokenizer side (token ids).
-_SHARED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                       "rms_norm_eps", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+# Target config keys copied as they are, for the tokenizer side; the sizes
+# are the drafter's own (tasks/train/layer_sizes.py).
+_SHARED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def is_dflash(config: dict) -> bool:
@@ -65,13 +64,11 @@ def dflash_config(model: DFlashDrafter, target_layer_ids, *, target_config: dict
                   mask_token_id: int, mask_token: str, dtype: torch.dtype) -> dict:
     cfg = model.cfg
     config = {k: target_config[k] for k in _SHARED_CONFIG_KEYS if target_config.get(k) is not None}
-    config.update(dict(cfg.rope))
+    config.update({k: getattr(cfg, k) for k in SIZE_KEYS}, **dict(cfg.rope))
     config.update({
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "num_hidden_layers": cfg.num_layers,
-        "head_dim": cfg.head_dim,
-        "num_key_value_heads": cfg.num_key_value_heads,
         "hidden_act": "silu",
         # The drafter has no biases, whatever the target has.
         "attention_bias": False,
@@ -136,7 +133,7 @@ def load_dflash(out_dir: Path, target_path: Path) -> DFlashDrafter:
         raise ValueError(f"{out_dir}: architectures {config.get('architectures')}, not [{ARCHITECTURE!r}]")
     target_config = target_sizes(target_path)
     layer_ids = config["dflash_config"]["target_layer_ids"]
-    cfg = DFlashConfig.from_target(target_config, config["num_hidden_layers"], len(layer_ids))
+    cfg = DFlashConfig.from_target(target_config, config["num_hidden_layers"], len(layer_ids), config.get("head_dim"))
     differ = [f"{k} {config.get(k)} (target {getattr(cfg, k)})" for k in
               ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                "vocab_size") if config.get(k) != getattr(cfg, k)]

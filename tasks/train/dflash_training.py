@@ -59,7 +59,7 @@ def prepare_dflash(cfg: TrainConfig, reader: StoreReader, target: Path
     except ValueError as e:
         raise TrainingError(f"target {target}: {e}") from None
     model = build_dflash(config, load_target_embeddings(target), num_layers=cfg.draft_layers, num_context=len(ids),
-                         seed=cfg.seed)
+                         seed=cfg.seed, head_dim=cfg.head_dim)
     return model, DFlashSetup(ids, mask_token, mask_id), positions
 
 

@@ -29,17 +29,21 @@ SGLang's own classes and compute the same.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tasks.target.architectures import architecture_of, read_config
 from tasks.target.embeddings import load_target_embeddings
+from tasks.train.decoder_layer import RMSNorm
+from tasks.train.gpu_kernels import check_gqa_heads
+from tasks.train.gqa import MidLayer
+from tasks.train.layer_sizes import LayerSizes
+from tasks.train.mla import MLA_DIMS, MLAMidLayer, mla_config
+from tasks.train.rope import gqa_rotary, mla_rotary, mla_softmax_scale
 from tasks.train.vocab import DraftVocab
 
 
@@ -140,61 +144,6 @@ def variant_named(**flags: bool) -> str:
     raise ValueError(f"drafter config with {flags}: not a variant this project trains ({', '.join(VARIANTS)})")
 
 
-# The dimensions of an MLA drafter's attention (SGLang's
-# DeepseekV2AttentionMLA): by default the target's own, for a DeepSeek-V3 or
-# Kimi-K2.x target.
-MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-# SGLang's MLA layer makes any rope scaling "deepseek_yarn" (deepseek_v2.py):
-# a target with another scaling would be served a rope it was not trained with.
-MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
-
-
-def _rope_parameters(target_config: dict) -> dict:
-    """The target's rope as one dict (transformers 5's rope_parameters, or the
-    older rope_theta + rope_scaling)."""
-    rope = target_config.get("rope_parameters") or target_config.get("rope_scaling") or {}
-    rope = dict(rope)
-    rope.setdefault("rope_theta", target_config.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    return rope
-
-
-def mla_softmax_scale(target_config: dict, qk_head_dim: int) -> float:
-    """The MLA softmax scale SGLang serves: qk_head_dim^-0.5, times YaRN's
-    mscale(factor, mscale_all_dim)^2 when the rope is scaled
-    (compute_mla_mscale_scaling in SGLang, yarn_apply_mscale in HF)."""
-    rope = _rope_parameters(target_config)
-    scale = qk_head_dim ** -0.5
-    if rope["rope_type"] == "default":
-        return scale
-    factor, all_dim = float(rope.get("factor", 1.0)), float(rope.get("mscale_all_dim") or 0.0)
-    mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
-    return scale * mscale * mscale
-
-
-@dataclass(frozen=True)
-class LayerSizes:
-    """A drafter layer's sizes, the target's: both drafter families
-    (EAGLE-3 here, DFlash in dflash.py) take them."""
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    vocab_size: int
-
-    @staticmethod
-    def of(target_config: dict, kv_heads: int | None = None) -> dict:
-        """The target's sizes, as keyword arguments (`kv_heads`: MLA's, not the target's)."""
-        heads = target_config["num_attention_heads"]
-        return dict(hidden_size=target_config["hidden_size"], num_attention_heads=heads,
-                    num_key_value_heads=kv_heads or target_config.get("num_key_value_heads") or heads,
-                    head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
-                    intermediate_size=target_config["intermediate_size"],
-                    rms_norm_eps=target_config["rms_norm_eps"], vocab_size=target_config["vocab_size"])
-
-
 @dataclass(frozen=True)
 class DrafterConfig(LayerSizes):
     draft_vocab_size: int
@@ -214,7 +163,7 @@ class DrafterConfig(LayerSizes):
     @classmethod
     def from_target(cls, target_config: dict, draft_vocab_size: int, num_aux: int = 3,
                     variant: str = "eagle3", attention: str = "gqa",
-                    mla_dims: dict | None = None) -> "DrafterConfig":
+                    mla_dims: dict | None = None, head_dim: int | None = None) -> "DrafterConfig":
         if target_config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"the drafter's MLP uses SiLU; the target uses {target_config['hidden_act']}")
         if attention not in ("gqa", "mla"):
@@ -222,8 +171,12 @@ class DrafterConfig(LayerSizes):
         mla = mla_config(target_config, mla_dims or {}) if attention == "mla" else {}
         # MLA's heads all carry their own keys and values.
         kv_heads = target_config["num_attention_heads"] if attention == "mla" else None
-        return cls(**LayerSizes.of(target_config, kv_heads), draft_vocab_size=draft_vocab_size, num_aux=num_aux,
-                   attention=attention, **mla, **variant_flags(variant))
+        sizes = LayerSizes.of(target_config, kv_heads, head_dim, whole_heads=attention == "gqa")
+        if attention == "gqa":
+            check_gqa_heads(sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"],
+                            target_config, "an EAGLE-3 drafter")
+        return cls(**sizes, draft_vocab_size=draft_vocab_size, num_aux=num_aux, attention=attention, **mla,
+                   **variant_flags(variant))
 
     @property
     def variant(self) -> str:
@@ -232,193 +185,6 @@ class DrafterConfig(LayerSizes):
     @property
     def mla_dims(self) -> dict:
         return {k: getattr(self, k) for k in MLA_DIMS} if self.attention == "mla" else {}
-
-
-def check_mla_dims(given: dict) -> dict:
-    """Given MLA dims (train.mla_dims), refused unless each is one of
-    MLA_DIMS and at least 1."""
-    unknown = sorted(set(given) - set(MLA_DIMS))
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)}: not an MLA dim; use {', '.join(MLA_DIMS)}")
-    small = [f"{k} {v}" for k, v in given.items() if v < 1]
-    if small:
-        raise ValueError(f"{', '.join(small)}: each MLA dim is at least 1")
-    return given
-
-
-def mla_config(target_config: dict, given: dict) -> dict:
-    """An MLA drafter's dims: each the given one, else the target's; and the
-    rope interleaving, the target's (DeepSeek's default: interleaved). Refuses
-    what SGLang cannot serve, naming the setting to give."""
-    check_mla_dims(given)
-    dims = {k: given.get(k, target_config.get(k)) for k in MLA_DIMS}
-    missing = [k for k, v in dims.items() if not v]
-    if missing:
-        raise ValueError(f"an MLA drafter needs {', '.join(missing)}: the target has none (SGLang's "
-                         f"Eagle3DeepseekV2ForCausalLM needs every one, q_lora_rank included); set them in "
-                         f"train.mla_dims")
-    rope = _rope_parameters(target_config)
-    if rope["rope_type"] not in MLA_ROPE_TYPES:
-        raise ValueError(f"the target's rope is {rope['rope_type']!r}: SGLang serves an MLA drafter only plain or "
-                         f"YaRN rope (it makes any scaling deepseek_yarn); use train.attention gqa")
-    return {**{k: int(v) for k, v in dims.items()}, "rope_interleave": bool(target_config.get("rope_interleave", True))}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class Rotary(nn.Module):
-    """The target's rotary embedding (any rope type transformers knows), so
-    positions mean the same to the drafter as to SGLang's draft layer."""
-
-    def __init__(self, target_config: dict):
-        super().__init__()
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        self.rope = LlamaRotaryEmbedding(LlamaConfig(**target_config))
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        # q, k: [B, heads, L, d]; positions: [B, L]
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        cos, sin = self.rope(q, positions)
-        return apply_rotary_pos_emb(q, k, cos, sin)
-
-
-class MLARotary(nn.Module):
-    """DeepSeek's rope on the rope dims of an MLA head: the target's YaRN
-    (with its cos/sin mscale) through HF's DeepseekV3 rope, interleaved
-    pairs unless `rope_interleave` is false, as SGLang's MLA layer rotates.
-    (HF's interleaved form returns the pairs de-interleaved, the same
-    permutation for q and k: their dot products are SGLang's.)"""
-
-    def __init__(self, cfg: DrafterConfig, target_config: dict):
-        super().__init__()
-        from transformers import DeepseekV3Config
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3RotaryEmbedding,
-                                                                          apply_rotary_pos_emb,
-                                                                          apply_rotary_pos_emb_interleave)
-
-        rope = _rope_parameters(target_config)
-        if rope["rope_type"] == "deepseek_yarn":
-            rope["rope_type"] = "yarn"
-        self.rotate = apply_rotary_pos_emb_interleave if cfg.rope_interleave else apply_rotary_pos_emb
-        self.rope = DeepseekV3RotaryEmbedding(DeepseekV3Config(
-            hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-            qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim,
-            max_position_embeddings=target_config.get("max_position_embeddings", 4096), rope_parameters=rope))
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        # q [B, heads, L, rope]; k [B, 1, L, rope] (one rope key shared by all heads)
-        cos, sin = self.rope(q, positions)
-        return self.rotate(q, k, cos, sin)
-
-
-class DecoderLayer(nn.Module):
-    """What both layouts' one decoder layer shares: the two input norms, the
-    SiLU MLP, and SGLang's `hidden + residual` bookkeeping. The attention's
-    projections and `qkv` are each layout's; each makes them before calling
-    `add_mlp`, so parameters are made (and initialised from the seed) in the
-    order they always were."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        h = cfg.hidden_size
-        self.cfg = cfg
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-
-    def add_mlp(self) -> None:
-        h, cfg = self.cfg.hidden_size, self.cfg
-        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
-
-    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-
-    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attn [B, heads, L, dv] -> the layer's pre-norm output (SGLang's
-        `hidden + residual` after the MLP), what the next draft step takes in."""
-        b, _, n, _ = attn.shape
-        residual = self.o_proj(attn.transpose(1, 2).reshape(b, n, -1)) + residual
-        x = self.post_attention_layernorm(residual)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) + residual
-
-
-class MidLayer(DecoderLayer):
-    """A Llama decoder layer whose q/k/v take the 2H-wide input."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__(cfg)
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.scale = d ** -0.5
-        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
-        self.add_mlp()
-
-    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: nn.Module):
-        """[B, L, H] each -> q [B, heads, L, d], k, v [B, kv_heads, L, d],
-        q and k rotated."""
-        x = self.attention_input(embeds, hidden)
-        b, n, _ = x.shape
-        d = self.cfg.head_dim
-        q = self.q_proj(x).view(b, n, -1, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)
-        q, k = rotary(q, k, positions)
-        return q, k, v
-
-
-class MLAMidLayer(DecoderLayer):
-    """The decoder layer of SGLang's Eagle3DeepseekV2ForCausalLM: DeepSeek-V2
-    multi-latent attention on the 2H-wide input. Trained in the expanded
-    form (per-head keys and values from the latent, as TorchSpec's
-    deepseek_eagle); SGLang serves the absorbed form, the same product
-    reassociated, and caches one latent + rope key per token."""
-
-    def __init__(self, cfg: DrafterConfig, scale: float):
-        super().__init__(cfg)
-        h, heads = cfg.hidden_size, cfg.num_attention_heads
-        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        self.q_a_proj = nn.Linear(2 * h, cfg.q_lora_rank, bias=False)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(2 * h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
-        self.add_mlp()
-        self.scale = scale  # the target's rope's: mla_softmax_scale
-
-    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: nn.Module):
-        """[B, L, H] each -> q, k [B, heads, L, nope + rope], v [B, heads, L, dv]."""
-        c = self.cfg
-        x = self.attention_input(embeds, hidden)
-        b, n, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, n, -1, c.qk_nope_head_dim + c.qk_rope_head_dim)
-        q_nope, q_rot = q.transpose(1, 2).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, n, -1, c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kv.transpose(1, 2).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        q_rot, k_rot = rotary(q_rot, k_rot[:, None], positions)
-        q = torch.cat([q_nope, q_rot], dim=-1)
-        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        return q, k, v
 
 
 class Eagle3Drafter(nn.Module):
@@ -434,10 +200,10 @@ class Eagle3Drafter(nn.Module):
         if cfg.attention == "mla":
             self.midlayer = MLAMidLayer(cfg, mla_softmax_scale(target_config,
                                                                cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
-            self.rotary = MLARotary(cfg, target_config)
+            self.rotary = mla_rotary(target_config, cfg.qk_rope_head_dim, cfg.rope_interleave)
         else:
             self.midlayer = MidLayer(cfg)
-            self.rotary = Rotary(target_config)
+            self.rotary = gqa_rotary(target_config, cfg.head_dim)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -504,6 +270,7 @@ class Eagle3Drafter(nn.Module):
 
 def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_aux: int = 3,
                   variant: str = "eagle3", attention: str = "gqa", mla_dims: dict | None = None,
+                  head_dim: int | None = None,
                   embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3Drafter:
     """A fresh drafter: random layers, the target's embeddings (frozen), and
     lm_head rows copied from the target's for the draft vocabulary (a far
@@ -511,7 +278,7 @@ def build_drafter(target_path: Path, vocab: DraftVocab, *, seed: int = 0, num_au
     `embeddings`: the target's (embed, head) if the caller has read them
     already (for a large target they are gigabytes)."""
     target_config = target_sizes(target_path)
-    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant, attention, mla_dims)
+    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant, attention, mla_dims, head_dim)
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg, target_config)
     std = target_config.get("initializer_range", 0.02)

@@ -31,17 +31,18 @@ from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers
 from tasks.target.embeddings import load_target_embeddings
 from tasks.durable import replace_dir_durably
-from tasks.train.drafter import DrafterConfig, Eagle3Drafter, MLA_DIMS, target_sizes, variant_named
+from tasks.train.drafter import DrafterConfig, Eagle3Drafter, target_sizes, variant_named
+from tasks.train.mla import MLA_DIMS
+from tasks.train.rope import rope_config
 from tasks.train.vocab import DraftVocab
 
 ARCHITECTURES = {"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
-# Target config keys the drafter must share so SGLang builds the same shapes,
-# rotary embedding and activation.
-_SHARED_CONFIG_KEYS = (
-    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-    "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_parameters", "rope_theta",
-    "rope_scaling", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
-)
+# Target config keys copied as they are (the activation; token ids for the
+# tokenizer side). The sizes are the drafter's (tasks/train/layer_sizes.py),
+# the rope the one it was trained with (tasks/train/rope.py rope_config).
+_SHARED_CONFIG_KEYS = ("hidden_act", "bos_token_id", "eos_token_id", "pad_token_id")
+SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+             "rms_norm_eps", "vocab_size")
 # The tensor names each SGLang class maps to a parameter of its model
 # (llama_eagle3.py load_weights; kimi_k25_eagle3.py load_weights, which also
 # fuses q_a_proj with kv_a_proj_with_mqa, in that order, and needs both),
@@ -115,6 +116,7 @@ def export_config(model: Eagle3Drafter, layers: AuxLayers, architecture: Archite
     fed other layers than it was trained on."""
     cfg = model.cfg
     config = {k: model.target_config[k] for k in _SHARED_CONFIG_KEYS if k in model.target_config}
+    config.update({k: getattr(cfg, k) for k in SIZE_KEYS}, **rope_config(model.target_config))
     if cfg.attention == "mla":
         # SGLang's MLA layer reads the dims and the interleaving; its heads
         # are all query-and-key heads, whatever the target's KV heads.
@@ -208,7 +210,8 @@ def load_exported(out_dir: Path, target_path: Path) -> Eagle3Drafter:
     num_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     attention = attention_of(config)
     mla_dims = {k: config[k] for k in MLA_DIMS} if attention == "mla" else None
-    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant, attention, mla_dims)
+    cfg = DrafterConfig.from_target(target_config, vocab.size, num_aux, variant, attention, mla_dims,
+                                    config.get("head_dim") if attention == "gqa" else None)
     model = Eagle3Drafter(cfg, target_config)
     embed, _ = load_target_embeddings(target_path)
     with torch.no_grad():

@@ -15,12 +15,12 @@ from tasks.store.reader import StoreReader
 from tasks.store.verification import require_verified
 from tasks.target.layers import AuxLayers
 from tasks.train import distributed
-from tasks.train.config import TrainConfig, TrainingError
+from tasks.train.config import DrafterRefused, TrainConfig, TrainingError
 from tasks.train.data import collate, plan_batches, split
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.dflash import DFlashDrafter
+from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_training import DFlashSetup, DFlashStep, anchor_generator, prepare_dflash
-from tasks.train.drafter import Eagle3Drafter, build_drafter
+from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, target_sizes
 from tasks.stream.reader import StreamReader
 from tasks.train.ttt import TTT
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -100,6 +100,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if not (target / "config.json").exists():
         raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
                             f"captured from, {manifest.get('target')})")
+    drafter_config(cfg, target_sizes(target), target)
     train_idx, held_idx = split(reader.sample_ids, cfg.heldout_fraction)
     device = distributed.device()
     if cfg.method == "dflash":
@@ -123,7 +124,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     try:
         model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
                               variant=cfg.variant, attention=cfg.attention, mla_dims=cfg.mla_dims,
-                              embeddings=(embed, head)).to(device)
+                              head_dim=cfg.head_dim, embeddings=(embed, head)).to(device)
     except ValueError as e:
         raise TrainingError(f"train.attention {cfg.attention} on target {target}: {e}") from None
     head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
@@ -132,6 +133,22 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
         head = head.to(low)
     return Run(cfg, reader, train_idx, held_idx, layers, target, _in_precision(model, cfg, device), head_rows, head,
                device, rank, world, vocab, _unless_all(positions, manifest))
+
+
+def drafter_config(cfg: TrainConfig, target_config: dict, target: Path | str = "the target",
+                   num_aux: int = 3) -> DrafterConfig | DFlashConfig:
+    """The drafter the settings make for this target, derived from its config
+    alone: refused here, before the store or the target's weights are read,
+    where SGLang could not serve it (tasks/train/gpu_kernels.py) or the
+    settings cannot make it."""
+    try:
+        if cfg.method == "dflash":
+            return DFlashConfig.from_target(target_config, cfg.draft_layers, num_aux, cfg.head_dim)
+        return DrafterConfig.from_target(target_config, cfg.draft_vocab_size, num_aux, cfg.variant, cfg.attention,
+                                         cfg.mla_dims, cfg.head_dim)
+    except ValueError as e:
+        raise DrafterRefused(f"train.method {cfg.method} ({cfg.attention if cfg.method == 'eagle3' else 'gqa'}) on "
+                            f"target {target}: {e}") from None
 
 
 def _in_precision(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
