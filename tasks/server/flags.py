@@ -53,6 +53,9 @@ class Decided:
     dtype: str
     attention_backend: str | None  # None: SGLang's default, or the user's own flag
     trust_remote_code: bool
+    # A speculative server's draft backend where SGLang's default refuses the
+    # drafter (tasks/train/gpu_kernels.py draft_attention_backend); None: its default.
+    draft_attention_backend: str | None = None
 
 
 def _server(c: Decided):
@@ -111,6 +114,9 @@ FLAGS: tuple[Flag, ...] = (
          lambda c: [] if c.trust_remote_code else None, shown=False),
     Flag("--attention-backend", "--attention-backend spelt in full: the launcher then leaves its own out",
          lambda c: _if_set(c.attention_backend)),
+    Flag("--speculative-draft-attention-backend",
+         "--speculative-draft-attention-backend spelt in full: the launcher then leaves its own out",
+         lambda c: _if_set(c.draft_attention_backend)),
     Flag("--chunked-prefill-size", "server.chunked_prefill_size", lambda c: _if_set(_server(c).chunked_prefill_size)),
     Flag("--mem-fraction-static", "server.mem_fraction_static", lambda c: _if_set(_server(c).mem_fraction_static)),
     # SGLang's scheduler otherwise busy-polls a core while idle (bench/idle_cpu.py).

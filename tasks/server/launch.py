@@ -207,6 +207,41 @@ def cpu_attention_backend(spec: LaunchSpec) -> str | None:
     return arch.cpu_attention_backend if arch else None
 
 
+# A drafter config.json's architecture for the MLA layout (tasks/train/export.py).
+MLA_DRAFTER = "Eagle3DeepseekV2ForCausalLM"
+
+
+def draft_attention_backend(target_is_mla: bool, drafter_is_mla: bool, capability: tuple[int, int] | None
+                            ) -> str | None:
+    """--speculative-draft-attention-backend a speculative EAGLE-3 server
+    needs (None: SGLang's default serves). An EAGLE-3 draft runs on the
+    target's backend unless told otherwise
+    (model_runner_components/attention_backend_setup.py:193-204), on
+    Blackwell trtllm_mla for DeepSeek-V3 and Kimi-K2.5
+    (arg_groups/model_overrides/deepseek_v2.py:179-188), which refuses a
+    draft that is not MLA (attention_registry.py:94-97): a GQA drafter there
+    gets flashinfer, which takes its heads (tasks/train/gpu_kernels.py).
+    On Hopper both run on fa3."""
+    if target_is_mla and not drafter_is_mla and capability is not None and capability[0] >= 10:
+        return "flashinfer"
+    return None
+
+
+def draft_backend(spec: LaunchSpec) -> str | None:
+    """draft_attention_backend for this speculative server on this node's GPU."""
+    if not spec.speculative or spec.algorithm != "EAGLE3":
+        return None
+    import json
+
+    import torch
+
+    arch = _architecture(spec)
+    target = arch.sizes(json.loads((Path(spec.server.model) / "config.json").read_text())) if arch else {}
+    drafter = json.loads((Path(spec.draft_model_path) / "config.json").read_text())
+    return draft_attention_backend(bool(target.get("kv_lora_rank")), drafter.get("architectures") == [MLA_DRAFTER],
+                                   torch.cuda.get_device_capability())
+
+
 def hook_spec(spec: LaunchSpec) -> list[dict]:
     """The capture hook on the decoder stack, and the hook on its first
     layer that hands it the forward batch (tasks/capture/hook.py)."""
@@ -234,7 +269,9 @@ def build_command(spec: LaunchSpec, port: int, *, cpu: bool) -> list[str]:
                       attention_backend=(cpu_attention_backend(spec) if cpu and not gives_flag(
                           server.extra_args, "--attention-backend") else None),
                       trust_remote_code=(bool(arch and arch.remote_code)
-                                         and not gives_flag(server.extra_args, "--trust-remote-code")))
+                                         and not gives_flag(server.extra_args, "--trust-remote-code")),
+                      draft_attention_backend=(None if cpu or gives_flag(
+                          server.extra_args, "--speculative-draft-attention-backend") else draft_backend(spec)))
     cmd = [sys.executable, "-m", "sglang.launch_server", *command_flags(decided)]
     refuse_owned_flags(server.extra_args, cmd, capture=spec.capture)
     return cmd + list(server.extra_args)

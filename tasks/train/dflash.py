@@ -61,9 +61,9 @@ class DFlashConfig(LayerSizes):
             raise ValueError(f"a DFlash drafter needs at least one layer and one target layer to read; got "
                              f"{num_layers} layers reading {num_context}")
         sizes = LayerSizes.of(target_config, head_dim=head_dim)
+        check_dflash_head_dim(sizes["head_dim"])
         check_gqa_heads(sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"], target_config,
                         "a DFlash drafter")
-        check_dflash_head_dim(sizes["head_dim"])
         return cls(**sizes, num_layers=num_layers, num_context=num_context,
                    rope=tuple(rope_config(target_config).items()))
 

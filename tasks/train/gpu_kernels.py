@@ -11,8 +11,8 @@ Which backend a draft gets:
   (arg_groups/model_override_base.py:305-340,
   arg_groups/model_overrides/deepseek_v2.py:179-188). trtllm_mla refuses a
   draft that is not MLA (attention_registry.py:94-97): a GQA drafter of an
-  MLA target needs a draft backend named on Blackwell
-  (`draft_attention_backend`).
+  MLA target needs a draft backend named on Blackwell (the launcher names
+  flashinfer: tasks/server/launch.py draft_attention_backend).
 - DFlash resolves its own among flashinfer, fa3, fa4, triton, trtllm_mha
   (arg_groups/speculative_hook.py:886-987, choices.py:103-111): fa3 on
   Hopper, fa4 or flashinfer on Blackwell.
@@ -113,13 +113,3 @@ def check_tensor_parallel(heads: int, kv_heads: int | None, tp: int, what: str) 
     if wrong:
         raise KernelRefusal(f"{what}: {heads} heads ({kv_heads} KV) cannot be split over tensor parallelism {tp}: "
                             f"SGLang asserts heads % tp == 0 and KV heads a multiple or a divisor of tp")
-
-
-def draft_attention_backend(target_is_mla: bool, drafter_attention: str, capability: tuple[int, int] | None
-                            ) -> str | None:
-    """--speculative-draft-attention-backend a speculative server needs
-    (None: the default serves): a GQA drafter of an MLA target on Blackwell,
-    where the default trtllm_mla refuses it, gets flashinfer."""
-    if target_is_mla and drafter_attention == "gqa" and capability is not None and capability[0] >= 10:
-        return "flashinfer"
-    return None
