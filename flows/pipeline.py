@@ -84,7 +84,7 @@ def eagle3_pipeline(
         else:
             extract_hidden_states(server=server, capture=capture, store=store, verify=False)
             verify_store(store=str(store_dir))
-            trained = train_drafter(store=str(store_dir), train=train)
+            trained = train_drafter(store=str(store_dir), train=train, server=server)
         report = evaluate_drafter(drafter_dirs=[trained["drafter_dir"]], store=str(store_dir),
                                   server=server.model_copy(update={"model": trained["target"]}),
                                   evaluate=evaluate) if evaluate.enabled else None

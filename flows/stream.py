@@ -259,7 +259,7 @@ def capture_and_train(server: ServerConfig, capture: CaptureConfig, store: Store
     room = plan.spool_room(train.spool_bytes)
     watching = watch_task.submit(store.path, room)
     try:
-        trained = train_drafter(store=store.path, train=train)
+        trained = train_drafter(store=store.path, train=train, server=server)
     except BaseException:
         mark_trainer(Path(store.path), "stopped")
         raise

@@ -19,6 +19,7 @@ from flows.artifacts import artifact_key
 from flows.config import described
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
+from tasks.server.config import ServerConfig
 from tasks.store.lock import hold_lock
 from tasks.store.config import StoreConfig
 from tasks.store.verification import require_verified
@@ -42,10 +43,10 @@ def check_verified_task(store: str) -> dict:
 # position); data found corrupt, or a checkpoint of other settings, fails
 # the same way again and is not retried.
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=unless_permanent)
-def train_task(cfg: TrainConfig, store: str) -> TrainResult:
+def train_task(cfg: TrainConfig, store: str, server: ServerConfig) -> TrainResult:
     if cfg.devices > 1 or cfg.nnodes > 1:
-        return launch_distributed(cfg, store, get_run_logger())
-    return train(cfg, store)
+        return launch_distributed(cfg, store, get_run_logger(), server)
+    return train(cfg, store, server=server)
 
 
 @task(name="check-export", cache_policy=NO_CACHE)
@@ -92,8 +93,12 @@ def metrics_artifacts_task(result: TrainResult, out_dir: str) -> None:
 def train_drafter(
     store: Annotated[str, Field(description="a verified store (from extract_hidden_states)")] = StoreConfig().path,
     train: TrainConfig = TrainConfig(),
+    server: ServerConfig = ServerConfig(),
 ) -> dict:
-    """Train an EAGLE-3 drafter on a verified store and export it for SGLang."""
+    """Train an EAGLE-3 drafter on a verified store and export it for SGLang. The server section is how the
+    drafter will be served (tensor and data parallelism, memory, dtype, extra_args): train.serve_every launches
+    the store's target with it, and the drafter's heads must split over its tensor parallelism; its model is
+    always the store's target."""
     store = str(Path(store).resolve())
     out_dir = Path(train.out_dir).resolve()
     cfg = train.model_copy(update={"out_dir": str(out_dir)})
@@ -107,7 +112,7 @@ def train_drafter(
         keep_run_config(lock_dir / "config.yaml", "train_drafter", lock_dir)
         if not cfg.stream:  # a stream run reads each shard as the capture commits it
             check_verified_task(store)
-        result = train_task(cfg, store)
+        result = train_task(cfg, store, server)
         if node == 0:
             check_export_task(result, cfg.out_dir)
             metrics_artifacts_task(result, cfg.out_dir)

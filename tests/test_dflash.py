@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from tasks.store.shards import FORMAT
 from tasks.target.embeddings import load_target_embeddings
 from tasks.target.layers import AuxLayers
-from tasks.train.dflash import (DFlashConfig, DFlashDrafter, block_labels, build_dflash, dflash_forward,
-                                sample_anchors, score)
+from tasks.train.dflash import (LOSS_GAMMA, DFlashConfig, DFlashDrafter, block_labels, build_dflash, dflash_forward,
+                                greedy_targets, loss_gamma_for, sample_anchors, score)
 from tasks.train.dflash_export import check_served, export_dflash, load_dflash
 from tasks.train.dflash_target import (DEFAULT_MASK_TOKEN, check_target_layer_ids, layer_positions, mask_token_for,
                                        store_layer_positions)
@@ -189,7 +189,7 @@ def test_loss_and_metrics_are_the_weighted_full_vocabulary_ones():
     mask[0, 8] = False
     mask[1, 10:] = False  # padding
     batch = {"input_ids": ids, "loss_mask": mask, "aux": torch.randn(2, 14, 96)}
-    out = dflash_forward(model, batch, block_size=4, mask_token_id=39, max_anchors=4,
+    out = dflash_forward(model, batch, block_size=4, mask_token_id=39, max_anchors=4, gamma=LOSS_GAMMA, labels="data",
                          generator=torch.Generator().manual_seed(0), rows=3)
     anchors, keep = sample_anchors(mask, 4, torch.Generator().manual_seed(0))
     block_ids, labels, scored, weights = block_labels(ids, mask, anchors, keep, 4, 39)
@@ -209,11 +209,59 @@ def test_loss_and_metrics_are_the_weighted_full_vocabulary_ones():
     grads = []
     for rows in (2, 1000):
         model.zero_grad()
-        dflash_forward(model, batch, block_size=4, mask_token_id=39, max_anchors=4,
+        dflash_forward(model, batch, block_size=4, mask_token_id=39, max_anchors=4, labels="data",
                        generator=torch.Generator().manual_seed(0), rows=rows).loss.backward()
         grads.append(model.fc.weight.grad.clone())
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
     assert model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
+
+
+def test_target_labels_are_the_targets_greedy_token_where_sglangs_verify_compares():
+    """SGLang accepts a draft where it equals the target's argmax: each
+    loss-masked token t+1 is labelled with argmax(head @ final[t]), the rest
+    keep the data's (they are never scored); the blocks' inputs (the anchor's
+    token) stay the data's."""
+    torch.manual_seed(3)
+    model = _drafter()
+    ids = torch.randint(0, 39, (2, 14))
+    mask = torch.ones(2, 14, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[1, 11:] = False
+    final = torch.randn(2, 14, 32)
+    head = model.lm_head.weight
+    want = ids.clone()
+    for b in range(2):
+        for t in range(13):
+            if mask[b, t + 1]:
+                want[b, t + 1] = int((final[b, t] @ head.T).argmax())
+    assert torch.equal(greedy_targets(ids, mask, final, head), want)
+    assert not torch.equal(want, ids)  # a random target disagrees with the data somewhere
+    batch = {"input_ids": ids, "loss_mask": mask, "aux": torch.randn(2, 14, 96), "final": final}
+    drawn = dict(block_size=4, mask_token_id=39, max_anchors=4)
+    target = dflash_forward(model, batch, **drawn, generator=torch.Generator().manual_seed(0))
+    data = dflash_forward(model, batch, **drawn, labels="data", generator=torch.Generator().manual_seed(0))
+    anchors, keep = sample_anchors(mask, 4, torch.Generator().manual_seed(0))
+    block_ids, labels, scored, weights = block_labels(ids, mask, anchors, keep, 4, 39, loss_gamma_for(4), want)
+    assert torch.equal(block_ids, block_labels(ids, mask, anchors, keep, 4, 39)[0])
+    logits = model.blocks(batch["aux"], block_ids, anchors) @ head.T
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
+    assert torch.allclose(target.loss, (ce * weights.flatten()).sum() / weights.sum(), rtol=1e-5)
+    assert not torch.allclose(target.loss, data.loss)
+
+
+def test_the_loss_decay_follows_the_block():
+    """The DFlash paper's gamma: 4 for blocks of 8, 5 for 10, 7 for 16
+    (SpecForge's train_dflash.py), linear between them and beyond; a
+    forward without one takes its block's."""
+    assert [loss_gamma_for(b) for b in (8, 10, 16)] == [4.0, 5.0, 7.0]
+    assert loss_gamma_for(12) == pytest.approx(5 + 2 / 3) and loss_gamma_for(4) == 2.0
+    assert loss_gamma_for(32) > loss_gamma_for(16) > loss_gamma_for(8) > loss_gamma_for(2) > 0
+    model = _drafter()
+    batch = {"input_ids": torch.randint(0, 39, (1, 12)), "loss_mask": torch.ones(1, 12, dtype=torch.bool),
+             "aux": torch.randn(1, 12, 96)}
+    run = lambda gamma: dflash_forward(model, batch, block_size=8, mask_token_id=39, gamma=gamma,  # noqa: E731
+                                       labels="data", generator=torch.Generator().manual_seed(0)).loss
+    assert torch.equal(run(None), run(4.0)) and not torch.allclose(run(None), run(LOSS_GAMMA))
 
 
 def test_scoring_in_chunks_equals_one_matmul():
@@ -227,7 +275,7 @@ def test_a_batch_without_a_block_gives_a_zero_loss_with_a_graph():
     model = _drafter()
     batch = {"input_ids": torch.zeros(1, 5, dtype=torch.long), "loss_mask": torch.tensor([[1, 0, 1, 0, 1]]),
              "aux": torch.randn(1, 5, 96)}
-    out = dflash_forward(model, batch, block_size=4, mask_token_id=39)
+    out = dflash_forward(model, batch, block_size=4, mask_token_id=39, labels="data")
     out.loss.backward()
     assert float(out.loss) == 0 and int(out.blocks) == 0 and out.accept_length == 1.0
 

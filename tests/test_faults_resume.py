@@ -55,7 +55,7 @@ RECORDING_RUN = """
 import json, os, signal, sys
 from tasks.train.launch import read_launch_config
 from tasks.train.loop import train
-cfg, store = read_launch_config(sys.argv[1])
+cfg, store, _ = read_launch_config(sys.argv[1])
 records, kill_after = sys.argv[2], int(sys.argv[3])
 def on_step(s):
     with open(f"{records}.{s['rank']}", "a") as f:

@@ -37,6 +37,11 @@ class Acceptance:
     accept_rate: float  # drafts accepted / drafts proposed (num_drafts a step)
     histogram: list[int]  # summed over requests, num_drafts + 1 bins; bin k: verify steps that accepted k drafts
     per_position: list[float]  # num_drafts entries; entry k-1: share of verify steps that accepted their k-th draft
+    # The pooled figure's standard error, requests as clusters (pooled_standard_error).
+    pooled_se: float = 0.0
+    # Each request's (completion tokens, verify steps), in request order: two
+    # measurements on the same prompts compare request by request (paired_difference).
+    per_request: list[tuple[int, int]] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,10 +79,44 @@ def acceptance(meta_infos: Sequence[dict], num_drafts: int) -> Acceptance:
         raise ValueError(f"none of {len(meta_infos)} requests went through a verify step: nothing was drafted")
     total = sum(histogram)
     accepted = sum(k * n for k, n in enumerate(histogram))
+    counts = [(int(m["completion_tokens"]), int(m["spec_verify_ct"])) for m in meta_infos]
     return Acceptance(requests=len(meta_infos), completion_tokens=completion, verify_steps=steps,
                       pooled=completion / steps, mean_of_means=sum(ratios) / len(ratios),
                       accept_rate=accepted / (total * num_drafts) if total else 0.0,
-                      histogram=histogram, per_position=per_position(histogram))
+                      histogram=histogram, per_position=per_position(histogram),
+                      pooled_se=pooled_standard_error(counts), per_request=counts)
+
+
+def _influence(counts: Sequence[tuple[int, int]]) -> list[float]:
+    """Each request's share of the pooled ratio's error: (n_i - r v_i) / V
+    for r = N / V, the linearisation of a ratio of sums (the delta method)."""
+    tokens, steps = sum(n for n, _ in counts), sum(v for _, v in counts)
+    r = tokens / steps
+    return [(n - r * v) / steps for n, v in counts]
+
+
+def pooled_standard_error(counts: Sequence[tuple[int, int]]) -> float:
+    """The standard error of Σ n / Σ v over requests (n completion tokens, v
+    verify steps each), requests as clusters: the verify steps of one request
+    are not independent draws (a text the drafter reads well stays so), so
+    the spread between requests is what measures it. 0 for one request."""
+    m = len(counts)
+    if m < 2:
+        return 0.0
+    return (m / (m - 1) * sum(e * e for e in _influence(counts))) ** 0.5
+
+
+def paired_difference(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """(pooled a - pooled b, its standard error) for two measurements on the
+    same prompts in the same order: request by request, so what the prompts
+    share (a hard prompt is hard for both) cancels."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired measurements need the same requests: {len(a)} against {len(b)}")
+    pooled = lambda c: sum(n for n, _ in c) / sum(v for _, v in c)  # noqa: E731
+    d = [x - y for x, y in zip(_influence(a), _influence(b))]
+    m = len(d)
+    se = (m / (m - 1) * sum(e * e for e in d)) ** 0.5 if m > 1 else 0.0
+    return pooled(a) - pooled(b), se
 
 
 def per_position(histogram: Sequence[int]) -> list[float]:

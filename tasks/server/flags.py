@@ -83,6 +83,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--port", "LaunchSpec.port", lambda c: [str(c.port)], shown=False),
     Flag("--dtype", "server.dtype", lambda c: [c.dtype]),
     Flag("--tp-size", "server.tp_size", lambda c: [str(_server(c).tp_size)]),
+    Flag("--base-gpu-id", "LaunchSpec.base_gpu_id (a server beside training starts after its GPUs)",
+         lambda c: _if_set(c.spec.base_gpu_id)),
     # Attention groups are SGLang's --attn-dp-size since 0.5.23 (its
     # --enable-dp-attention is deprecated); then there are no replicas.
     Flag("--dp-size", "server.dp_size", lambda c: [str(1 if _server(c).dp_attention else _server(c).dp_size)]),

@@ -74,6 +74,9 @@ class LaunchSpec:
     extra_hooks: Sequence[dict] = ()
     host: str = "127.0.0.1"
     port: int | None = None  # None: a free port
+    # The first GPU of the server's (SGLang's --base-gpu-id): a server beside
+    # a training run takes the GPUs after the ones training holds.
+    base_gpu_id: int | None = None
 
     def __post_init__(self):
         if self.server.url is not None:
@@ -237,8 +240,10 @@ def draft_backend(spec: LaunchSpec) -> str | None:
 
     arch = _architecture(spec)
     target = arch.sizes(json.loads((Path(spec.server.model) / "config.json").read_text())) if arch else {}
+    if not target.get("kv_lora_rank") or not torch.cuda.is_available():
+        return None
     drafter = json.loads((Path(spec.draft_model_path) / "config.json").read_text())
-    return draft_attention_backend(bool(target.get("kv_lora_rank")), drafter.get("architectures") == [MLA_DRAFTER],
+    return draft_attention_backend(True, drafter.get("architectures") == [MLA_DRAFTER],
                                    torch.cuda.get_device_capability())
 
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from tasks.durable import replace_durably
 from tasks.train import distributed
-from tasks.train.config import CheckpointMismatch, TrainConfig, TrainingError
+from tasks.train.config import BEFORE_THE_SETTING, CheckpointMismatch, TrainConfig, TrainingError
 from tasks.train.data import describe_split_change
 from tasks.train.drafter import Eagle3Drafter, build_drafter
 from tasks.train.vocab import DraftVocab
@@ -62,11 +62,11 @@ def read_checkpoint(path: Path, cfg: TrainConfig, store: str | Path, world: int)
     if not path.exists():
         return None
     ckpt = load_checkpoint(path)
-    # A checkpoint from before a setting existed ran with its default.
-    ckpt["identity"] = {**TrainConfig().identity(store), **ckpt["identity"]}
+    # A checkpoint from before a setting existed ran with its default then.
+    ckpt["identity"] = {**TrainConfig(method=cfg.method).identity(store), **BEFORE_THE_SETTING, **ckpt["identity"]}
     now = cfg.identity(store)
-    if ckpt["identity"] != now:
-        changed = {k: (ckpt["identity"].get(k), v) for k, v in now.items() if ckpt["identity"].get(k) != v}
+    changed = {k: (ckpt["identity"].get(k), v) for k, v in now.items() if ckpt["identity"].get(k) != v}
+    if changed:
         changed = {f"train.{k}" if k != "store" else k: v for k, v in changed.items()}
         raise CheckpointMismatch(f"{path} belongs to a run with other settings {changed} (old, new): use another "
                                  f"out_dir, or delete the checkpoint to start over")

@@ -19,6 +19,11 @@ from tasks.failures import Permanent
 # A setting that is not part of a run's identity: it may change between a
 # run and its resume (how it runs, not what it trains).
 RESUMABLE = {"resumable": True}
+# Settings only a DFlash drafter reads: an EAGLE-3 run's identity leaves them out.
+DFLASH_ONLY = {"block_size", "draft_layers", "max_anchors", "loss_gamma", "labels"}
+# What a checkpoint written before a setting existed ran with, where that is
+# not the setting's default today (DFlash was labelled with the data's tokens).
+BEFORE_THE_SETTING = {"labels": "data"}
 
 
 class TrainConfig(Section):
@@ -39,8 +44,12 @@ class TrainConfig(Section):
     draft_layers: int = Field(1, ge=1, le=16, description="dflash: decoder layers of the drafter")
     max_anchors: int = Field(512, ge=1, description=(
         "dflash: random block starts per sample and batch (among its loss-masked positions)"))
-    loss_gamma: float = Field(7.0, gt=0, description=(
-        "dflash: the loss weight of draft slot k is exp(-(k - 1) / loss_gamma)"))
+    loss_gamma: Optional[float] = Field(None, gt=0, description=(
+        "dflash: the loss weight of draft slot k is exp(-(k - 1) / loss_gamma) (default: by the block, the DFlash "
+        "paper's 4 for blocks of 8, 5 for 10, 7 for 16, linear between and beyond)"))
+    labels: Literal["target", "data"] = Field("target", description=(
+        "dflash: what each draft slot is trained to predict: the target's greedy token there (from the store's "
+        "final states: what SGLang accepts, a draft matching the target's argmax), or the dataset's token"))
     variant: Literal["eagle3", "eagle3.1"] = Field("eagle3", description=(
         "the drafter: eagle3, or eagle3.1 (an RMSNorm per aux state before fc, and draft steps fed the normed "
         "output; SGLang's fc_norm and norm_output). The capture is the same"))
@@ -85,8 +94,11 @@ class TrainConfig(Section):
     serve_max_new_tokens: int = Field(48, ge=1, json_schema_extra=RESUMABLE, description=(
         "serve_every: tokens each prompt generates (greedy, EOS ignored)"))
     keep_best_served: bool = Field(False, json_schema_extra=RESUMABLE, description=(
-        "serve_every: export the weights that SGLang accepted the most drafts of (pooled accept length), not "
-        "the last epoch's"))
+        "serve_every: export the weights of the epoch SGLang accepted the most drafts of (pooled accept length) "
+        "instead of the last epoch's, if it beat the last by more than keep_best_margin standard errors"))
+    keep_best_margin: float = Field(2.0, ge=0, json_schema_extra=RESUMABLE, description=(
+        "keep_best_served: standard errors (the same prompts, request by request) by which an earlier epoch's "
+        "served accept length must beat the last epoch's to be exported instead"))
     seed: int = Field(0, ge=0, description="initialisation and data-order seed")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs (no bf16 matmul units); fp32 "
@@ -183,8 +195,10 @@ class TrainConfig(Section):
 
     def identity(self, store: str | Path) -> dict:
         """What a checkpoint must have been written under to be resumed: the
-        store and every setting but the resumable ones."""
-        return {"store": str(store), **self.model_dump(exclude=self.resumable())}
+        store and every setting but the resumable ones and those another
+        drafter family's alone reads."""
+        unread = DFLASH_ONLY if self.method == "eagle3" else set()
+        return {"store": str(store), **self.model_dump(exclude=self.resumable() | unread)}
 
     @classmethod
     def resumable(cls) -> set[str]:
@@ -208,6 +222,7 @@ class TrainResult:
     tokens: int = 0
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     exported_epoch: int | None = None  # the epoch whose weights drafter/ holds (keep_best_served); None: the last
+    served_choice: dict | None = None  # keep_best_served: the best and last served epochs compared (served.choose_served)
 
     @property
     def final(self) -> dict:

@@ -21,9 +21,11 @@ has no embedding or head of its own: both are the target's, frozen here.
 Training (SpecForge specforge/algorithms/common/dflash_family_model.py):
 random anchors a where tokens a and a+1 are both loss-masked; the block at
 anchor a is [x_a, MASK...] at positions a..a+B-1 and sees the ctx of tokens
-< a and its own block; slot k is labelled x_{a+k}, scored where a+k is a
-loss-masked token of the sequence, cross-entropy weighted exp(-(k-1)/gamma)
-over the full target vocabulary, normalised by the weights' sum.
+< a and its own block; slot k is labelled with the target's greedy token at
+a+k (what SGLang's verify accepts; the data's x_{a+k} with labels "data", as
+SpecForge does), scored where a+k is a loss-masked token of the sequence,
+cross-entropy weighted exp(-(k-1)/gamma) (gamma by the block size) over the
+full target vocabulary, normalised by the weights' sum.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from tasks.train.rope import Rotary, gqa_rotary, rope_config
 # SpecForge's defaults (and the reference DFlash's).
 BLOCK_SIZE = 16
 MAX_ANCHORS = 512
-LOSS_GAMMA = 7.0
+LOSS_GAMMA = 7.0  # for blocks of 16: loss_gamma_for
 # Rows of the full-vocabulary logits materialised at once (x vocab x 4 bytes:
 # 256 MB at 1024 rows of a 160k vocabulary).
 LOGIT_ROWS = 1024
@@ -189,6 +191,17 @@ class DFlashDrafter(nn.Module):
         return self.norm(h).view(b, n, bk, -1)
 
 
+def loss_gamma_for(block_size: int) -> float:
+    """The slot weights' decay for a block size, as the DFlash paper tuned it
+    (SpecForge's train_dflash.py: 7 for blocks of 16, 5 for 10, 4 for 8),
+    linear between those and beyond: a short block's late slots are
+    accepted rarely, and weighting them as a long block's would spend its
+    loss where little is accepted."""
+    if block_size <= 10:
+        return 4.0 + (block_size - 8) / 2
+    return 5.0 + (block_size - 10) / 3
+
+
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `max_anchors` random anchors per sequence, ascending, among the
@@ -214,19 +227,22 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
 
 
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                 block_size: int, mask_token_id: int, gamma: float = LOSS_GAMMA
+                 block_size: int, mask_token_id: int, gamma: float = LOSS_GAMMA,
+                 targets: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The blocks' inputs and targets: (block_ids [B, N, Bk]: the anchor's
-    token then MASK; labels [B, N, Bk]: token anchor+k; scored [B, N, Bk]:
-    slot k >= 1 of a kept block with anchor+k a loss-masked position of the
-    sequence; weights [B, N, Bk]: exp(-(k-1)/gamma) where scored, else 0)."""
+    token then MASK; labels [B, N, Bk]: token anchor+k of `targets` (the
+    token each position should hold: the target's greedy one, see
+    greedy_targets; the data's when None); scored [B, N, Bk]: slot k >= 1 of
+    a kept block with anchor+k a loss-masked position of the sequence;
+    weights [B, N, Bk]: exp(-(k-1)/gamma) where scored, else 0)."""
     b, s = input_ids.shape
     k = torch.arange(block_size, device=input_ids.device)
     at = anchors[:, :, None] + k
     inside = at < s
     at = at.clamp(max=s - 1)
     rows = torch.arange(b, device=input_ids.device)[:, None, None]
-    labels = input_ids[rows, at]
+    labels = (input_ids if targets is None else targets)[rows, at]
     scored = keep[:, :, None] & inside & (k > 0) & loss_mask.bool()[rows, at]
     weights = torch.exp(-(k - 1).clamp(min=0).float() / gamma) * scored
     block_ids = torch.full_like(labels, mask_token_id)
@@ -286,15 +302,37 @@ class DFlashOutput:
         return 1.0 + sum(self.chain_share)
 
 
+@torch.no_grad()
+def greedy_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, final: torch.Tensor,
+                   head: torch.Tensor) -> torch.Tensor:
+    """The token SGLang's verify accepts at each position: the target's
+    greedy one, argmax of its head over the final state of the position
+    before (from the store, as EAGLE-3 distils it), where that token is
+    loss-masked; elsewhere the data's (never scored)."""
+    from tasks.train.vocab import target_greedy
+
+    predicts = torch.zeros_like(loss_mask, dtype=torch.bool)
+    predicts[:, :-1] = loss_mask[:, 1:].bool()  # position t's greedy token is token t+1's
+    targets = input_ids.clone()
+    b, t = predicts.nonzero(as_tuple=True)
+    if len(b):
+        targets[b, t + 1] = target_greedy(final[b, t], head).to(targets.dtype)
+    return targets
+
+
 def dflash_forward(model: DFlashDrafter, batch: dict, *, block_size: int = BLOCK_SIZE, mask_token_id: int,
-                   max_anchors: int = MAX_ANCHORS, gamma: float = LOSS_GAMMA,
+                   max_anchors: int = MAX_ANCHORS, gamma: float | None = None, labels: str = "target",
                    generator: torch.Generator | None = None, rows: int = LOGIT_ROWS) -> DFlashOutput:
     """One training forward over a collated batch (`input_ids`, `loss_mask`,
     `aux`: the K target layers' states concatenated per token, in the order
-    of the drafter's target_layer_ids)."""
+    of the drafter's target_layer_ids; `final`: the target's final states,
+    for labels "target"). `gamma`: None for the block's (loss_gamma_for)."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
+    gamma = loss_gamma_for(block_size) if gamma is None else gamma
+    targets = greedy_targets(ids, mask, batch["final"], model.lm_head.weight) if labels == "target" else None
     anchors, keep = sample_anchors(mask, max_anchors, generator)
-    block_ids, labels, scored, weights = block_labels(ids, mask, anchors, keep, block_size, mask_token_id, gamma)
+    block_ids, wanted, scored, weights = block_labels(ids, mask, anchors, keep, block_size, mask_token_id, gamma,
+                                                      targets)
     slots = block_size - 1
     if anchors.shape[1] == 0:
         zero = torch.zeros(slots, dtype=torch.long, device=ids.device)
@@ -302,12 +340,12 @@ def dflash_forward(model: DFlashDrafter, batch: dict, *, block_size: int = BLOCK
         loss = sum(p.sum() for p in model.trained_tensors().values()) * 0.0
         return DFlashOutput(loss, zero, zero.clone(), zero.clone(), zero.clone(), zero.new_zeros(()))
     hidden = model.blocks(batch["aux"], block_ids, anchors)
-    ce, top = score(hidden[scored], model.lm_head.weight, labels[scored], rows)
+    ce, top = score(hidden[scored], model.lm_head.weight, wanted[scored], rows)
     w = weights[scored]
     loss = (ce * w).sum() / w.sum().clamp(min=torch.finfo(w.dtype).tiny)
     with torch.no_grad():
         hit = torch.zeros_like(scored)
-        hit[scored] = top == labels[scored]
+        hit[scored] = top == wanted[scored]
         alive = (hit & scored)[:, :, 1:].long().cumprod(dim=-1).bool() & keep[:, :, None]
         through = scored[:, :, 1:].long().cumprod(dim=-1).bool() & keep[:, :, None]
         return DFlashOutput(loss, hit[:, :, 1:].sum((0, 1)), scored[:, :, 1:].sum((0, 1)), alive.sum((0, 1)),

@@ -80,7 +80,8 @@ class DFlashStep(torch.nn.Module):
     def forward(self, batch: dict, generator: torch.Generator) -> DFlashOutput:
         cfg = self.cfg
         return dflash_forward(self.drafter, batch, block_size=cfg.block_size, mask_token_id=self.setup.mask_token_id,
-                              max_anchors=cfg.max_anchors, gamma=cfg.loss_gamma, generator=generator)
+                              max_anchors=cfg.max_anchors, gamma=cfg.loss_gamma, labels=cfg.labels,
+                              generator=generator)
 
 
 @torch.no_grad()

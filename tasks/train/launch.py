@@ -19,6 +19,7 @@ from pathlib import Path
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.paths import REPO_ROOT
+from tasks.server.config import ServerConfig
 from tasks.train.config import TrainConfig, TrainingError, TrainResult
 from tasks.train.loop import RESULT, train
 
@@ -44,21 +45,31 @@ def torchrun_args(cfg: TrainConfig) -> list[str]:
             f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id=eagle3-{run_id}"]
 
 
-def write_launch_config(path: Path, cfg: TrainConfig, store: str | Path) -> None:
-    """What `main` trains: the config and the store beside it. Replaced
-    whole: on a shared out_dir another node may be reading it. Without
-    node_rank, so that every node writes the same file (training does not
-    read it: the rendezvous numbers the nodes)."""
-    text = json.dumps({"store": str(store), "train": cfg.model_dump(mode="json", exclude={"node_rank"})}, indent=2)
+# What a launched server's section never carries to the ranks: they launch
+# their own (serve_every), with a key and rid prefix of its own.
+_ATTACH_ONLY = {"url", "api_key", "rid_prefix"}
+
+
+def write_launch_config(path: Path, cfg: TrainConfig, store: str | Path, server: ServerConfig | None = None) -> None:
+    """What `main` trains: the config, the store and the run's server
+    settings beside it. Replaced whole: on a shared out_dir another node may
+    be reading it. Without node_rank, so that every node writes the same file
+    (training does not read it: the rendezvous numbers the nodes)."""
+    doc = {"store": str(store), "train": cfg.model_dump(mode="json", exclude={"node_rank"})}
+    if server is not None:
+        doc["server"] = server.model_dump(mode="json", exclude=_ATTACH_ONLY)
+    text = json.dumps(doc, indent=2)
     replace_durably(Path(path), lambda tmp: tmp.write_text(text))
 
 
-def read_launch_config(path: Path) -> tuple[TrainConfig, str]:
+def read_launch_config(path: Path) -> tuple[TrainConfig, str, ServerConfig | None]:
     doc = json.loads(Path(path).read_text())
-    return TrainConfig.model_validate(doc["train"]), doc["store"]
+    server = ServerConfig.model_validate(doc["server"]) if doc.get("server") else None
+    return TrainConfig.model_validate(doc["train"]), doc["store"], server
 
 
-def launch_distributed(cfg: TrainConfig, store: str | Path, log: logging.Logger = logger) -> TrainResult:
+def launch_distributed(cfg: TrainConfig, store: str | Path, log: logging.Logger = logger,
+                       server: ServerConfig | None = None) -> TrainResult:
     """More than one device, or node: the same `train` under torchrun, one
     process per device; its output is forwarded line by line. On several
     nodes each node calls this with the same `cfg` and store, and all must
@@ -66,7 +77,7 @@ def launch_distributed(cfg: TrainConfig, store: str | Path, log: logging.Logger 
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = out_dir / "train-config.json"
-    write_launch_config(cfg_path, cfg, store)
+    write_launch_config(cfg_path, cfg, store, server)
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg),
            "-m", "tasks.train.launch", "--config", str(cfg_path)]
     log.info("launching %s", " ".join(cmd))
@@ -124,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                                                         "(write_launch_config)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg, store = read_launch_config(Path(args.config))
-    result = train(cfg, store)
+    cfg, store, server = read_launch_config(Path(args.config))
+    result = train(cfg, store, server=server)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"drafter_dir": result.drafter_dir, "final": result.final}))
 

@@ -36,7 +36,9 @@ from tasks.train.heldout import describe, evaluate
 from tasks.train.export import copy_drafter, export_drafter
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare
-from tasks.train.served import best_served, describe_served, measure_served, serve_now, served_dir
+from tasks.server.config import ServerConfig
+from tasks.train.served import (check_serving_fits, choose_served, describe_choice, describe_served, gpus_here,
+                                measure_served, serve_now, served_dir)
 from tasks.stream.reader import Spool
 from tasks.train.dflash_training import export_run
 from tasks.train.ttt import StepOutput
@@ -160,7 +162,8 @@ class Stepper:
                     self.epoch_tokens / max(1e-9, took), (total_steps - step) * took / self.epoch_steps)
 
 
-def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None] | None = None,
+def train(cfg: TrainConfig, store: str | Path, *, server: ServerConfig | None = None,
+          on_eval: Callable[[dict], None] | None = None,
           on_step: Callable[[dict], None] | None = None) -> TrainResult:
     """Train (or resume) a drafter on `store`, a verified store; returns its
     exported directory and metrics. Checkpoints hold the weights, the
@@ -174,15 +177,20 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
     of them): epoch, step, rank, world, the batch (its index in the epoch's
     order), sample ids and loss weight (0: a repeat in a slot left without a
     batch at an epoch's end), its loss and the step's gradient norm (before
-    clipping), so a caller can account for every batch the run consumed."""
+    clipping), so a caller can account for every batch the run consumed.
+
+    `server`: the run's server section, which the drafter is served with
+    (train.serve_every launches it; its tensor parallelism must split the
+    drafter's heads)."""
     started = time.time()
+    check_serving_fits(cfg, server, gpus_here())
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = out_dir / CHECKPOINT
     rank, world = distributed.process_group()
     ckpt = read_checkpoint(ckpt_path, cfg, store, world)
     vocab = DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt and ckpt.get("d2t") is not None else None
-    run = prepare(cfg, store, vocab, rank, world)
+    run = prepare(cfg, store, vocab, rank, world, server)
     model = run.model
     if ckpt is not None:
         model.load_state_dict(ckpt["model"], strict=False)
@@ -215,7 +223,7 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
     steps = Stepper(run, module, opt, trainable, ckpt_path)
     spool = Spool(run, store)
     if not history:
-        _evaluate(run, module, history, 0, 0, on_eval, store)
+        _evaluate(run, module, history, 0, 0, on_eval, store, server)
     while epoch < cfg.epochs:
         plan = plans[epoch]
         mine = assign_batches(len(plan), done, rank, world, cfg.accumulate)
@@ -241,23 +249,22 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
                              "sample_ids": [run.reader.sample_ids[i] for i in plan[b]], "weight": weight,
                              "loss": out.loss.item(), "grad_norm": grad_norm.item()})
         epoch, done = epoch + 1, 0
-        _evaluate(run, module, history, epoch, step, on_eval, store)
+        _evaluate(run, module, history, epoch, step, on_eval, store, server)
         writer.save(epoch, 0, step, history)
         spool.checkpointed(epoch, 0)
     spool.finish(cfg.epochs)
     drafter_dir = out_dir / "drafter"
     writer.require_finite(f"the export {drafter_dir}", step)
-    best = best_served(history) if cfg.keep_best_served else None
-    exported_epoch = best["epoch"] if best is not None and best["epoch"] != history[-1]["epoch"] else None
+    choice = choose_served(history, cfg.keep_best_margin) if cfg.keep_best_served else None
+    exported_epoch = choice["epoch"] if choice and choice["epoch"] != history[-1]["epoch"] else None
     with distributed.whole_weights(module):
         if rank == 0:
+            if choice:
+                logger.info("keep_best_served: %s", describe_choice(choice))
             if exported_epoch is None:
                 _export(run, drafter_dir, store, step, history[-1])
             else:
                 copy_drafter(served_dir(out_dir, exported_epoch) / "drafter", drafter_dir)
-                logger.info("exported the weights after epoch %d, which SGLang accepted the most drafts of "
-                            "(accept length %.2f pooled; the last epoch's %.2f)", exported_epoch,
-                            best["served"]["pooled"], history[-1]["served"]["pooled"])
             write_metrics(out_dir, history)
     if world > 1:
         torch.distributed.barrier()
@@ -266,7 +273,8 @@ def train(cfg: TrainConfig, store: str | Path, *, on_eval: Callable[[dict], None
                          draft_vocab_size=run.vocab.size if run.vocab else run.model.cfg.vocab_size,
                          target=str(run.target), resumed_from=resumed,
                          seconds=time.time() - started, data_wait_s=steps.wait_s, compute_s=steps.compute_s,
-                         tokens=steps.tokens, nonfinite_steps=steps.skipped, exported_epoch=exported_epoch)
+                         tokens=steps.tokens, nonfinite_steps=steps.skipped, exported_epoch=exported_epoch,
+                         served_choice=choice)
     if rank == 0:
         (out_dir / RESULT).write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
     return result
@@ -301,7 +309,7 @@ def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: 
 
 
 def _evaluate(run: Run, module: torch.nn.Module, history: list[dict], epoch: int, step: int,
-              on_eval: Callable[[dict], None] | None, store: str | Path) -> None:
+              on_eval: Callable[[dict], None] | None, store: str | Path, server: ServerConfig | None) -> None:
     """Rank 0 evaluates the drafter after `epoch` epochs (0: untrained) into
     `history`, and serves it in SGLang when serve_every says so
     (tasks/train/served.py); under FSDP every rank takes part in gathering
@@ -318,8 +326,9 @@ def _evaluate(run: Run, module: torch.nn.Module, history: list[dict], epoch: int
                 drafter_dir = served_dir(cfg.out_dir, epoch) / "drafter"
                 _export(run, drafter_dir, store, step, entry)
                 prompts = heldout_prompts(Path(store), cfg.heldout_fraction, cfg.serve_prompts)
-                entry["served"] = measure_served(drafter_dir, run.target, prompts, cfg)
-                logger.info(describe_served(entry, cfg.serve_steps))
+                entry["served"] = measure_served(drafter_dir, run.target, prompts, cfg, server)
+                # Beside training's simulation of the same drafts: a chain of serve_steps, or the whole block.
+                logger.info(describe_served(entry, "tau_exact" if run.dflash else f"tau_exact@{cfg.serve_steps}"))
             history.append(entry)
             if on_eval:
                 on_eval(entry)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tasks.server.config import ServerConfig
 from tasks.store.reader import StoreReader
 from tasks.store.verification import require_verified
 from tasks.target.layers import AuxLayers
@@ -21,6 +22,7 @@ from tasks.target.embeddings import load_target_embeddings
 from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_training import DFlashSetup, DFlashStep, anchor_generator, prepare_dflash
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, target_sizes
+from tasks.train.gpu_kernels import check_tensor_parallel
 from tasks.stream.reader import StreamReader
 from tasks.train.ttt import TTT
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -78,7 +80,7 @@ class Run:
 
 
 def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None, rank: int = 0,
-            world: int = 1) -> Run:
+            world: int = 1, server: ServerConfig | None = None) -> Run:
     """Read the store and the target's embeddings, pick the draft vocabulary
     (unless given: a resumed run's) and build the drafter. Under DDP only rank
     0 counts the vocabulary and broadcasts it, so every rank has the same one
@@ -100,7 +102,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if not (target / "config.json").exists():
         raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
                             f"captured from, {manifest.get('target')})")
-    drafter_config(cfg, target_sizes(target), target)
+    drafter_config(cfg, target_sizes(target), target, server=server)
     train_idx, held_idx = split(reader.sample_ids, cfg.heldout_fraction)
     device = distributed.device()
     if cfg.method == "dflash":
@@ -136,16 +138,25 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
 
 
 def drafter_config(cfg: TrainConfig, target_config: dict, target: Path | str = "the target",
-                   num_aux: int = 3) -> DrafterConfig | DFlashConfig:
+                   num_aux: int = 3, server: ServerConfig | None = None) -> DrafterConfig | DFlashConfig:
     """The drafter the settings make for this target, derived from its config
     alone: refused here, before the store or the target's weights are read,
-    where SGLang could not serve it (tasks/train/gpu_kernels.py) or the
+    where SGLang could not serve it (tasks/train/gpu_kernels.py), on the
+    tensor parallelism of `server` (the run's server section) too, or the
     settings cannot make it."""
     try:
         if cfg.method == "dflash":
-            return DFlashConfig.from_target(target_config, cfg.draft_layers, num_aux, cfg.head_dim)
-        return DrafterConfig.from_target(target_config, cfg.draft_vocab_size, num_aux, cfg.variant, cfg.attention,
-                                         cfg.mla_dims, cfg.head_dim)
+            made = DFlashConfig.from_target(target_config, cfg.draft_layers, num_aux, cfg.head_dim)
+        else:
+            made = DrafterConfig.from_target(target_config, cfg.draft_vocab_size, num_aux, cfg.variant, cfg.attention,
+                                             cfg.mla_dims, cfg.head_dim)
+        if server is not None:
+            mla = cfg.method == "eagle3" and cfg.attention == "mla"
+            # The MLA layer splits its heads over the attention-TP group, the others over the whole TP group.
+            tp = server.tp_size // server.dp_size if mla and server.dp_attention else server.tp_size
+            check_tensor_parallel(made.num_attention_heads, None if mla else made.num_key_value_heads, tp,
+                                  f"the drafter served at server.tp_size {server.tp_size}")
+        return made
     except ValueError as e:
         raise DrafterRefused(f"train.method {cfg.method} ({cfg.attention if cfg.method == 'eagle3' else 'gqa'}) on "
                             f"target {target}: {e}") from None
