@@ -113,13 +113,17 @@ def _absorbed_extend(kv_lora: int, rope: int, heads: int = 4) -> dict:
     visible = torch.arange(prefix + ext)[None, :] <= (prefix + torch.arange(ext))[:, None]
     p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     want = torch.einsum("hqk,kd->qhd", p, keys[:, :kv_lora])
-    return {"max_abs_diff": (out.float() - want).abs().max().item(), "max_abs_out": want.abs().max().item()}
+    return {"max_abs_diff": (out.float() - want).abs().max().item(), "max_abs_out": want.abs().max().item(),
+            "max_abs_v": keys[:, :kv_lora].abs().max().item()}
 
 
 def _qk_norm_rope(dim: int, rope_config: dict, eps: float = 1e-6, nq: int = 2, nk: int = 1) -> dict:
     """table_qk_norm_rope_ in place on a bf16 qkv row per token, against
     tasks/train/dflash.py's Attention on the same q and k: q_norm, k_norm,
-    then the rope (tasks/train/rope.py) at the same positions."""
+    then the rope (tasks/train/rope.py) at the same positions. The kernel's
+    cos/sin table is built from our rope's frequencies: SGLang's rotary
+    classes do not import in this child (no CPU engine), and
+    tests/test_rope.py holds ours to theirs exactly."""
     from sglang.kernels.ops.attention.table_qk_norm_rope import table_qk_norm_rope_
 
     from tasks.train.decoder_layer import RMSNorm

@@ -85,63 +85,75 @@ def _config(rope: dict, max_position: int = 131072) -> dict:
     return {"max_position_embeddings": max_position, **rope}
 
 
-def gqa_grid() -> dict:
-    """Our GQA rope (EAGLE-3's gqa layer, DFlash's) against SGLang's get_rope
-    as llama.py and dflash.py call it (the whole head, neox)."""
+def _as_read(config: dict, model_type: str, dim: int) -> dict:
+    """The rope_parameters transformers' config class makes of a config's
+    rope keys (what SGLang's classes read), not ours."""
+    from transformers import AutoConfig
+
+    sizes = dict(hidden_size=2 * dim, num_attention_heads=2, head_dim=dim)
+    return dict(AutoConfig.for_model(model_type, **sizes, **config).rope_parameters)
+
+
+def _sglang_gqa(rope_parameters: dict, dim: int, max_position: int):
+    """llama.py:322-335 (and dflash.py:252-277): rope_parameters whole as
+    rope_scaling, its rope_theta, the whole head, neox."""
     from sglang.srt.layers.rotary_embedding import get_rope
 
-    from tasks.train.rope import gqa_rotary, rope_parameters
+    return get_rope(dim, dim, max_position, rope_parameters.get("rope_theta", 10000), True, dict(rope_parameters),
+                    dtype=torch.float32)
+
+
+def gqa_grid() -> dict:
+    """Our GQA rope (EAGLE-3's gqa layer, DFlash's) against SGLang's get_rope
+    as llama.py and dflash.py call it on what transformers' LlamaConfig makes
+    of the same keys."""
+    from tasks.train.rope import gqa_rotary
 
     out = {}
     for name, rope in GQA_GRID.items():
         for dim in (64, 128):
             config = _config(rope)
-            params = rope_parameters(config)
-            scaling = None if params["rope_type"] == "default" else {k: v for k, v in params.items()
-                                                                      if k != "rope_theta"}
-            theirs = get_rope(dim, dim, config["max_position_embeddings"], params["rope_theta"], True, scaling,
-                              dtype=torch.float32)
+            theirs = _sglang_gqa(_as_read(config, "llama", dim), dim, config["max_position_embeddings"])
             out[f"{name}/{dim}"] = {"diff": _diff(theirs, gqa_rotary(config, dim), dim),
                                     "class": type(theirs).__name__}
     return out
 
 
-def _sglang_mla(config: dict, rope_dim: int, interleave: bool, qk_head_dim: int):
-    """What deepseek_v2.py builds: rope_scaling from rope_parameters unless
-    its type is default (:2604-2612), any scaling made deepseek_yarn (:2065),
-    interleaved unless rope_interleave is false (:2166), the softmax scale
-    through compute_mla_mscale_scaling (:2177-2178)."""
+def _sglang_mla(rope_parameters: dict, max_position: int, rope_dim: int, interleave: bool, qk_head_dim: int):
+    """What deepseek_v2.py builds from a config's rope_parameters:
+    rope_scaling unless its type is default (:2604-2612), any scaling made
+    deepseek_yarn (:2065), interleaved unless rope_interleave is false
+    (:2166), the softmax scale through compute_mla_mscale_scaling
+    (:2177-2178)."""
     from sglang.srt.configs.model_config import compute_mla_mscale_scaling
     from sglang.srt.layers.rotary_embedding import get_rope
 
-    from tasks.train.rope import rope_parameters
-
-    params = rope_parameters(config)
-    scaling = dict(params) if params["rope_type"] != "default" else None
+    theta = rope_parameters["rope_theta"]
+    scaling = dict(rope_parameters) if rope_parameters.get("rope_type") != "default" else None
     scale = qk_head_dim ** -0.5
     if scaling:
         scaling["rope_type"] = "deepseek_yarn"
         scale = compute_mla_mscale_scaling(scaling, scale)
-    rope = get_rope(rope_dim, rope_dim, config["max_position_embeddings"], params["rope_theta"], not interleave,
-                    scaling, dtype=torch.float32)
+    rope = get_rope(rope_dim, rope_dim, max_position, theta, not interleave, scaling, dtype=torch.float32)
     return rope, scale
 
 
 def mla_grid() -> dict:
-    """Our MLA rope and softmax scale against SGLang's DeepseekV2AttentionMLA's;
-    and a control: the same YaRN with its `truncate: false` honoured (what
-    HF's rope and SGLang's GQA layer do), which the MLA layer does not."""
-    from tasks.train.rope import Rotary, mla_rotary, mla_softmax_scale, rope_parameters, gqa_frequencies
+    """Our MLA rope and softmax scale against SGLang's DeepseekV2AttentionMLA's,
+    on what transformers' DeepseekV3Config makes of the same keys; and a
+    control: the same YaRN with its `truncate: false` honoured (what HF's rope
+    and SGLang's GQA layer do), which the MLA layer does not."""
+    from tasks.train.rope import Rotary, gqa_frequencies, mla_rotary, mla_softmax_scale, rope_parameters
 
     out = {}
     for name, (rope, interleave) in MLA_GRID.items():
         config = _config(rope, 163840)
-        theirs, scale = _sglang_mla(config, 64, interleave, 192)
+        theirs, scale = _sglang_mla(_as_read(config, "deepseek_v3", 128), 163840, 64, interleave, 192)
         out[name] = {"diff": _diff(theirs, mla_rotary(config, 64, interleave), 64),
                      "scale": mla_softmax_scale(config, 192), "sglang_scale": scale, "class": type(theirs).__name__}
     config = _config(MLA_GRID["gpt-oss-style"][0], 163840)
     inv_freq, _, mscale = gqa_frequencies(rope_parameters(config), 64, config["max_position_embeddings"])
-    theirs, _ = _sglang_mla(config, 64, True, 192)
+    theirs, _ = _sglang_mla(_as_read(config, "deepseek_v3", 128), 163840, 64, True, 192)
     out["control: truncate honoured"] = {"diff": _diff(theirs, Rotary(inv_freq, neox=False, scale=mscale), 64)}
     return out
 
@@ -192,10 +204,8 @@ def real_targets() -> dict:
             row = {"model_type": loaded.model_type, "config_class": type(loaded).__name__}
             if family == "mla":
                 qk = loaded.qk_nope_head_dim + loaded.qk_rope_head_dim
-                as_read = {"max_position_embeddings": loaded.max_position_embeddings,
-                           "rope_parameters": dict(loaded.rope_parameters)}
-                theirs, scale = _sglang_mla(as_read, loaded.qk_rope_head_dim,
-                                            getattr(loaded, "rope_interleave", True), qk)
+                theirs, scale = _sglang_mla(dict(loaded.rope_parameters), loaded.max_position_embeddings,
+                                            loaded.qk_rope_head_dim, getattr(loaded, "rope_interleave", True), qk)
                 row.update(diff=_diff(theirs, mla_rotary(exported, exported["qk_rope_head_dim"],
                                                          exported["rope_interleave"]), loaded.qk_rope_head_dim),
                            scale=mla_softmax_scale(exported, qk), sglang_scale=scale)
@@ -203,12 +213,9 @@ def real_targets() -> dict:
                 dim = int(getattr(loaded, "head_dim", None) or loaded.hidden_size // loaded.num_attention_heads)
                 # llama.py:322-335 and dflash.py:252-277: rope_parameters whole, the whole head, neox.
                 theta, scaling = get_rope_config(loaded)
-                scaling = dict(scaling) if scaling else None
-                if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-                    scaling = None
                 rotary_dim = int(getattr(loaded, "partial_rotary_factor", 1.0) * dim)
-                theirs = get_rope(dim, rotary_dim, loaded.max_position_embeddings, theta, True, scaling,
-                                  dtype=torch.float32)
+                theirs = get_rope(dim, rotary_dim, loaded.max_position_embeddings, theta, True,
+                                  dict(scaling) if scaling else None, dtype=torch.float32)
                 row.update(diff=_diff(theirs, gqa_rotary(exported, dim), dim), head_dim=dim,
                            rotary_dim=rotary_dim, rope_class=type(theirs).__name__)
             out[f"{name}/{family}"] = row

@@ -218,9 +218,9 @@ def test_loss_and_metrics_are_the_weighted_full_vocabulary_ones():
 
 def test_target_labels_are_the_targets_greedy_token_where_sglangs_verify_compares():
     """SGLang accepts a draft where it equals the target's argmax: each
-    loss-masked token t+1 is labelled with argmax(head @ final[t]), the rest
-    keep the data's (they are never scored); the blocks' inputs (the anchor's
-    token) stay the data's."""
+    scored token t+1 is labelled with argmax(head @ final[t]) (computed at
+    the scored positions only), the rest keep the data's; the blocks' inputs
+    (the anchor's token) stay the data's."""
     torch.manual_seed(3)
     model = _drafter()
     ids = torch.randint(0, 39, (2, 14))
@@ -236,6 +236,10 @@ def test_target_labels_are_the_targets_greedy_token_where_sglangs_verify_compare
                 want[b, t + 1] = int((final[b, t] @ head.T).argmax())
     assert torch.equal(greedy_targets(ids, mask, final, head), want)
     assert not torch.equal(want, ids)  # a random target disagrees with the data somewhere
+    some = torch.zeros_like(mask)
+    some[0, 5], some[1, 0] = True, True  # position 0 has no state before it: the data's
+    assert torch.equal(greedy_targets(ids, some, final, head)[0, 5], want[0, 5])
+    assert torch.equal(greedy_targets(ids, some, final, head)[1], ids[1])
     batch = {"input_ids": ids, "loss_mask": mask, "aux": torch.randn(2, 14, 96), "final": final}
     drawn = dict(block_size=4, mask_token_id=39, max_anchors=4)
     target = dflash_forward(model, batch, **drawn, generator=torch.Generator().manual_seed(0))

@@ -108,13 +108,30 @@ def test_keep_best_served_keeps_an_earlier_epoch_only_past_the_margin_of_standar
     choice = choose_served([{"epoch": 0}, noisy, {"epoch": 6}, last], margin=2.0)
     assert choice["best_epoch"] == 5 and choice["best_pooled"] > choice["last_pooled"]
     assert choice["epoch"] == 7 and 0 < choice["difference"] < 2 * choice["se"], choice
-    assert "within 2 standard errors" in describe_choice(choice)
+    assert "within 2.00 standard errors" in describe_choice(choice)
     kept = choose_served([clear, last], margin=2.0)
     assert kept["epoch"] == 5 and kept["difference"] > 2 * kept["se"] > 0, kept
     assert "exported epoch 5" in describe_choice(kept)
     assert choose_served([clear, last], margin=1000.0)["epoch"] == 7
     assert choose_served([last], margin=2.0)["epoch"] == 7
     assert choose_served([{"epoch": 0}], margin=2.0) is None
+    # One prompt: no standard error, no evidence; the last epoch stays.
+    assert choose_served([served(5, [30]), served(7, [34])], margin=2.0)["epoch"] == 7
+
+
+def test_the_best_of_several_earlier_epochs_must_clear_a_wider_margin():
+    """Bonferroni: the best of K earlier epochs faces the one-sided 2-SE tail
+    split K ways (K = 4: 2.53 standard errors). A difference of 2.34 SE keeps
+    the best of one earlier epoch, not the best of four."""
+    last = served(9, [33, 35, 34, 36, 33, 35, 34, 36])
+    best = served(5, [31, 34, 33, 35, 31, 36, 33, 36])  # 2.34 standard errors ahead
+    others = [served(e, [40] * 8) for e in (3, 6, 7)]  # far behind
+    one = choose_served([best, last], margin=2.0)
+    ratio = one["difference"] / one["se"]
+    assert 2.0 < ratio < 2.53 and one["epoch"] == 5, one
+    four = choose_served([others[0], best, *others[1:], last], margin=2.0)
+    assert four["threshold_se"] == pytest.approx(2.531, abs=1e-3) and four["epoch"] == 9, four
+    assert "widened for the best of several epochs" in describe_choice(four)
 
 
 def test_the_paired_difference_cancels_what_the_prompts_share():
@@ -127,3 +144,18 @@ def test_the_paired_difference_cancels_what_the_prompts_share():
     assert difference > 0 and se < unpaired / 5, (difference, se, unpaired)
     with pytest.raises(ValueError, match="same requests"):
         paired_difference(a, b[:-1])
+
+
+
+def test_a_served_figure_is_logged_beside_the_simulation_of_the_same_drafts():
+    """A DFlash drafter's block against tau_exact over the whole block, an
+    EAGLE-3 chain against tau_exact@serve_steps (before, DFlash's sat beside
+    the EAGLE-3 setting's)."""
+    from tasks.train.served import describe_served
+
+    entry = {"epoch": 3, "tau_exact": 2.5, "tau_exact@3": 0.9,
+             "served": {"pooled": 3.4, "pooled_se": 0.05, "mean_of_means": 3.3, "per_position": [0.9, 0.8],
+                        "verify_steps": 120, "requests": 8}}
+    assert "accept length 3.40 +- 0.05 pooled" in describe_served(entry, "tau_exact")
+    assert "held-out tau_exact 2.50 simulated" in describe_served(entry, "tau_exact")
+    assert "held-out tau_exact@3 0.90 simulated" in describe_served(entry, "tau_exact@3")

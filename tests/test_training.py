@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from tasks.store.reader import StoreReader
 from tasks.store.verification import StoreNotVerified, require_verified
-from tasks.train.checkpoint import CHECKPOINT
-from tasks.train.config import TrainingError
+from tasks.train.checkpoint import CHECKPOINT, identity_changes
+from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import split
 from tasks.train.launch import result_from_dir, write_launch_config
 from tasks.train.loop import train
@@ -229,3 +229,22 @@ def test_two_process_ddp_run_trains_and_exports(tiny_store, tmp_path):
     result = launch_distributed(config(tmp_path / "ddp", epochs=1, devices=2), tiny_store)
     assert (Path(result.drafter_dir) / "model.safetensors").exists()
     assert result.final["tau"] > result.history[0]["tau"]
+
+
+def test_checkpoints_written_before_the_dflash_settings_resume_as_they_trained():
+    """An EAGLE-3 checkpoint of then held loss_gamma 7.0 (unread by it) and
+    resumes; a DFlash one of then trained on the data's tokens with gamma 7:
+    it resumes as such (labels data, blocks of 16, whose gamma is 7) and is
+    refused, naming the setting, as a target-labelled run or at another
+    block's gamma."""
+    then = TrainConfig().model_dump()
+    then.pop("labels"), then.pop("head_dim"), then.pop("keep_best_margin")
+    then = {k: v for k, v in then.items() if k not in TrainConfig.resumable()}
+    then.update(store="s", loss_gamma=7.0)
+    assert identity_changes(then, TrainConfig(), "s")[1] == {}
+    dflash_then = {**then, "method": "dflash", "block_size": 16}
+    assert identity_changes(dflash_then, TrainConfig(method="dflash", labels="data"), "s")[1] == {}
+    assert identity_changes(dflash_then, TrainConfig(method="dflash"), "s")[1] == {"labels": ("data", "target")}
+    assert identity_changes({**dflash_then, "block_size": 8}, TrainConfig(method="dflash", labels="data",
+                                                                          block_size=8), "s")[1] == \
+        {"loss_gamma": (7.0, 4.0)}

@@ -219,13 +219,15 @@ def draft_attention_backend(target_is_mla: bool, drafter_is_mla: bool, capabilit
     """--speculative-draft-attention-backend a speculative EAGLE-3 server
     needs (None: SGLang's default serves). An EAGLE-3 draft runs on the
     target's backend unless told otherwise
-    (model_runner_components/attention_backend_setup.py:193-204), on
-    Blackwell trtllm_mla for DeepSeek-V3 and Kimi-K2.5
+    (model_executor/model_runner_components/attention_backend_setup.py:203).
+    On Blackwell that is trtllm_mla for DeepSeek-V3 and Kimi-K2.5
     (arg_groups/model_overrides/deepseek_v2.py:179-188), which refuses a
-    draft that is not MLA (attention_registry.py:94-97): a GQA drafter there
-    gets flashinfer, which takes its heads (tasks/train/gpu_kernels.py).
-    On Hopper both run on fa3."""
-    if target_is_mla and not drafter_is_mla and capability is not None and capability[0] >= 10:
+    draft that is not MLA (attention_registry.py:94-97), and flashinfer or
+    trtllm_mha for a GQA target (arg_groups/model_override_base.py:312-333),
+    the latter refusing an MLA draft (attention_registry.py:277-280): a
+    drafter whose layout is not its target's gets flashinfer, which builds
+    either (tasks/train/gpu_kernels.py). On Hopper all run on fa3."""
+    if target_is_mla != drafter_is_mla and capability is not None and capability[0] >= 10:
         return "flashinfer"
     return None
 
@@ -238,12 +240,12 @@ def draft_backend(spec: LaunchSpec) -> str | None:
 
     import torch
 
+    if not torch.cuda.is_available():
+        return None
     arch = _architecture(spec)
     target = arch.sizes(json.loads((Path(spec.server.model) / "config.json").read_text())) if arch else {}
-    if not target.get("kv_lora_rank") or not torch.cuda.is_available():
-        return None
     drafter = json.loads((Path(spec.draft_model_path) / "config.json").read_text())
-    return draft_attention_backend(True, drafter.get("architectures") == [MLA_DRAFTER],
+    return draft_attention_backend(bool(target.get("kv_lora_rank")), drafter.get("architectures") == [MLA_DRAFTER],
                                    torch.cuda.get_device_capability())
 
 

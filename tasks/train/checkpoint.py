@@ -62,15 +62,21 @@ def read_checkpoint(path: Path, cfg: TrainConfig, store: str | Path, world: int)
     if not path.exists():
         return None
     ckpt = load_checkpoint(path)
-    # A checkpoint from before a setting existed ran with its default then.
-    ckpt["identity"] = {**TrainConfig(method=cfg.method).identity(store), **BEFORE_THE_SETTING, **ckpt["identity"]}
-    now = cfg.identity(store)
-    changed = {k: (ckpt["identity"].get(k), v) for k, v in now.items() if ckpt["identity"].get(k) != v}
+    ckpt["identity"], changed = identity_changes(ckpt["identity"], cfg, store)
     if changed:
         changed = {f"train.{k}" if k != "store" else k: v for k, v in changed.items()}
         raise CheckpointMismatch(f"{path} belongs to a run with other settings {changed} (old, new): use another "
                                  f"out_dir, or delete the checkpoint to start over")
     return ckpt
+
+
+def identity_changes(saved: dict, cfg: TrainConfig, store: str | Path) -> tuple[dict, dict]:
+    """A checkpoint's identity, completed, and what `cfg` changes of it
+    ({setting: (old, new)}). A checkpoint from before a setting existed ran
+    with its default then (BEFORE_THE_SETTING where today's differs); a
+    setting another drafter family's alone reads is not compared."""
+    saved = {**TrainConfig(method=cfg.method).identity(store), **BEFORE_THE_SETTING, **saved}
+    return saved, {k: (saved.get(k), v) for k, v in cfg.identity(store).items() if saved.get(k) != v}
 
 
 def resume_position(ckpt: dict, fingerprint: dict, cfg: TrainConfig, store: str | Path,

@@ -198,7 +198,12 @@ class TrainConfig(Section):
         store and every setting but the resumable ones and those another
         drafter family's alone reads."""
         unread = DFLASH_ONLY if self.method == "eagle3" else set()
-        return {"store": str(store), **self.model_dump(exclude=self.resumable() | unread)}
+        identity = {"store": str(store), **self.model_dump(exclude=self.resumable() | unread)}
+        if self.method == "dflash":  # the decay it trains with, given or the block's
+            from tasks.train.dflash import loss_gamma_for
+
+            identity["loss_gamma"] = self.loss_gamma or loss_gamma_for(self.block_size)
+        return identity
 
     @classmethod
     def resumable(cls) -> set[str]:

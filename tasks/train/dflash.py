@@ -303,20 +303,21 @@ class DFlashOutput:
 
 
 @torch.no_grad()
-def greedy_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, final: torch.Tensor,
+def greedy_targets(input_ids: torch.Tensor, wanted: torch.Tensor, final: torch.Tensor,
                    head: torch.Tensor) -> torch.Tensor:
-    """The token SGLang's verify accepts at each position: the target's
-    greedy one, argmax of its head over the final state of the position
-    before (from the store, as EAGLE-3 distils it), where that token is
-    loss-masked; elsewhere the data's (never scored)."""
+    """The target's greedy token at each `wanted` position t (argmax of its
+    head over the final state of t - 1, from the store, as EAGLE-3 distils
+    it), the data's elsewhere. Where the data is the target's own greedy
+    text (regenerated) these are the tokens SGLang's verify accepts; on
+    other data, the target's next token after the data's prefix. Only the
+    wanted positions pay for a head's matmul (a 160k vocabulary x 7168 per
+    token)."""
     from tasks.train.vocab import target_greedy
 
-    predicts = torch.zeros_like(loss_mask, dtype=torch.bool)
-    predicts[:, :-1] = loss_mask[:, 1:].bool()  # position t's greedy token is token t+1's
     targets = input_ids.clone()
-    b, t = predicts.nonzero(as_tuple=True)
+    b, t = (wanted & (torch.arange(wanted.shape[1], device=wanted.device) > 0)).nonzero(as_tuple=True)
     if len(b):
-        targets[b, t + 1] = target_greedy(final[b, t], head).to(targets.dtype)
+        targets[b, t] = target_greedy(final[b, t - 1], head).to(targets.dtype)
     return targets
 
 
@@ -329,8 +330,14 @@ def dflash_forward(model: DFlashDrafter, batch: dict, *, block_size: int = BLOCK
     for labels "target"). `gamma`: None for the block's (loss_gamma_for)."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
     gamma = loss_gamma_for(block_size) if gamma is None else gamma
-    targets = greedy_targets(ids, mask, batch["final"], model.lm_head.weight) if labels == "target" else None
     anchors, keep = sample_anchors(mask, max_anchors, generator)
+    targets = None
+    if labels == "target":  # at the positions the blocks score
+        _, _, scored, _ = block_labels(ids, mask, anchors, keep, block_size, mask_token_id, gamma)
+        at = (anchors[:, :, None] + torch.arange(block_size, device=ids.device)).clamp(max=ids.shape[1] - 1)
+        needed = torch.zeros_like(mask, dtype=torch.bool)
+        needed[torch.arange(ids.shape[0], device=ids.device)[:, None, None].expand_as(at)[scored], at[scored]] = True
+        targets = greedy_targets(ids, needed, batch["final"], model.lm_head.weight)
     block_ids, wanted, scored, weights = block_labels(ids, mask, anchors, keep, block_size, mask_token_id, gamma,
                                                       targets)
     slots = block_size - 1

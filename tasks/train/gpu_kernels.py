@@ -5,14 +5,15 @@ for bf16 on Hopper (sm90) and Blackwell (sm100).
 Which backend a draft gets:
 - EAGLE-3 (either layout) has no draft backend of its own unless
   --speculative-draft-attention-backend names one: it runs on the target's
-  (model_runner_components/attention_backend_setup.py:193-204). That is fa3
+  (model_executor/model_runner_components/attention_backend_setup.py:203). That is fa3
   on Hopper for GQA and MLA targets, and on Blackwell flashinfer or
   trtllm_mha for GQA targets and trtllm_mla for DeepSeek-V3 and Kimi-K2.5
   (arg_groups/model_override_base.py:305-340,
   arg_groups/model_overrides/deepseek_v2.py:179-188). trtllm_mla refuses a
-  draft that is not MLA (attention_registry.py:94-97): a GQA drafter of an
-  MLA target needs a draft backend named on Blackwell (the launcher names
-  flashinfer: tasks/server/launch.py draft_attention_backend).
+  draft that is not MLA (attention_registry.py:94-97) and trtllm_mha one
+  that is (:277-280): a drafter whose layout is not its target's needs a
+  draft backend named on Blackwell (the launcher names flashinfer, which
+  builds either: tasks/server/launch.py draft_attention_backend).
 - DFlash resolves its own among flashinfer, fa3, fa4, triton, trtllm_mha
   (arg_groups/speculative_hook.py:886-987, choices.py:103-111): fa3 on
   Hopper, fa4 or flashinfer on Blackwell.
@@ -25,7 +26,9 @@ train.head_dim) must suit every backend a draft can get:
   (flashinfer/data/include/flashinfer/attention/prefill.cuh:385, refused at
   run time at :2844-2848), loads in 64-column steps (:1056, a bf16 head dim
   not a multiple of 64 computes wrongly without an error);
-- fa3: at most 256, a multiple of 8 (sgl_kernel flash_ops' checks);
+- fa3: at most 256, a multiple of 8 (sgl_kernel/flash_ops.abi3.so, a
+  compiled library: its checks' messages "at most" and "head_size should be
+  a multiple of"; SGLang itself checks nothing, flashattention_backend.py:281-289);
 - fa4 on sm100: 8-128 in multiples of 8, or 256 with v 256
   (kernels/ops/attention/flash_attn/cute/interface.py:119-154);
 - triton: any (decode_attention.py:293-294 and extend_attention.py:501 mask
@@ -36,16 +39,23 @@ train.head_dim) must suit every backend a draft can get:
   two (kernels/ops/attention/table_qk_norm_rope.py:24-25): whatever the
   target, a DFlash head dim is a power of two.
 - MLA: FlashMLA takes only a 576-wide key of 512 latent + 64 rope and a
-  512-wide value (flash_mla/_C_legacy.abi3.so's checks); trtllm_mla and
+  512-wide value (flash_mla/_C_legacy.abi3.so, compiled: "Only head_size_k
+  == 576 is supported", "Only head_size_v == 512"); trtllm_mla and
   cutedsl_mla (512, 64), (256, 64) or (512, 0) (flashinfer/mla/_core.py:787-806);
   fa4's MLA exactly (512, 64) (interface.py:1019-1020); Triton's MLA decode
   576 or 288 only (decode_attention.py:826-835, another width fails to
   compile, seen under the interpreter). An MLA drafter with dims other
   than its target's must have the DeepSeek shape (MLA_SHAPE), which fits
-  all of them.
-- Tensor parallelism: the GQA and DFlash draft layers split heads over the
-  whole TP group (llama.py:181-189, dflash.py:213-229), the MLA layer over
-  the attention-TP group (deepseek_v2.py:2051-2057).
+  all of them: its draft prefill may take the MHA path with q/k of
+  nope + rope = 192 and v 128 (models/deepseek_common/
+  attention_backend_handler.py:108-140), a pair fa3 compiles and fa4 takes
+  (flash_attn/cute/interface.py:123).
+- Tensor parallelism: a draft layer splits its heads over its TP group and
+  asserts they divide (llama.py:181-189, dflash.py:213-229,
+  deepseek_v2.py:2051-2057); with data-parallel attention that group is each
+  attention group's share of the TP ranks (the draft models declare
+  SINGLE_GROUP, llama_eagle3.py:273, dflash.py:680, and
+  speculative/draft_parallel.py:53-66 runs them on the attention-TP group).
 tests/test_real_targets.py holds every real target's drafters against these
 rules and runs the Triton kernels on their shapes under the interpreter.
 """
@@ -112,4 +122,5 @@ def check_tensor_parallel(heads: int, kv_heads: int | None, tp: int, what: str) 
     wrong = heads % tp or (kv_heads is not None and (kv_heads % tp if kv_heads >= tp else tp % kv_heads))
     if wrong:
         raise KernelRefusal(f"{what}: {heads} heads ({kv_heads} KV) cannot be split over tensor parallelism {tp}: "
-                            f"SGLang asserts heads % tp == 0 and KV heads a multiple or a divisor of tp")
+                            f"SGLang asserts heads % tp == 0 and KV heads a multiple or a divisor of tp; choose "
+                            f"train.head_dim (the heads follow it) or the server's parallelism so that they split")

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from tasks.target.architectures import architecture_of, read_config
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, CheckpointWriter, read_checkpoint, resume_position
-from tasks.train.config import TrainConfig, TrainingError, TrainResult
+from tasks.train.config import CheckpointMismatch, TrainConfig, TrainingError, TrainResult
 from tasks.train.data import assign_batches, heldout_prompts, plan_batches, prefetch, split_fingerprint
 from tasks.train.heldout import describe, evaluate
 from tasks.train.export import copy_drafter, export_drafter
@@ -193,7 +193,13 @@ def train(cfg: TrainConfig, store: str | Path, *, server: ServerConfig | None = 
     run = prepare(cfg, store, vocab, rank, world, server)
     model = run.model
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"], strict=False)
+        try:
+            model.load_state_dict(ckpt["model"], strict=False)
+        except RuntimeError as e:  # same settings, other shapes: derived otherwise when it was written
+            raise CheckpointMismatch(f"{ckpt_path} holds a drafter of other shapes than these settings make for "
+                                     f"this target (its sizes were derived otherwise when it was written: "
+                                     f"{str(e).splitlines()[-1].strip()}): use another out_dir, or delete the "
+                                     f"checkpoint to start over") from None
     # After the checkpoint's weights are in: FSDP2 shards what each rank holds.
     module = distributed.parallel(run.module(), cfg.sharding, run.device, world)
     # The frozen embedding has no optimizer state (nor, under FSDP, shards).

@@ -152,10 +152,12 @@ def drafter_config(cfg: TrainConfig, target_config: dict, target: Path | str = "
                                              cfg.mla_dims, cfg.head_dim)
         if server is not None:
             mla = cfg.method == "eagle3" and cfg.attention == "mla"
-            # The MLA layer splits its heads over the attention-TP group, the others over the whole TP group.
-            tp = server.tp_size // server.dp_size if mla and server.dp_attention else server.tp_size
+            # A draft layer splits its heads over the attention-TP group: the whole TP group, or with data-parallel
+            # attention each attention group's share of it (gpu_kernels.py).
+            tp = server.tp_size // server.dp_size if server.dp_attention else server.tp_size
             check_tensor_parallel(made.num_attention_heads, None if mla else made.num_key_value_heads, tp,
-                                  f"the drafter served at server.tp_size {server.tp_size}")
+                                  f"the drafter served at server.tp_size {server.tp_size}"
+                                  + (f" over {server.dp_size} attention groups" if server.dp_attention else ""))
         return made
     except ValueError as e:
         raise DrafterRefused(f"train.method {cfg.method} ({cfg.attention if cfg.method == 'eagle3' else 'gqa'}) on "

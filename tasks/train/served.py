@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from statistics import NormalDist
 
 from tasks.capture.dump import RID_PREFIX
 from tasks.evaluation.acceptance import acceptance, paired_difference, raw_counts
@@ -141,26 +142,31 @@ def choose_served(history: list[dict], margin: float) -> dict | None:
     """Which served epoch to export (keep_best_served): the last, unless the
     best earlier one served more accepted tokens per verify step by more
     than `margin` standard errors of the difference (the same prompts
-    request by request, acceptance.paired_difference). A handful of
-    prompts measures accept length to about 0.04: keeping the best of
-    several epochs on less than a margin picks noise, and reports a figure
-    biased up. None when nothing was served."""
+    request by request, acceptance.paired_difference), the margin widened
+    for the number of earlier epochs it was the best of (Bonferroni: the
+    best of K is K chances at a lucky draw). A handful of prompts measures
+    accept length to about 0.04: keeping the best of several epochs on less
+    picks noise, and reports a figure biased up. One prompt has no standard
+    error, and keeps the last. None when nothing was served."""
     served = [m for m in history if m.get("served")]
     if not served:
         return None
     last = served[-1]
     best = max(served, key=lambda m: (m["served"]["pooled"], -m["epoch"]))
+    earlier = len(served) - 1
+    threshold = margin if earlier <= 1 else \
+        NormalDist().inv_cdf(1 - (1 - NormalDist().cdf(margin)) / earlier)
     choice = {"last_epoch": last["epoch"], "last_pooled": last["served"]["pooled"], "best_epoch": best["epoch"],
-              "best_pooled": best["served"]["pooled"], "margin_se": margin, "difference": 0.0, "se": 0.0,
-              "epoch": last["epoch"]}
+              "best_pooled": best["served"]["pooled"], "margin_se": margin, "threshold_se": threshold,
+              "difference": 0.0, "se": 0.0, "epoch": last["epoch"]}
     if best is last:
         return choice
     a, b = best["served"].get("per_request"), last["served"].get("per_request")
-    if not a or not b or len(a) != len(b):  # measured before per-request counts were kept: no margin to judge by
+    if not a or not b or len(a) != len(b) or len(a) < 2:  # no standard error to judge by
         return choice
     difference, se = paired_difference(a, b)
     choice.update(difference=difference, se=se)
-    if difference > margin * se:
+    if difference > threshold * se:
         choice["epoch"] = best["epoch"]
     return choice
 
@@ -168,10 +174,12 @@ def choose_served(history: list[dict], margin: float) -> dict | None:
 def describe_choice(c: dict) -> str:
     if c["best_epoch"] == c["last_epoch"]:
         return f"the last epoch ({c['last_epoch']}) served best: {c['last_pooled']:.3f} accepted per verify step"
-    verdict = (f"more than {c['margin_se']:g} standard errors: exported epoch {c['epoch']}"
+    widened = (f" ({c['margin_se']:g} widened for the best of several epochs)"
+               if c["threshold_se"] != c["margin_se"] else "")
+    verdict = (f"more than {c['threshold_se']:.2f} standard errors{widened}: exported epoch {c['epoch']}"
                if c["epoch"] != c["last_epoch"] else
-               f"within {c['margin_se']:g} standard errors (train.keep_best_margin): exported the last epoch's "
-               f"weights")
+               f"within {c['threshold_se']:.2f} standard errors{widened} (train.keep_best_margin): exported the last "
+               f"epoch's weights")
     return (f"epoch {c['best_epoch']} served {c['best_pooled']:.3f} accepted per verify step, the last epoch "
             f"({c['last_epoch']}) {c['last_pooled']:.3f}: a difference of {c['difference']:+.3f} +- {c['se']:.3f} "
             f"(paired standard error over the same prompts), {verdict}")
