@@ -43,7 +43,7 @@ def check_verified_task(store: str) -> dict:
 # position); data found corrupt, or a checkpoint of other settings, fails
 # the same way again and is not retried.
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=unless_permanent)
-def train_task(cfg: TrainConfig, store: str, server: ServerConfig) -> TrainResult:
+def train_task(cfg: TrainConfig, store: str, server: ServerConfig | None = None) -> TrainResult:
     if cfg.devices > 1 or cfg.nnodes > 1:
         return launch_distributed(cfg, store, get_run_logger(), server)
     return train(cfg, store, server=server)
