@@ -18,7 +18,7 @@ import torch
 from tasks.target.architectures import architecture_of
 from tasks.target.layers import AuxLayers
 from tasks.train.config import DrafterRefused, TrainConfig
-from tasks.train.dflash import DFlashConfig, DFlashDrafter
+from tasks.train.dflash import DFlashDrafter
 from tasks.train.dflash_export import check_served as check_dflash_served, dflash_config
 from tasks.train.drafter import Eagle3Drafter
 from tasks.train.export import ARCHITECTURES, check_served, export_config, export_weights
@@ -159,6 +159,14 @@ def test_a_head_dim_the_kernels_refuse_is_refused_before_any_work_naming_train_h
                                              r"train.head_dim to one of them"):
         drafter_config(settings("eagle3-gqa", head_dim=96), kimi, "kimi-k2.5")
     assert drafter_config(settings("eagle3-gqa", head_dim=64), kimi, "kimi-k2.5").head_dim == 64
+
+
+def test_a_rope_the_project_does_not_compute_as_sglang_does_is_refused_before_any_work():
+    longrope = {**text_config(REAL_TARGETS["qwen3-8b"]), "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+    for family in ("eagle3-gqa", "dflash"):
+        with pytest.raises(DrafterRefused, match="rope_type 'longrope': .* computed here for default, linear, "
+                                                 "llama3, yarn only"):
+            drafter_config(settings(family), longrope, "a longrope target")
 
 
 def test_tensor_parallel_sizes_the_draft_layers_cannot_split_are_refused():

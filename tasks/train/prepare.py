@@ -23,6 +23,7 @@ from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_training import DFlashSetup, DFlashStep, anchor_generator, prepare_dflash
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, target_sizes
 from tasks.train.gpu_kernels import check_tensor_parallel
+from tasks.train.rope import gqa_frequencies, rope_parameters
 from tasks.stream.reader import StreamReader
 from tasks.train.ttt import TTT
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -150,6 +151,9 @@ def drafter_config(cfg: TrainConfig, target_config: dict, target: Path | str = "
         else:
             made = DrafterConfig.from_target(target_config, cfg.draft_vocab_size, num_aux, cfg.variant, cfg.attention,
                                              cfg.mla_dims, cfg.head_dim)
+        if not (cfg.method == "eagle3" and cfg.attention == "mla"):  # the rope its layer is trained with
+            gqa_frequencies(rope_parameters(target_config), made.head_dim,
+                            target_config.get("max_position_embeddings", 8192))
         if server is not None:
             mla = cfg.method == "eagle3" and cfg.attention == "mla"
             # A draft layer splits its heads over the attention-TP group: the whole TP group, or with data-parallel

@@ -34,8 +34,6 @@ GQA_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # defined otherwise (llama3's wavelength bands, say) would be served as a
 # YaRN it was never meant to be.
 MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
-# Keys of a target's config that carry its rope.
-ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
 
 
 class UnsupportedRope(ValueError):
