@@ -83,13 +83,17 @@ def store(tiny_model, tmp_path_factory):
     return random_store(tmp_path_factory.mktemp("sharded"), tiny_model, 24, max_length=64)
 
 
-@pytest.fixture(scope="module")
-def one_process(store, tmp_path_factory):
-    """The reference: one process, two batches per step (as two ranks take them)."""
-    d = tmp_path_factory.mktemp("one")
-    cfg = config(d / "run", accumulate=2)
+def in_one_process(store: Path, d: Path, make=config) -> tuple[TrainConfig, TrainResult, Path]:
+    """The reference: one process, two batches per step (as two ranks take
+    them), its steps recorded."""
+    cfg = make(d / "run", accumulate=2)
     with recording_steps(d / "steps"):
         return cfg, train(cfg, store), d / "steps"
+
+
+@pytest.fixture(scope="module")
+def one_process(store, tmp_path_factory):
+    return in_one_process(store, tmp_path_factory.mktemp("one"))
 
 
 @pytest.fixture(autouse=True)
@@ -197,10 +201,7 @@ def dflash(out_dir: Path, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def one_process_dflash(store, tmp_path_factory):
-    d = tmp_path_factory.mktemp("one-dflash")
-    cfg = dflash(d / "run", accumulate=2)
-    with recording_steps(d / "steps"):
-        return cfg, train(cfg, store), d / "steps"
+    return in_one_process(store, tmp_path_factory.mktemp("one-dflash"), dflash)
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])

@@ -78,6 +78,19 @@ class ServerConfig(Section):
         "an attached server that stops answering: how long a batch waits for it to serve again (its owner "
         "relaunching it, as a node does for its runs) before it fails"))
 
+    @property
+    def ranks(self) -> int:
+        """The devices (model processes) a launched server of this section
+        takes: data-parallel attention splits the tensor-parallel ranks,
+        replicas multiply them."""
+        return self.tp_size * (1 if self.dp_attention else self.dp_size)
+
+    @property
+    def attention_tp(self) -> int:
+        """Ranks each attention group's heads are split over (the whole
+        tensor-parallel group without data-parallel attention)."""
+        return self.tp_size // self.dp_size if self.dp_attention else self.tp_size
+
     @field_validator("rid_prefix", mode="before")
     @classmethod
     def _usable_rid_prefix(cls, prefix):

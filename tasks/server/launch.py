@@ -85,9 +85,8 @@ class LaunchSpec:
 
     @property
     def ranks(self) -> int:
-        """The server's processes that run the model: data-parallel attention
-        splits the tensor-parallel ranks, replicas multiply them."""
-        return self.server.tp_size * (1 if self.server.dp_attention else self.server.dp_size)
+        """The server's processes that run the model (ServerConfig.ranks)."""
+        return self.server.ranks
 
     def with_secrets(self) -> "LaunchSpec":
         """This spec with a fresh random rid prefix and API key where it has none."""

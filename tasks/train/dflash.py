@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from tasks.train.decoder_layer import RMSNorm
 from tasks.train.gpu_kernels import check_dflash_head_dim, check_gqa_heads
 from tasks.train.layer_sizes import LayerSizes
-from tasks.train.rope import Rotary, gqa_rotary, rope_config
+from tasks.train.rope import Rotary, check_gqa_rope, gqa_rotary, rope_config
 
 # SpecForge's defaults (and the reference DFlash's).
 BLOCK_SIZE = 16
@@ -66,6 +66,7 @@ class DFlashConfig(LayerSizes):
         check_dflash_head_dim(sizes["head_dim"])
         check_gqa_heads(sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"], target_config,
                         "a DFlash drafter")
+        check_gqa_rope(target_config, sizes["head_dim"])
         return cls(**sizes, num_layers=num_layers, num_context=num_context,
                    rope=tuple(rope_config(target_config).items()))
 
@@ -332,11 +333,11 @@ def dflash_forward(model: DFlashDrafter, batch: dict, *, block_size: int = BLOCK
     gamma = loss_gamma_for(block_size) if gamma is None else gamma
     anchors, keep = sample_anchors(mask, max_anchors, generator)
     targets = None
-    if labels == "target":  # at the positions the blocks score
+    if labels == "target":  # at the positions the blocks score: slot k of block n scores anchor + k
         _, _, scored, _ = block_labels(ids, mask, anchors, keep, block_size, mask_token_id, gamma)
-        at = (anchors[:, :, None] + torch.arange(block_size, device=ids.device)).clamp(max=ids.shape[1] - 1)
+        b, n, k = scored.nonzero(as_tuple=True)
         needed = torch.zeros_like(mask, dtype=torch.bool)
-        needed[torch.arange(ids.shape[0], device=ids.device)[:, None, None].expand_as(at)[scored], at[scored]] = True
+        needed[b, anchors[b, n] + k] = True
         targets = greedy_targets(ids, needed, batch["final"], model.lm_head.weight)
     block_ids, wanted, scored, weights = block_labels(ids, mask, anchors, keep, block_size, mask_token_id, gamma,
                                                       targets)

@@ -43,7 +43,7 @@ from tasks.train.gpu_kernels import check_gqa_heads
 from tasks.train.gqa import MidLayer
 from tasks.train.layer_sizes import LayerSizes
 from tasks.train.mla import MLA_DIMS, MLAMidLayer, mla_config
-from tasks.train.rope import gqa_rotary, mla_rotary, mla_softmax_scale
+from tasks.train.rope import check_gqa_rope, gqa_rotary, mla_rotary, mla_softmax_scale
 from tasks.train.vocab import DraftVocab
 
 
@@ -175,6 +175,7 @@ class DrafterConfig(LayerSizes):
         if attention == "gqa":
             check_gqa_heads(sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"],
                             target_config, "an EAGLE-3 drafter")
+            check_gqa_rope(target_config, sizes["head_dim"])
         return cls(**sizes, draft_vocab_size=draft_vocab_size, num_aux=num_aux, attention=attention, **mla,
                    **variant_flags(variant))
 

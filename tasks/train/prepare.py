@@ -23,7 +23,6 @@ from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_training import DFlashSetup, DFlashStep, anchor_generator, prepare_dflash
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, target_sizes
 from tasks.train.gpu_kernels import check_tensor_parallel
-from tasks.train.rope import gqa_frequencies, rope_parameters
 from tasks.stream.reader import StreamReader
 from tasks.train.ttt import TTT
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -151,15 +150,12 @@ def drafter_config(cfg: TrainConfig, target_config: dict, target: Path | str = "
         else:
             made = DrafterConfig.from_target(target_config, cfg.draft_vocab_size, num_aux, cfg.variant, cfg.attention,
                                              cfg.mla_dims, cfg.head_dim)
-        if not (cfg.method == "eagle3" and cfg.attention == "mla"):  # the rope its layer is trained with
-            gqa_frequencies(rope_parameters(target_config), made.head_dim,
-                            target_config.get("max_position_embeddings", 8192))
         if server is not None:
+            # A draft layer splits its heads over the attention-TP group (gpu_kernels.py); MLA's heads all carry
+            # their own keys.
             mla = cfg.method == "eagle3" and cfg.attention == "mla"
-            # A draft layer splits its heads over the attention-TP group: the whole TP group, or with data-parallel
-            # attention each attention group's share of it (gpu_kernels.py).
-            tp = server.tp_size // server.dp_size if server.dp_attention else server.tp_size
-            check_tensor_parallel(made.num_attention_heads, None if mla else made.num_key_value_heads, tp,
+            check_tensor_parallel(made.num_attention_heads, None if mla else made.num_key_value_heads,
+                                  server.attention_tp,
                                   f"the drafter served at server.tp_size {server.tp_size}"
                                   + (f" over {server.dp_size} attention groups" if server.dp_attention else ""))
         return made

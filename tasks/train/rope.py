@@ -119,6 +119,12 @@ def gqa_frequencies(rope: dict, dim: int, max_position: int) -> tuple[torch.Tens
                           f"with, computed here for {', '.join(GQA_ROPE_TYPES)} only")
 
 
+def check_gqa_rope(config: dict, head_dim: int) -> None:
+    """Refuse (UnsupportedRope) a target rope the GQA layer would not be
+    trained with as SGLang serves it."""
+    gqa_frequencies(rope_parameters(config), head_dim, config.get("max_position_embeddings", 8192))
+
+
 def mla_frequencies(rope: dict, dim: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim/2], cos/sin scale) of SGLang's MLA rope."""
     kind, base = rope["rope_type"], float(rope["rope_theta"])

@@ -68,11 +68,6 @@ def gpus_here() -> int:
     return torch.cuda.device_count()
 
 
-def server_gpus(server: ServerConfig) -> int:
-    """GPUs a launched server of this section takes."""
-    return server.tp_size * (1 if server.dp_attention else server.dp_size)
-
-
 def check_serving_fits(cfg: TrainConfig, server: ServerConfig | None, gpus: int) -> None:
     """Refuse serve_every before any work where the target's server cannot
     start beside training: it takes the server section's GPUs after the
@@ -80,7 +75,7 @@ def check_serving_fits(cfg: TrainConfig, server: ServerConfig | None, gpus: int)
     if not cfg.serve_every or not gpus:
         return
     server = server or ServerConfig()
-    need = server_gpus(server)
+    need = server.ranks
     if cfg.devices + need > gpus:
         raise ServingRefused(
             f"train.serve_every serves the drafter on a server of the target with the run's server settings "
