@@ -26,7 +26,7 @@ from flows.config import described
 from flows.retries import unless_permanent
 from flows.run_record import keep_run_config
 from flows.verify import VerifyAtEnd, verify_task
-from tasks.capture import extraction, nodes
+from tasks.capture import bookkeeping, extraction, nodes, planning
 from tasks.capture.canary import refuse_unchecked_logits
 from tasks.capture.config import CaptureConfig
 from tasks.paths import default_dump_root, ensure_private_dir
@@ -45,7 +45,7 @@ from tasks.target.checkpoint import Target
 @dataclass(frozen=True)
 class Planned:
     """What planning resolved once for the rest of the run."""
-    plan: extraction.Plan
+    plan: planning.Plan
     target: Target
     store: Store
 
@@ -73,7 +73,7 @@ def plan_task(model: str, capture: CaptureConfig, store: StoreConfig, rows: Opti
         if leaked:
             log.warning("removed %d unfinished shard temp files of a killed run: %s", len(leaked),
                         ", ".join(leaked[:5]))
-    plan = extraction.plan_extraction(capture, tokenizer, opened.ledger, rows)
+    plan = planning.plan_extraction(capture, tokenizer, opened.ledger, rows)
     log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; %s, aux layers: %s",
              plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
              len(plan.rejected), target.arch.name, target.layers.describe())
@@ -85,7 +85,7 @@ def plan_task(model: str, capture: CaptureConfig, store: StoreConfig, rows: Opti
 @task(name="storage-preflight", cache_policy=NO_CACHE)
 def preflight_task(planned: Planned, dump_dir: Path, capture: CaptureConfig) -> dict:
     store = planned.store
-    estimate = extraction.storage_preflight(planned.plan, store.path, dump_dir,
+    estimate = planning.storage_preflight(planned.plan, store.path, dump_dir,
                                             hidden_size=planned.target.hidden_size,
                                             in_flight_tokens=2 * capture.concurrency * capture.max_length,
                                             dtype=store.dtype)
@@ -142,7 +142,7 @@ def reset_dump_dir_task(dump_dir: Path, rid_prefix: str) -> int:
 # run stopped for failing captures wholesale stays stopped.
 @task(name="extract-batch", cache_policy=NO_CACHE, retry_condition_fn=unless_permanent)
 def extract_batch_task(batch: list, server: ServerSupervisor, dump_dir: Path, planned: Planned,
-                       capture: CaptureConfig, guard: extraction.FailureGuard | None = None, node: str = "",
+                       capture: CaptureConfig, guard: bookkeeping.FailureGuard | None = None, node: str = "",
                        parent_run: str | None = None) -> dict:
     log = get_run_logger()
     if parent_run:  # a child of a many-node run: only while its parent holds the store
@@ -237,7 +237,7 @@ def extract_hidden_states(
                 live = launch_task(planned.target, server, dump_dir, log_path)
                 warm_up_task(live, dump_dir, planned.target)
                 reset_dump_dir_task(dump_dir, live.rid_prefix)
-                guard = extraction.FailureGuard.of_capture(capture)
+                guard = bookkeeping.FailureGuard.of_capture(capture)
                 failures = _extract_all(planned, live, dump_dir, capture, guard, node, parent_run)
                 guard.check()  # this reason first: the batches it stopped are its consequence
                 if failures:
@@ -269,7 +269,7 @@ def extract_hidden_states(
 
 
 def _extract_all(planned: Planned, server: ServerSupervisor, dump_dir: Path, capture: CaptureConfig,
-                 guard: extraction.FailureGuard, node: str, parent_run: str | None) -> list[str]:
+                 guard: bookkeeping.FailureGuard, node: str, parent_run: str | None) -> list[str]:
     log = get_run_logger()
     plan, store = planned.plan, planned.store
     batch_task = extract_batch_task.with_options(
@@ -277,7 +277,7 @@ def _extract_all(planned: Planned, server: ServerSupervisor, dump_dir: Path, cap
         retry_delay_seconds=(exponential_backoff(backoff_factor=capture.batch_retry_delay_s)
                              if capture.batch_retry_delay_s else 0))
     batches = plan.batches(capture.batch_size)
-    meter = extraction.ProgressMeter(store.ledger, plan.todo_tokens, len(plan.todo))
+    meter = bookkeeping.ProgressMeter(store.ledger, plan.todo_tokens, len(plan.todo))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("extraction-progress", store.path),
                                         description=f"extraction into {store.path}")
     log.info("extracting %d samples in %d batches of up to %d", len(plan.todo), len(batches), capture.batch_size)

@@ -21,7 +21,7 @@ from flows.extract import plan_task
 from flows.node_runs import node_task, report_nodes
 from flows.run_record import keep_run_config
 from flows.verify import VerifyAtEnd, verify_task
-from tasks.capture import extraction, nodes
+from tasks.capture import bookkeeping, nodes, planning
 from tasks.capture.config import CaptureConfig
 from tasks.server.config import ServerConfig
 from tasks.server.supervisor import FROM_NODE
@@ -75,7 +75,7 @@ def extract_across_nodes(
                              f"$EAGLE3_LEDGER_URL)")
         # The whole plan, before any child: each child checks only its share,
         # which fits long after the plan has stopped fitting.
-        space = extraction.storage_preflight(plan, path, None, hidden_size=planned.target.hidden_size,
+        space = planning.storage_preflight(plan, path, None, hidden_size=planned.target.hidden_size,
                                              in_flight_tokens=0, dtype=planned.store.dtype)
         log.info("storage: the whole plan needs %.3f GiB in the store (%.1f GiB free at %s)",
                  space["store_bytes"] / 2**30, space["store_free"] / 2**30, path)
@@ -90,7 +90,7 @@ def extract_across_nodes(
         child = {"server": ServerConfig(model=model, url=FROM_NODE).model_dump(mode="json"),
                  "capture": capture.model_dump(mode="json"), "store": store.model_dump(mode="json"),
                  "verify": False, "parent_run": run_id}
-        meter = extraction.ProgressMeter(ledger, plan.todo_tokens, len(plan.todo))
+        meter = bookkeeping.ProgressMeter(ledger, plan.todo_tokens, len(plan.todo))
         artifact = create_progress_artifact(progress=0.0, key=artifact_key("extraction-progress", path),
                                             description=f"extraction into {path} on {len(queues)} nodes")
         reports = [f.result() for f in [node_task.submit(q, dispatcher, deployment, child, start_timeout_s, meter,

@@ -13,6 +13,7 @@ from tasks.server.config import ServerConfig  # noqa: E402
 from tasks.server.launch import CaptureSpec, launch_server  # noqa: E402
 from tasks.target.layers import AuxLayers  # noqa: E402
 from tasks.train.config import TrainConfig  # noqa: E402
+from tests.tiers import pytest_addoption, pytest_collection_modifyitems  # noqa: E402,F401
 from tests.tiny_models import TINY, ensure_model  # noqa: E402
 
 # Small enough that a 600-token prompt is split over several forwards.

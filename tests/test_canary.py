@@ -221,7 +221,8 @@ def test_a_run_told_the_wrong_checkpoint_stores_nothing_and_stops(capture_server
     import numpy as np
 
     from tasks.capture.config import CaptureConfig
-    from tasks.capture.extraction import Endpoint, FailureGuard, extract_batch
+    from tasks.capture.bookkeeping import FailureGuard
+    from tasks.capture.extraction import Endpoint, extract_batch
     from tasks.data.dataset import Sample, sample_id
     from tasks.store.handle import Store
     from tasks.store.ledger.open import open_ledger, open_store

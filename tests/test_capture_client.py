@@ -119,7 +119,8 @@ def test_no_dump_of_a_failed_request_stays_in_the_dump_dir(tmp_path):
     failed used to stay in the (RAM-backed) dump dir until the next run's
     reset: only a bad capture was discarded. Every failure path discards
     now, and a dump the writer lands later is swept by the run's next batch."""
-    from tasks.capture.extraction import FailureGuard, ServerUnavailable
+    from tasks.capture.bookkeeping import FailureGuard
+    from tasks.capture.extraction import ServerUnavailable
 
     store, dumps = tmp_path / "store", tmp_path / "dumps"
     open_store(store, {"format": FORMAT, "target": {"name": "m"}, "tokenizer": {"sha256": "t"},

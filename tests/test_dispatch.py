@@ -282,7 +282,7 @@ def test_a_plan_larger_than_the_stores_volume_is_refused_before_any_child(tmp_pa
     volume has 1: the parent refuses the whole plan before it starts one."""
     from flows.extract_nodes import extract_across_nodes
     from tasks.capture.config import CaptureConfig
-    from tasks.capture.extraction import InsufficientSpace
+    from tasks.capture.planning import InsufficientSpace
     from tasks.store.config import StoreConfig
     from tests.conftest import demo_rows, write_jsonl
 

@@ -18,7 +18,8 @@ from flows.extract import extract_hidden_states
 from tasks.capture import client as capture_client
 from tasks.capture.config import CaptureConfig
 from tasks.capture.dump import TMP_PREFIX, read_capture as real_read_capture, write_chunk
-from tasks.capture.extraction import Endpoint, FailureGuard, extract_batch
+from tasks.capture.bookkeeping import FailureGuard
+from tasks.capture.extraction import Endpoint, extract_batch
 from tasks.data.dataset import prepare_samples
 from tasks.server.config import ServerConfig
 from tasks.store.config import StoreConfig

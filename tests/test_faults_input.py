@@ -157,7 +157,7 @@ def test_a_dataset_with_no_usable_row_is_refused_naming_it_and_nothing_is_stored
     nothing and passes verification (seen: exit 0, 'verification passed: 0
     files, 0 samples'). The store keeps no row of it."""
     from tasks.capture.config import CaptureConfig
-    from tasks.capture.extraction import plan_extraction
+    from tasks.capture.planning import plan_extraction
     from tasks.data.dataset import NoUsableRows
     from tasks.failures import Permanent
     from tasks.store.ledger.open import open_store

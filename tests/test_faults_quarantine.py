@@ -15,7 +15,8 @@ import torch
 from tasks.capture import extraction
 from tasks.capture.dump import write_chunk
 from tasks.capture.config import CaptureConfig
-from tasks.capture.extraction import Endpoint, FailureGuard, TooManyFailures, extract_batch
+from tasks.capture.bookkeeping import FailureGuard, TooManyFailures
+from tasks.capture.extraction import Endpoint, extract_batch
 from tasks.data.dataset import Sample, sample_id
 from tasks.store.ledger.open import open_ledger, open_store
 from tasks.store.handle import Store

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tasks.capture.config import CaptureConfig
-from tasks.capture.extraction import Endpoint, FailureGuard, TooManyFailures, extract_batch
+from tasks.capture.bookkeeping import FailureGuard, TooManyFailures
+from tasks.capture.extraction import Endpoint, extract_batch
 from tasks.data.dataset import Sample
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec, launch_server

@@ -100,3 +100,47 @@ def test_no_module_under_tasks_imports_prefect_or_flows():
              for n, line in enumerate(m.read_text().splitlines(), 1)
              if re.match(r"^\s*(from|import) (prefect|flows)\b", line)]
     assert not found, found
+
+
+README_MAX_LINES = 300
+MODULE_MAX_LINES = 500
+
+
+def test_the_readme_stays_a_front_door():
+    """What it is, the two commands, the DAG, one run file, where each
+    topic's page is: reference tables and figures live in docs/."""
+    lines = len(REPO.joinpath("README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move reference material to docs/"
+
+
+def test_no_module_outgrows_one_concern():
+    """A module past 500 lines has let a second concern move in: split it
+    by concern (docs/layout.md names where each went)."""
+    over = {str(m.relative_to(REPO)): n for top in ("tasks", "flows", "tests", "bench", "scripts")
+            for m in (REPO / top).rglob("*.py")
+            if (n := len(m.read_text().splitlines())) > MODULE_MAX_LINES}
+    assert not over, over
+
+
+def _anchor(heading: str) -> str:
+    # GitHub's: lower case, punctuation dropped (not - or _), spaces to -.
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_readme_and_docs_lands():
+    """Moving a section to docs/ must not leave a link pointing at nothing."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and dest.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", dest.read_text(), re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{page.name}: {target}")
+    assert not broken, broken

@@ -33,12 +33,13 @@ import yaml
 
 from tests.pg_server import PASSWORD
 from tests.conftest import ARTIFACTS, CHUNKED_PREFILL, demo_rows, wait_for, write_jsonl
+from tests.node_flow_runs import (QUEUES, children, node_api_key, parent_result, pids_of_run, processes_of_run,
+                                 run_parent, running_child, signal_all, stored)
 from tests.prefect_stack import (REPO, secrets_found, cli, log_tail, prefect_database, prefect_server, run_processes, start_node,
                                  start_prefect_server, stop, stop_node, wait_node)
 
 pytestmark = pytest.mark.server
 LOGS = ARTIFACTS / "many-nodes"
-QUEUES = ("node-a", "node-b")
 ZOMBIE_AFTER_S = 45  # heartbeats every 30 s (Prefect's minimum)
 
 
@@ -68,69 +69,6 @@ def stack(postgres_url, tiny_model, tmp_path_factory):
         for node in nodes.values():
             stop_node(node)
         stop(server)
-
-
-def run_parent(stack, d: Path, rows: int, *argv: str, queues=QUEUES, out: str = "parent.out",
-               env: dict | None = None) -> subprocess.Popen:
-    """The parent from the command line: a run file (as configs/nodes.yaml),
-    then the test's own keys."""
-    dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
-    run_file = d / "nodes.yaml"
-    run_file.write_text(yaml.safe_dump({"queues": list(queues), "model": stack["model"],
-                                        "capture": {"dataset": str(dataset), "max_length": 512},
-                                        "store": {"path": str(d / "store"), "ledger_url": "env"}}))
-    return subprocess.Popen([sys.executable, "-m", "flows.extract_nodes", "--config", str(run_file), *argv],
-                            cwd=REPO, env={**stack["env"], **(env or {})},
-                            stdout=open(d / out, "w"), stderr=subprocess.STDOUT, text=True)
-
-
-def parent_result(proc: subprocess.Popen, out: Path, timeout_s: float) -> dict:
-    assert proc.wait(timeout=timeout_s) == 0, log_tail(out, 80)
-    text = out.read_text()
-    return json.loads(text[text.rindex("\n{") + 1:])
-
-
-def children(api, parent_id: str | None = None, store: str | None = None) -> list[dict]:
-    """Child runs of the extraction parents (with `store`, of that store's;
-    the regeneration's children have none)."""
-    runs = api.call("POST", "/flow_runs/filter", {"flow_runs": {"name": {"like_": "node-"}}})
-    return [r for r in runs if (parent_id is None or r["parameters"].get("parent_run") == parent_id)
-            and (store is None or r["parameters"].get("store", {}).get("path") == store)]
-
-
-def running_child(api, store: str, queue: str, beating: bool = False) -> dict | None:
-    """A Running child of `queue` writing `store` (with `beating`, one that has
-    sent a heartbeat: the automation can take it for dead once they stop)."""
-    for r in children(api, store=store):
-        if r["work_queue_name"] == queue and r["state_type"] == "RUNNING":
-            if not beating or api.call("POST", "/events/filter", {"filter": {
-                    "event": {"name": ["prefect.flow-run.heartbeat"]},
-                    "any_resource": {"id": [f"prefect.flow-run.{r['id']}"]}}})["events"]:
-                return r
-    return None
-
-
-def pids_of_run(run_id: str) -> list[int]:
-    pids = run_processes(run_id)
-    assert pids, f"no process runs flow run {run_id}"
-    return pids
-
-
-def processes_of_run(run_id: str) -> list[int]:
-    """The process groups of the processes running flow run `run_id`."""
-    groups = set()
-    for pid in pids_of_run(run_id):
-        try:
-            groups.add(os.getpgid(pid))
-        except ProcessLookupError:
-            continue
-    return sorted(groups)
-
-
-def stored(store: Path) -> list[str]:
-    from tasks.store.ledger.open import open_ledger
-
-    return list(open_ledger(store).samples().sample_id)
 
 
 def test_a_dataset_spread_over_two_nodes_is_stored_once_and_verified(stack, tmp_path, monkeypatch):
@@ -374,20 +312,6 @@ def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_
 
 
 ROWS = 8
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:  # its run ended meanwhile
-            pass
-
-
-def node_api_key(worker_pid: int) -> str:
-    """The key of a node's server, as its worker's environment holds it."""
-    env = dict(v.split("=", 1) for v in Path(f"/proc/{worker_pid}/environ").read_text().split("\0") if "=" in v)
-    return env["EAGLE3_API_KEY"]
 
 
 START_TIMEOUT_S = 30

@@ -8,6 +8,7 @@ from tasks.server.processes import group_members
 from tasks.sglang_api import ServerError
 
 
+@pytest.mark.server  # real SGLang, which fails on the path
 def test_bad_model_path_fails_fast_with_log_tail_and_leaves_no_process(tmp_path, monkeypatch):
     started = {}
     import subprocess

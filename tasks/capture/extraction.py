@@ -1,5 +1,7 @@
-"""Extraction, as plain functions: plan, preflight, dump-dir reset, warm-up,
-one batch, progress. The Prefect flow in flows/extract.py wires them up.
+"""Extraction, as plain functions: dump-dir reset, warm-up, one batch. The
+plan and its preflight are tasks/capture/planning.py, the counts across
+batches (failure guard, progress) tasks/capture/bookkeeping.py; the Prefect
+flow in flows/extract.py wires them up.
 
 Progress, resume and verification all come from the ledger: a sample is done
 when its shard is committed there, and at no other moment.
@@ -8,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,103 +19,24 @@ from typing import Callable, Sequence
 import httpx
 
 from tasks.capture import canary
+from tasks.capture.bookkeeping import FailureGuard
 from tasks.capture.client import DUMP_WAIT_S, capture_many, probe_capture
 from tasks.capture.config import CaptureConfig
 from tasks.capture.dump import (
     CaptureError, CaptureRefused, RID_PREFIX, SUFFIX, TMP_PREFIX, check_rid_prefix, discard_rids,
 )
-from tasks.failures import Permanent
 from tasks.paths import ensure_private_dir
-from tasks.data.dataset import Rejected, Sample, prepare_samples, require_usable
+from tasks.data.dataset import Sample
 from tasks.sglang_api import ServerStopped, server_down, server_healthy, was_in_flight
 from tasks.store.handle import Store
-from tasks.store.ledger.index import Ledger
 from tasks.store.manifest import StoreError
-from tasks.store.shards import BF16, ShardExists, bytes_per_token, remove_uncommitted, write_shard
+from tasks.store.shards import ShardExists, remove_uncommitted, write_shard
 
 logger = logging.getLogger("eagle3.extract")
 
 
-class InsufficientSpace(Permanent, RuntimeError):
-    """The plan's states do not fit where they must go (a retry finds the same space)."""
-
-
 class ServerUnavailable(RuntimeError):
     """The server stopped answering mid-batch; the batch must be retried."""
-
-
-@dataclass
-class Plan:
-    source: str
-    todo: list[Sample]
-    already_stored: int
-    rejected: list[Rejected]
-    total_samples: int
-
-    @property
-    def todo_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.todo)
-
-    def batches(self, batch_size: int) -> list[list[Sample]]:
-        return [self.todo[i: i + batch_size] for i in range(0, len(self.todo), batch_size)]
-
-
-def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Sequence[int] | None = None) -> Plan:
-    """Tokenise the capture's dataset (or only its `rows`, captured in the
-    order given: a stream run's training order) and keep only what the
-    ledger does not hold yet. Rows that cannot be used go to the quarantine
-    table with their reason."""
-    source = str(Path(capture.dataset).resolve())
-    samples, rejected = prepare_samples(Path(capture.dataset), tokenizer, max_length=capture.max_length,
-                                        policy=capture.max_length_policy,
-                                        rows=None if rows is None else frozenset(rows))
-    if rows is None:
-        require_usable(Path(capture.dataset), samples, rejected)
-    stored = ledger.captured_ids()
-    todo, seen = [], set()
-    for s in samples:
-        if s.sample_id not in stored and s.sample_id not in seen:  # duplicates are stored once
-            seen.add(s.sample_id)
-            todo.append(s)
-    if rows is not None:
-        position = {row: k for k, row in enumerate(rows)}
-        todo.sort(key=lambda s: position[s.source_row])
-    if rejected:
-        ledger.quarantine([{"source": source, "source_row": r.source_row, "reason": r.reason} for r in rejected])
-    return Plan(source, todo, len(samples) - len(todo), rejected, len(samples) + len(rejected))
-
-
-def storage_preflight(plan: Plan, store: Path, dump_dir: Path | None, *, hidden_size: int, in_flight_tokens: int,
-                      dtype: str = BF16) -> dict:
-    """Bytes the plan will need where the store and the dump dir live; raise
-    InsufficientSpace (needed, free, where) before any work if they cannot fit.
-    No dump dir: the store alone (a many-node parent, for the whole plan;
-    each node checks its own dump dir)."""
-    per_token = bytes_per_token(hidden_size, dtype=dtype)
-    need_store = plan.todo_tokens * per_token
-    # A dump holds the model dtype (at most fp32) plus int64 ids, only while in flight.
-    need_dump = in_flight_tokens * ((3 + 1) * hidden_size * 4 + 8)
-    out = {"tokens": plan.todo_tokens, "bytes_per_token": per_token, "store_bytes": need_store, "dump_bytes": need_dump}
-    places = [("store", store, need_store)] + ([("dump dir", dump_dir, need_dump)] if dump_dir is not None else [])
-    for what, path, need in places:
-        path = _existing_parent(Path(path))
-        free = shutil.disk_usage(path).free
-        out[f"{what.replace(' ', '_')}_free"] = free
-        if need > free:
-            raise InsufficientSpace(
-                f"the {what} needs {_gib(need)} for {plan.todo_tokens:,} tokens but {path} has "
-                f"{_gib(free)} free; free space there or choose another location")
-    return out
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
@@ -158,96 +79,6 @@ def warm_up(endpoint: "Endpoint", requests: int = 3) -> dict:
     return summary
 
 
-class TooManyFailures(Permanent, RuntimeError):
-    """So many captures failed that the run is not storing a dataset but
-    quarantining it: something is wrong with the server or the capture."""
-
-
-_CAPTURE = CaptureConfig.model_fields
-
-
-class FailureGuard:
-    """Counts capture outcomes across the batches of one run (from any
-    thread) and stops the run when captures fail wholesale: after
-    `max_consecutive` failed samples in a row, or when more than `max_ratio`
-    of the samples tried so far failed (judged once `min_samples` were tried,
-    and at the end of the run over everything). Without it, a run whose every
-    capture fails ends Completed with nothing stored. Its limits are the
-    capture section's (of_capture); the defaults, its defaults."""
-
-    def __init__(self, *, max_ratio: float = _CAPTURE["max_quarantine_ratio"].default,
-                 max_consecutive: int = _CAPTURE["max_consecutive_failures"].default,
-                 min_samples: int = _CAPTURE["quarantine_min_tried"].default,
-                 canaries: canary.CanaryTally | None = None):
-        self.max_ratio, self.max_consecutive, self.min_samples = max_ratio, max_consecutive, min_samples
-        self.canaries = canaries or canary.CanaryTally()
-        self.failed_rids: dict[str, float] = {}  # rid -> when it failed (monotonic)
-        self.stored = self.failed = self.streak = 0
-        self.last_reason = ""
-        self.tripped: str | None = None
-        self._mutex = threading.Lock()
-
-    @classmethod
-    def of_capture(cls, capture: CaptureConfig) -> FailureGuard:
-        return cls(max_ratio=capture.max_quarantine_ratio, max_consecutive=capture.max_consecutive_failures,
-                   min_samples=capture.quarantine_min_tried, canaries=canary.CanaryTally.of_capture(capture))
-
-    def check(self) -> None:
-        """Raise TooManyFailures if the run was already stopped, CanaryDisagrees
-        if its canaries failed beyond their limit."""
-        self.canaries.check()
-        if self.tripped:
-            raise TooManyFailures(self.tripped)
-
-    def record(self, outcomes: Sequence[bool], reason: str = "") -> None:
-        """outcomes: per sample, in order, whether it was captured."""
-        with self._mutex:
-            for ok in outcomes:
-                self.stored += ok
-                self.failed += not ok
-                self.streak = 0 if ok else self.streak + 1
-                if self.streak >= self.max_consecutive and not self.tripped:
-                    self.tripped = self._message(f"{self.streak} captures in a row failed")
-            if reason:
-                self.last_reason = reason
-            if not self.tripped and self.stored + self.failed >= self.min_samples:
-                self.tripped = self._ratio_exceeded()
-        self.check()
-
-    def sweep(self, dump_dir: Path, rids: Sequence[str] = ()) -> None:
-        """Remember `rids` (failed requests) and remove any dump of the run's
-        failed requests, in one listing of the dump dir: one can land after
-        its request failed (a timeout while the server still ran it). A rid
-        is forgotten LATE_DUMP_WINDOW_S after it failed, so the set stays as
-        small as the failures of the last minutes."""
-        now = time.monotonic()
-        with self._mutex:
-            self.failed_rids.update(dict.fromkeys(rids, now))
-            for rid in [r for r, at in self.failed_rids.items() if now - at > LATE_DUMP_WINDOW_S]:
-                del self.failed_rids[rid]
-            recent = set(self.failed_rids)
-        discard_rids(dump_dir, recent)
-
-    def finish(self) -> None:
-        """The ratio over the whole run, however few samples it had."""
-        with self._mutex:
-            self.tripped = self.tripped or self._ratio_exceeded()
-        self.check()
-
-    def _ratio_exceeded(self) -> str | None:
-        tried = self.stored + self.failed
-        if tried and self.failed / tried > self.max_ratio:
-            return self._message(f"{self.failed} of {tried} samples tried failed their capture "
-                                 f"({self.failed / tried:.0%} > {self.max_ratio:.0%} allowed)")
-        return None
-
-    def _message(self, what: str) -> str:
-        return (f"{what}; stopping the run (last error: {self.last_reason or 'unknown'}). The {self.stored} "
-                f"samples stored are kept and the failed ones are quarantined; fix the server or capture "
-                f"problem and rerun, which retries them (limits: max_quarantine_ratio={self.max_ratio}, "
-                f"max_consecutive_failures={self.max_consecutive})")
-
-
 @dataclass
 class BatchResult:
     shard: str | None
@@ -263,10 +94,6 @@ class BatchResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-# A failed request's dump can land after it failed, while the server still
-# runs it: at most a request timeout later (capture.request_timeout_s,
-# default 600 s). Its rid is swept for this long.
-LATE_DUMP_WINDOW_S = 900.0
 # A sample in flight at this many server crashes is quarantined as their
 # cause. Once in flight at one, it is sent alone, so a second crash names it.
 CRASH_LIMIT = 2
@@ -528,33 +355,3 @@ def extract_batch(endpoint: Endpoint, store: Store, source: str, samples: list[S
             discard_rids(endpoint.dump_dir, set(batch.failed_rids))
 
 
-@dataclass
-class ProgressMeter:
-    """Progress computed from the ledger, never from logs or listings."""
-
-    ledger: Ledger
-    planned_tokens: int
-    planned_samples: int
-    start: dict = field(init=False)
-    t0: float = field(default_factory=time.perf_counter)
-
-    def __post_init__(self):
-        self.start = self.ledger.summary()
-
-    def read(self) -> dict:
-        now = self.ledger.summary()
-        tokens = now["tokens"] - self.start["tokens"]
-        samples = now["samples"] - self.start["samples"]
-        elapsed = time.perf_counter() - self.t0
-        rate = tokens / elapsed if elapsed > 0 else 0.0
-        left = max(self.planned_tokens - tokens, 0)
-        return {"samples": samples, "planned_samples": self.planned_samples, "tokens": tokens,
-                "planned_tokens": self.planned_tokens, "tokens_per_s": rate,
-                "eta_s": left / rate if rate > 0 else None, "quarantined": now["quarantined"],
-                "percent": 100.0 * tokens / self.planned_tokens if self.planned_tokens else 100.0}
-
-    @staticmethod
-    def describe(p: dict) -> str:
-        eta = "?" if p["eta_s"] is None else f"{p['eta_s'] / 60:.1f} min"
-        return (f"{p['samples']}/{p['planned_samples']} samples, {p['tokens']:,}/{p['planned_tokens']:,} tokens "
-                f"({p['percent']:.1f}%), {p['tokens_per_s']:.0f} tok/s, ETA {eta}, quarantined {p['quarantined']}")
