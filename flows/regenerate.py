@@ -29,9 +29,9 @@ from tasks.data.dataset import DEMO_DATASET
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
-from tasks.regeneration.stage import Progress, answer_batch, plan_regeneration, provenance
+from tasks.regeneration.stage import Progress, answer_batch, answer_server, plan_regeneration, provenance
 from tasks.server.config import ServerConfig
-from tasks.server.launch import LaunchSpec, check_serves
+from tasks.server.launch import check_serves
 from tasks.server.supervisor import ServerSupervisor, node_server
 from tasks.store.lock import check_held_by, hold_lock
 from tasks.target.architectures import load_tokenizer
@@ -113,8 +113,7 @@ def regenerate_answers(
             if server.url:
                 supervisor = ServerSupervisor(node_server(server))
             else:
-                plain = LaunchSpec(server.model_copy(update={"model": str(model_path)}))
-                supervisor = ServerSupervisor(plain, server_log(out))
+                supervisor = ServerSupervisor(answer_server(server, model_path), server_log(out))
             stack.callback(supervisor.stop)
             log.info("SGLang server for the answers at %s%s", supervisor.start(), f" (node {node})" if node else "")
             check_serves(supervisor.url, model_path, api_key=supervisor.api_key)

@@ -9,3 +9,9 @@ from __future__ import annotations
 
 class Permanent(Exception):
     """Mixed into an error class whose cause a retry cannot remove."""
+
+
+class EndsRun(Permanent):
+    """A failure no other batch of the run can escape either (its server is
+    gone for good): the flow stops at the first, not after every batch has
+    failed the same way with its retries (flows/batches.py drain)."""

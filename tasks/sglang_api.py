@@ -10,11 +10,16 @@ import ssl
 
 import httpx
 
-from tasks.failures import Permanent
+from tasks.failures import EndsRun, Permanent
 
 
 class ServerError(RuntimeError):
     """The server failed to start, died, or does not capture correctly."""
+
+
+class ServerGone(EndsRun, ServerError):
+    """The run's server stays down: relaunched max_restarts times and dead
+    again, or attached and not answering after its wait."""
 
 
 class ServerStopped(Permanent, ServerError):

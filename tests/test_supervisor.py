@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tasks.failures import EndsRun
 from tasks.server.config import ServerConfig
 from tasks.server.supervisor import ServerSupervisor
 from tasks.sglang_api import ServerError, ServerStopped
@@ -63,9 +64,11 @@ def test_an_attached_server_that_stays_down_fails_after_the_wait():
     port = free_port()
     supervisor = ServerSupervisor(ServerConfig(url=f"http://127.0.0.1:{port}", attach_wait_s=2))
     t0 = time.monotonic()
-    with pytest.raises(ServerError, match=r"is not answering \(waited 2 s\); restart it"):
+    with pytest.raises(ServerError, match=r"is not answering \(waited 2 s\); restart it") as gone:
         supervisor.recover()
     assert time.monotonic() - t0 >= 2
+    # No batch of the run can succeed without it: the run ends at the first (flows/batches.py drain).
+    assert isinstance(gone.value, EndsRun)
     # Without a wait it fails at once, as before nodes relaunched servers.
     with pytest.raises(ServerError, match="no healthy SGLang server"):
         ServerSupervisor(ServerConfig(url=f"http://127.0.0.1:{port}")).start()

@@ -19,6 +19,8 @@ from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker, answer_all
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import Conversation, answer_points, row_id
+from tasks.server.config import ServerConfig
+from tasks.server.launch import LaunchSpec
 from tasks.sglang_api import server_down, server_healthy, was_in_flight
 from tasks.store.shards import file_sha256
 
@@ -43,6 +45,13 @@ def provenance(source: Path, model_path: Path, cfg: RegenerateConfig) -> dict:
     return {"source": str(Path(source).resolve()), "source_sha256": file_sha256(source),
             "target": str(model_path), "target_config_sha256": file_sha256(Path(model_path) / "config.json"),
             "settings": cfg.identity()}
+
+
+def answer_server(server: ServerConfig, model_path: Path) -> LaunchSpec:
+    """The plain server a run launches for its answers: with SGLang's prefix
+    cache, so turn k reuses the KV of the turns before it (and the answer
+    request of a reasoning budget, its reasoning's)."""
+    return LaunchSpec(server.model_copy(update={"model": str(model_path)}), prefix_cache=True)
 
 
 @dataclass

@@ -92,9 +92,10 @@ FLAGS: tuple[Flag, ...] = (
          lambda c: [str(_server(c).dp_size)] if _server(c).dp_attention else None, owned="always"),
     Flag("--enable-dp-attention", "server.dp_attention", lambda c: None, owned="always", shown=False),
     Flag("--max-total-tokens", "server.max_total_tokens", lambda c: [str(_server(c).max_total_tokens)]),
-    # Tokens the prefix cache serves are not recomputed, so never reach the hook.
-    Flag("--disable-radix-cache", "nothing: every server the launcher starts runs without the prefix cache",
-         lambda c: []),
+    # Tokens the prefix cache serves are not recomputed, so never reach the
+    # hook; only a plain server answering turn by turn keeps it.
+    Flag("--disable-radix-cache", "LaunchSpec.prefix_cache (regeneration's server keeps it; every other "
+         "server runs without the prefix cache)", lambda c: None if c.spec.prefix_cache else []),
     Flag("--enable-return-aux-hidden-states", "CaptureSpec (a capture server)",
          lambda c: [] if c.spec.capture else None, owned="capture"),
     Flag("--speculative-algorithm", SPECULATE,

@@ -77,8 +77,16 @@ class LaunchSpec:
     # The first GPU of the server's (SGLang's --base-gpu-id): a server beside
     # a training run takes the GPUs after the ones training holds.
     base_gpu_id: int | None = None
+    # SGLang's prefix (radix) cache: off on every server but the ones that
+    # answer conversations turn by turn (regeneration), where turn k would
+    # otherwise prefill every earlier turn again. A capture must see every
+    # token computed; the evaluation's sweep sends a prompt more than once.
+    prefix_cache: bool = False
 
     def __post_init__(self):
+        if self.prefix_cache and (self.capture or self.speculative):
+            raise ValueError("prefix_cache is for a plain server: a capture server must compute every token it "
+                             "captures, and the evaluation measures speculative servers without it")
         if self.server.url is not None:
             raise ValueError(f"server.url is {self.server.url!r}: that server is attached to, not launched "
                              "(ServerSupervisor takes the section alone); unset it to launch one")

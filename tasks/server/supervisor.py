@@ -15,7 +15,7 @@ from tasks.capture.config import CaptureConfig
 from tasks.server.config import API_KEY_ENV, ServerConfig, revealed
 from tasks.server.launch import LaunchSpec, ServerHandle, launch_server, stop_server
 from tasks.server.server_log import LogFollower
-from tasks.sglang_api import ServerError, ServerStopped, server_healthy
+from tasks.sglang_api import ServerError, ServerGone, ServerStopped, server_healthy
 
 logger = logging.getLogger("eagle3.server")
 
@@ -137,8 +137,10 @@ class ServerSupervisor:
                 self._wait_attached()
                 return
             if self.restarts >= self.max_restarts:
-                raise ServerError(f"SGLang server died again after {self.restarts} relaunches; last log lines:\n"
-                                  + self.handle.log_tail())
+                raise ServerGone(f"the SGLang server at {self.url} died again after {self.restarts} relaunches "
+                                 f"(server.max_restarts {self.max_restarts}); the run stops, its committed batches "
+                                 f"kept. Last log lines:\n"
+                                 + self.handle.log_tail())
             self.restarts += 1
             logger.warning("SGLang server at %s is down (exit code %s); relaunching (%d of at most %d). "
                            "Last log lines:\n%s", self.url, self.handle.process.poll(), self.restarts,
@@ -161,7 +163,7 @@ class ServerSupervisor:
                 logger.warning("the attached SGLang server at %s answers again after %.0f s", self.attach_url,
                                time.monotonic() - t0)
                 return
-        raise ServerError(f"the attached SGLang server at {self.attach_url} is not answering"
+        raise ServerGone(f"the attached SGLang server at {self.attach_url} is not answering"
                           + (f" (waited {self.attach_wait_s:.0f} s)" if self.attach_wait_s else "")
                           + "; restart it, then retry the run (stored batches are kept)")
 
