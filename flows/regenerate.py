@@ -29,7 +29,10 @@ from tasks.data.dataset import DEMO_DATASET
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
-from tasks.regeneration.stage import Progress, answer_batch, answer_server, plan_regeneration, provenance
+from tasks.regeneration.pool import AnswerPool
+from tasks.regeneration.stage import (
+    Progress, answer_batch, answer_server, batch_workers, plan_regeneration, provenance,
+)
 from tasks.server.config import ServerConfig
 from tasks.server.launch import check_serves
 from tasks.server.supervisor import ServerSupervisor, node_server
@@ -45,16 +48,16 @@ def server_log(out: Path) -> Path:
 
 
 @task(name="answer-batch", cache_policy=NO_CACHE, retry_condition_fn=unless_permanent)
-def answer_batch_task(batch: list, asker: Asker, out: str, server: ServerSupervisor,
+def answer_batch_task(batch: list, asker: Asker, out: str, server: ServerSupervisor, pool: AnswerPool,
                       parent_run: str | None = None) -> dict:
     log = get_run_logger()
     if parent_run:  # a node's child of regenerate_across_nodes: only while its parent holds the answers
         check_held_by(Path(out), parent_run)
-    result = answer_batch(asker, AnswerStore(Path(out)), batch, on_down=server.recover)
+    result = answer_batch(asker, AnswerStore(Path(out)), batch, pool, on_down=server.recover)
     server.forward_log(log)
-    log.info("batch of %d: %d answered, %s tokens in %.1f s (%.0f tok/s) -> %s; quarantined %d", len(batch),
-             result.rows, f"{result.answer_tokens:,}", result.seconds, result.answer_tokens / max(result.seconds, 1e-9),
-             result.shard, len(result.quarantined))
+    log.info("batch of %d: %d answered (%d cut at max_new_tokens), %s tokens in %.1f s -> %s; dropped %d, "
+             "quarantined %d; %d of %d in flight", len(batch), result.rows, result.cut, f"{result.answer_tokens:,}",
+             result.seconds, result.shard, result.dropped, len(result.quarantined), pool.in_flight, pool.width)
     return {"shard": result.shard, "rows": result.rows, "quarantined": result.quarantined}
 
 
@@ -69,12 +72,19 @@ def verify_answers_task(out: str) -> dict:
     if bad:
         raise VerificationFailed(f"{len(bad)} of {len(reports)} answer shards in {out} differ from their index: "
                                  + "; ".join(f"{r['shard']}: {', '.join(r['problems'])}" for r in bad[:5]))
-    get_run_logger().info("answers verified: %d shards, %d conversations, %s generated tokens; %d quarantined",
-                          len(reports), summary["rows"], f"{summary['answer_tokens']:,}", summary["quarantined"])
+    get_run_logger().info("answers verified: %d shards, %d conversations (%d with their last answer cut at "
+                          "max_new_tokens), %s generated tokens; %d dropped for a cut answer, %d quarantined",
+                          len(reports), summary["rows"], summary["cut"], f"{summary['answer_tokens']:,}",
+                          summary["dropped"], summary["quarantined"])
     return summary
 
 
-@flow(name="regenerate_answers", task_runner=ThreadPoolTaskRunner(max_workers=2))
+# Batch tasks only wait on the run's answer pool (tasks/regeneration/pool.py):
+# enough of them keep its width full (stage.batch_workers).
+MAX_BATCH_WORKERS = 64
+
+
+@flow(name="regenerate_answers", task_runner=ThreadPoolTaskRunner(max_workers=MAX_BATCH_WORKERS))
 @described
 def regenerate_answers(
     server: ServerConfig = ServerConfig(),
@@ -121,12 +131,29 @@ def regenerate_answers(
             # server never shares a rid with this one's.
             asker = Asker(supervisor.url, tokenizer, regenerate, api_key=supervisor.api_key,
                           rid_prefix=f"regen-{secrets.token_hex(4)}-")
-            _answer_all(plan, asker, out, supervisor, regenerate, parent_run)
+            _answer_all(plan, asker, out, supervisor, regenerate, server.dp_size, parent_run)
         return {"out": str(out), **(verify_answers_task(str(out)) if verify else store.summary())}
 
 
 def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, regenerate: RegenerateConfig,
-                parent_run: str | None) -> None:
+                ranks: int, parent_run: str | None) -> None:
+    log = get_run_logger()
+    width = regenerate.concurrency * ranks
+    if batch_workers(width, regenerate.batch_size) > MAX_BATCH_WORKERS:
+        log.warning("%d batch tasks at once cannot keep %d conversations in flight in batches of %d: raise "
+                    "regenerate.batch_size to at least %d", MAX_BATCH_WORKERS, width, regenerate.batch_size,
+                    -(-width // (MAX_BATCH_WORKERS - 1)))
+    pool = AnswerPool(width, api_key=asker.api_key, timeout_s=regenerate.request_timeout_s)
+    log.info("answering %d conversations, %d in flight (%d per data-parallel rank x %d), committed in batches "
+             "of %d", len(plan.todo), width, regenerate.concurrency, ranks, regenerate.batch_size)
+    try:
+        _answer_batches(plan, asker, out, supervisor, regenerate, pool, parent_run)
+    finally:
+        pool.close()
+
+
+def _answer_batches(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, regenerate: RegenerateConfig,
+                    pool: AnswerPool, parent_run: str | None) -> None:
     log = get_run_logger()
     batch_task = answer_batch_task.with_options(retries=regenerate.batch_retries, retry_jitter_factor=0.5,
                                                 retry_delay_seconds=exponential_backoff(backoff_factor=10))
@@ -134,13 +161,14 @@ def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, reg
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("regeneration-progress", str(out)),
                                         description=f"regeneration into {out}")
     futures = batch_task.map(plan.batches(regenerate.batch_size), unmapped(asker), unmapped(str(out)),
-                             unmapped(supervisor), unmapped(parent_run))
+                             unmapped(supervisor), unmapped(pool), unmapped(parent_run))
 
     def after_each() -> None:
         now = progress.read()
         update_progress_artifact(artifact, progress=min(now["percent"], 100.0),
                                  description=f"regeneration into {out}: {progress.describe(now)}")
-        log.info("progress: %s", progress.describe(now))
+        log.info("progress: %s; %.1f conversations in flight on average (width %d)", progress.describe(now),
+                 pool.mean_in_flight(), pool.width)
         progress.check(regenerate.max_quarantine_ratio)
 
     failures = drain(futures, after_each)

@@ -90,7 +90,8 @@ def regenerate_across_nodes(
                                                          artifact) for q in queues]]
         report_nodes(reports, log, out, "regeneration", "conversations")
         # The index, not the children's reports, says what is answered.
-        answered, quarantined = store.answered_ids(), {r[0] for r in store.quarantined()}
+        answered = store.answered_ids() | store.dropped_ids()
+        quarantined = {r[0] for r in store.quarantined()}
         lost = [c.source_row for c in plan.todo if c.row_id not in answered and c.row_id not in quarantined]
         # Files of killed children (every child has ended: nobody writes one).
         leaked = store.remove_unindexed()

@@ -16,6 +16,7 @@ from tasks.data.dataset import Sample
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
+from tasks.regeneration.pool import AnswerPool
 from tasks.regeneration.stage import ServerDown, answer_batch, plan_regeneration, provenance
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec
@@ -108,10 +109,11 @@ def regenerate_on_a_crashing_server(server: ServerSupervisor, model, tmp_path, d
     answers = AnswerStore(tmp_path / "answers", provenance(source, model, cfg))
     asker = Asker(server.url, tokenizer, cfg, api_key=server.api_key)
     batch = plan_regeneration(source, answers, cfg, tokenizer).todo
-    for attempt in range(4):
-        try:
-            answer_batch(asker, answers, batch, on_down=server.recover)
-            return answers
-        except ServerDown as e:
-            down.append(str(e))
+    with AnswerPool(cfg.concurrency, api_key=server.api_key) as pool:
+        for attempt in range(4):
+            try:
+                answer_batch(asker, answers, batch, pool, on_down=server.recover)
+                return answers
+            except ServerDown as e:
+                down.append(str(e))
     pytest.fail(f"the regeneration batch never completed: {down}")

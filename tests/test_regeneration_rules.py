@@ -29,3 +29,110 @@ def test_the_answers_server_keeps_sglangs_prefix_cache_and_a_capture_server_does
                                 cpu=True)).disable_radix_cache is True
     with pytest.raises(ValueError, match="must compute every token it captures"):
         CaptureSpec(server, dump_dir=tmp_path, prefix_cache=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def templated(tokenizer, template: str):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+def test_each_reasoning_template_is_driven_by_the_switch_sglang_reads(tokenizer):
+    from tasks.regeneration.config import RegenerateConfig
+    from tasks.regeneration.turns import check_template, render_prompt
+    from tests.reasoning_templates import KIMI_K25, QWEN3
+
+    kimi, qwen = templated(tokenizer, KIMI_K25), templated(tokenizer, QWEN3)
+    off = RegenerateConfig(thinking=False)
+    kimi_use, qwen_use = check_template(kimi, off), check_template(qwen, off)
+    assert (kimi_use.switch, qwen_use.switch) == ("thinking", "enable_thinking")
+    # Qwen3 renders an earlier answer without the reasoning block it gives the last one.
+    assert (kimi_use.history_stable, qwen_use.history_stable) == (True, False)
+    user = [{"role": "user", "content": "Hi."}]
+    assert kimi.decode(render_prompt(kimi, user, kimi_use.kwargs(False))).endswith(
+        "<|im_assistant|>assistant<|im_middle|><think></think>")
+    assert kimi.decode(render_prompt(kimi, user, kimi_use.kwargs(True))).endswith("assistant<|im_middle|>")
+    # Unset, nothing is passed: the template's own default.
+    assert check_template(kimi, RegenerateConfig()).kwargs(None) == {}
+
+
+def test_a_template_that_never_reads_the_switch_is_refused_at_the_plan(tokenizer, tmp_path):
+    from tasks.regeneration.answer_store import AnswerStore
+    from tasks.regeneration.config import RegenerateConfig
+    from tasks.regeneration.stage import plan_regeneration, provenance
+    from tasks.regeneration.turns import TemplateRefused
+    from tests.conftest import demo_rows, write_jsonl
+    from tests.reasoning_templates import KIMI_K25, NO_SWITCH
+
+    source = write_jsonl(tmp_path / "data.jsonl", demo_rows(2))
+    plain = templated(tokenizer, NO_SWITCH)
+    for cfg, why in [(RegenerateConfig(thinking=True), "finds no reasoning switch"),
+                     (RegenerateConfig(thinking=False, thinking_switch="enable_thinking"),
+                      "does not read 'enable_thinking'")]:
+        store = AnswerStore(tmp_path / f"out-{why[:4]}", provenance(source, Path(tokenizer.name_or_path), cfg))
+        with pytest.raises(TemplateRefused, match=why):
+            plan_regeneration(source, store, cfg, plain)
+    # Kimi's template named the Qwen3 way: refused, not silently left thinking.
+    with pytest.raises(TemplateRefused, match="does not read 'enable_thinking'"):
+        from tasks.regeneration.turns import check_template
+
+        check_template(templated(tokenizer, KIMI_K25), RegenerateConfig(thinking=False,
+                                                                          thinking_switch="enable_thinking"))
+
+
+def test_a_reasoning_budget_with_thinking_off_is_refused():
+    from pydantic import ValidationError
+
+    from tasks.regeneration.config import RegenerateConfig
+
+    with pytest.raises(ValidationError, match="max_reasoning_tokens is a budget for reasoning"):
+        RegenerateConfig(thinking=False, max_reasoning_tokens=64)
+
+
+def test_an_answer_after_a_closed_reasoning_part_is_not_joined_twice():
+    from tasks.regeneration.turns import after_closed_reasoning
+
+    marker, nl2 = [7, 8], [9]
+    # The thinking-off render ends "</think>\n\n"; the target wrote "\n\n" first.
+    assert after_closed_reasoning([1, 7, 8, 9], [9, 5, 6], marker) == [5, 6]
+    assert after_closed_reasoning([1, 7, 8, 9], [5, 6], marker) == [5, 6]  # nothing doubled: kept whole
+    assert after_closed_reasoning([1, 2, 3], nl2 + [5], marker) == [9, 5]  # no closed part in the render
+
+
+def test_the_askers_repr_holds_no_api_key(tokenizer):
+    from tasks.regeneration.answers import Asker
+    from tasks.regeneration.config import RegenerateConfig
+
+    assert "s3cret" not in repr(Asker("http://x", tokenizer, RegenerateConfig(), api_key="s3cret"))
+
+
+def test_reading_answers_holds_a_bounded_number_of_shards_open(tmp_path):
+    """600k conversations in batches of 64 are 9,375 shards: reading them
+    all (the capture's plan, the export) must not hold each one open."""
+    import os
+
+    from tasks.regeneration.answer_store import OPEN_SHARDS, AnswerStore
+
+    store = AnswerStore(tmp_path / "answers", {"source": "s", "settings": {}})
+    shards = 1100
+    for k in range(shards):
+        store.commit([{"row_id": f"r{k}", "source_row": k, "input_ids": [1, 2], "loss_mask": [0, 1],
+                       "answer_tokens": 1}])
+    # Rows interleave shards: row k sits in shard k, read in source order.
+    before, most = len(os.listdir("/proc/self/fd")), 0
+    rows = []
+    for row, record in store.read():
+        rows.append((row, record["row_id"]))
+        most = max(most, len(os.listdir("/proc/self/fd")) - before)
+    assert rows == [(k, f"r{k}") for k in range(shards)]
+    assert most <= OPEN_SHARDS
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -34,6 +34,10 @@ TINY_DEEPSEEK_V3 = "tiny-deepseek-v3"
 TINY_KIMI_K25 = "tiny-kimi-k25"
 TINY_GLM4_MOE = "tiny-glm4-moe"
 TINY_GPT_OSS = "tiny-gpt-oss"
+# The tiny Llama whose answers end: its head leans to its end-of-turn token,
+# so greedy answers stop after some tokens, as a chat model's do (the
+# random model's never do); regeneration's multi-turn tests need that.
+TINY_ENDS = "tiny-llama-ends"
 
 # ChatML, with `generation` markers so transformers can return the assistant
 # token mask (the loss mask) straight from the template.
@@ -50,7 +54,7 @@ CHATML_TEMPLATE = (
 # Bumped when a builder changes, so a cached model built by an older one is
 # rebuilt (a folder without a stamp counts as version 1).
 BUILD_VERSIONS = {TINY: 3, TINY_QWEN3: 1, TINY_QWEN3_MOE: 1, TINY_DEEPSEEK_V3: 1, TINY_KIMI_K25: 1, TINY_GLM4_MOE: 1,
-                  TINY_GPT_OSS: 1}
+                  TINY_GPT_OSS: 1, TINY_ENDS: 1}
 
 
 def ensure_model(name: str) -> Path:
@@ -283,6 +287,22 @@ def build_tiny_kimi_k25(out: Path) -> None:
     (out / "processor_config.json").write_text(json.dumps(processor, indent=2, default=list) + "\n")
 
 
-BUILDERS = {TINY: build_tiny_llama, TINY_QWEN3: build_tiny_qwen3,
+def build_tiny_llama_ends(out: Path, eos_lean: float = 3.5) -> None:
+    """The tiny Llama (the same seed) with its end-of-turn row of the head
+    scaled by `eos_lean`: greedy answers of ~5-20 tokens on most prompts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    build_tiny_llama(out)
+    eos = AutoTokenizer.from_pretrained(out).eos_token_id
+    weights = load_file(out / "model.safetensors")
+    head = weights["lm_head.weight"].float()
+    head[eos] *= eos_lean
+    weights["lm_head.weight"] = head.to(torch.bfloat16)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+
+BUILDERS = {TINY: build_tiny_llama, TINY_QWEN3: build_tiny_qwen3, TINY_ENDS: build_tiny_llama_ends,
             TINY_QWEN3_MOE: lambda out: build_tiny_qwen3(out, moe=True), TINY_DEEPSEEK_V3: build_tiny_deepseek_v3,
             TINY_KIMI_K25: build_tiny_kimi_k25, TINY_GLM4_MOE: build_tiny_glm4_moe, TINY_GPT_OSS: build_tiny_gpt_oss}

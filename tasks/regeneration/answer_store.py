@@ -8,9 +8,10 @@
                                line (FORMAT below), written durably, then
     <out>/index.sqlite         committed: shards(name, sha256, bytes, rows,
       (or index.json, naming   answer_tokens), rows(row_id, source_row,
-      its PostgreSQL schema:   shard, offset, length, tokens, answer_tokens),
-      answer_index.py)         quarantine(row_id, source_row, reason,
-                               attempts), crashes(row_id, count)
+      its PostgreSQL schema:   shard, offset, length, tokens, answer_tokens,
+      answer_index.py)         cut), quarantine(row_id, source_row, reason,
+                               attempts, kind: failed | cut, the latter
+                               dropped by on_truncated), crashes(row_id, count)
 
 A conversation is answered when, and only when, the index has committed its
 shard: a shard file the index does not name (a run killed between the two)
@@ -34,7 +35,12 @@ from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.regeneration.answer_index import has_index, open_index
 
-FORMAT = "eagle3-answers/1"
+# /2: rows marked cut, conversations dropped for a cut answer (their kind
+# in the quarantine table), the template and weights in the provenance.
+FORMAT = "eagle3-answers/2"
+# Answer shards open at once while reading (a 600k-conversation run has
+# thousands; the usual limit is 1,024 descriptors).
+OPEN_SHARDS = 8
 PROVENANCE = "provenance.json"
 # Types both backends take ("offset" is a keyword in PostgreSQL: quoted).
 SCHEMA = """
@@ -43,10 +49,11 @@ CREATE TABLE IF NOT EXISTS shards(
     answer_tokens BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS rows(
     row_id TEXT PRIMARY KEY, source_row BIGINT NOT NULL UNIQUE, shard TEXT NOT NULL REFERENCES shards(name),
-    "offset" BIGINT NOT NULL, length BIGINT NOT NULL, tokens BIGINT NOT NULL, answer_tokens BIGINT NOT NULL);
+    "offset" BIGINT NOT NULL, length BIGINT NOT NULL, tokens BIGINT NOT NULL, answer_tokens BIGINT NOT NULL,
+    cut BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine(
     row_id TEXT PRIMARY KEY, source_row BIGINT NOT NULL, reason TEXT NOT NULL, attempts BIGINT NOT NULL,
-    at DOUBLE PRECISION NOT NULL);
+    at DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS crashes(row_id TEXT PRIMARY KEY, count BIGINT NOT NULL);
 """
 
@@ -135,9 +142,10 @@ class AnswerStore:
                 db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
                            (name, hashlib.sha256(body).hexdigest(), len(body), len(records), answer_tokens,
                             time.time()))
-                db.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)",
+                db.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?,?)",
                                [(r["row_id"], r["source_row"], name, o, len(line), len(r["input_ids"]),
-                                 r["answer_tokens"]) for r, o, line in zip(records, offsets, lines)])
+                                 r["answer_tokens"], int(r.get("cut", False)))
+                                for r, o, line in zip(records, offsets, lines)])
                 db.executemany("DELETE FROM quarantine WHERE row_id = ?", [(r["row_id"],) for r in records])
         except Exception as e:
             if not self.index.is_duplicate(e):
@@ -149,12 +157,22 @@ class AnswerStore:
             return self.commit([r for r in records if r["row_id"] not in taken])
         return name
 
-    def quarantine(self, rows: list[tuple[str, int, str, int]]) -> None:
-        """(row_id, source_row, reason, attempts) of conversations given up on."""
+    def quarantine(self, rows: list[tuple[str, int, str, int]], kind: str = "failed") -> None:
+        """(row_id, source_row, reason, attempts) of conversations given up on
+        (kind "failed": a rerun asks again) or dropped for a cut answer
+        (kind "cut": not asked again under the same settings)."""
         with self.index.transaction() as db:
-            db.executemany("INSERT INTO quarantine VALUES (?,?,?,?,?) ON CONFLICT(row_id) DO UPDATE SET "
+            db.executemany("INSERT INTO quarantine VALUES (?,?,?,?,?,?) ON CONFLICT(row_id) DO UPDATE SET "
                            "source_row = excluded.source_row, reason = excluded.reason, "
-                           "attempts = excluded.attempts, at = excluded.at", [(*r, time.time()) for r in rows])
+                           "attempts = excluded.attempts, at = excluded.at, kind = excluded.kind",
+                           [(*r, time.time(), kind) for r in rows])
+
+    def drop(self, rows: list[tuple[str, int, str]]) -> None:
+        """(row_id, source_row, reason) of conversations on_truncated drop left out."""
+        self.quarantine([(*r, 0) for r in rows], kind="cut")
+
+    def dropped_ids(self) -> set[str]:
+        return {r[0] for r in self._rows("SELECT row_id FROM quarantine WHERE kind = 'cut'")}
 
     def record_crash(self, row_ids: list[str]) -> dict[str, int]:
         """One more server crash with these conversations in flight; their counts."""
@@ -168,30 +186,37 @@ class AnswerStore:
         return dict(self._rows("SELECT row_id, count FROM crashes"))
 
     def quarantined(self) -> list[tuple[str, int, str, int]]:
-        return self._rows("SELECT row_id, source_row, reason, attempts FROM quarantine ORDER BY source_row")
+        return self._rows("SELECT row_id, source_row, reason, attempts FROM quarantine WHERE kind = 'failed' "
+                          "ORDER BY source_row")
 
     def summary(self, span: tuple[int, int] | None = None) -> dict:
         """Rows, tokens, shards and quarantined conversations in the index
         (with `span`, of the source rows in it: a node's share)."""
         where, args = ("WHERE source_row BETWEEN ? AND ?", span) if span else ("", ())
-        (rows, tokens, answer_tokens), = self._rows(
-            f"SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(answer_tokens), 0) FROM rows {where}", args)
+        (rows, tokens, answer_tokens, cut), = self._rows(
+            f"SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(answer_tokens), 0), COALESCE(SUM(cut), 0) "
+            f"FROM rows {where}", args)
         (shards,), = self._rows("SELECT COUNT(*) FROM shards")
-        (quarantined,), = self._rows(f"SELECT COUNT(*) FROM quarantine {where}", args)
+        kinds = dict(self._rows(f"SELECT kind, COUNT(*) FROM quarantine {where} GROUP BY kind", args))
         # int(): PostgreSQL sums to a Decimal.
         return {"rows": int(rows), "tokens": int(tokens), "answer_tokens": int(answer_tokens), "shards": int(shards),
-                "quarantined": int(quarantined)}
+                "cut": int(cut), "quarantined": int(kinds.get("failed", 0)), "dropped": int(kinds.get("cut", 0))}
 
     def read(self, rows: Collection[int] | None = None) -> Iterator[tuple[int, dict]]:
         """(source row, row) for every answered conversation in source order
         (with `rows`, only those), read at the index's offsets."""
         index = self._rows('SELECT source_row, shard, "offset", length FROM rows ORDER BY source_row')
-        handles = {}
+        handles: dict[str, object] = {}  # the OPEN_SHARDS used last, oldest first
         try:
             for source_row, shard, offset, length in index:
                 if rows is not None and source_row not in rows:
                     continue
-                f = handles.get(shard) or handles.setdefault(shard, open(self.root / shard, "rb"))
+                f = handles.pop(shard, None)
+                if f is None:
+                    if len(handles) >= OPEN_SHARDS:
+                        handles.pop(next(iter(handles))).close()
+                    f = open(self.root / shard, "rb")
+                handles[shard] = f
                 f.seek(offset)
                 yield source_row, json.loads(f.read(length))
         finally:

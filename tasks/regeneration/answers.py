@@ -10,22 +10,24 @@ One conversation becomes one answers row (answer_store.FORMAT):
     input_ids, loss_mask        the last turn's context and answer, token
                                 for token (turns.py)
     answer_tokens, turns        tokens the target generated, turns answered
+    cut                         the last answer was stopped at max_new_tokens
+                                (regenerate.on_truncated "keep"): no end of
+                                turn, and no later turn asked after it
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
 
 import httpx
 
+from tasks.failures import Permanent
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import (
-    Conversation, answer_points, context_mask, render_prompt, split_reasoning,
+    Conversation, Template, after_closed_reasoning, answer_points, check_template, context_mask, render_prompt,
+    split_reasoning,
 )
-from tasks.sglang_api import client_options
 
 
 class NoAnswer(ValueError):
@@ -33,20 +35,50 @@ class NoAnswer(ValueError):
     or its reasoning never ended when only the answer is kept)."""
 
 
+class Refused(Permanent, NoAnswer):
+    """SGLang refused the request (a 4xx: a prompt longer than the context,
+    a parameter it rejects): asking again gets the same answer."""
+
+
+class Aborted(RuntimeError):
+    """SGLang aborted the request (HTTP 200, finish_reason abort): asked again."""
+
+
+class Cut(Permanent, NoAnswer):
+    """An answer stopped at max_new_tokens, under on_truncated drop or quarantine:
+    not asked again (a sampled retry that happened to end sooner would bias
+    the data towards short answers)."""
+
+    def __init__(self, message: str, turn: int):
+        super().__init__(message)
+        self.turn = turn
+
+
 @dataclass(frozen=True)
 class Asker:
     """What every request needs: the server, the tokenizer, the settings."""
     url: str
-    tokenizer: object
+    tokenizer: object = field(repr=False)
     cfg: RegenerateConfig
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     rid_prefix: str = "regen-"
-    transport: httpx.AsyncBaseTransport | None = None
+    transport: httpx.AsyncBaseTransport | None = field(default=None, repr=False)
 
     @functools.cached_property
     def marker(self) -> list[int]:
         # Asked on every turn: encoded once.
         return list(self.tokenizer.encode(self.cfg.reasoning_end, add_special_tokens=False))
+
+    @functools.cached_property
+    def template(self) -> Template:
+        return check_template(self.tokenizer, self.cfg)
+
+
+@dataclass(frozen=True)
+class Generated:
+    ids: list[int]
+    cut: bool  # stopped at its max_new_tokens
+    stopped_at: object = None  # what ended it: a stop string, an EOS id
 
 
 def request_seed(seed: int, key: str) -> int:
@@ -56,8 +88,17 @@ def request_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "little") >> 1
 
 
+def sglang_message(r: httpx.Response) -> str:
+    """SGLang's own words for a refused request ({"error": {"message"}})."""
+    try:
+        error = r.json().get("error")
+        return str(error.get("message") if isinstance(error, dict) else error)
+    except ValueError:
+        return r.text[:500]
+
+
 async def _generate(client: httpx.AsyncClient, asker: Asker, ids: list[int], max_new_tokens: int, key: str,
-                    attempt: int, stop: str | None = None) -> list[int]:
+                    attempt: int, stop: str | None = None) -> Generated:
     params = {**asker.cfg.sampling(), "max_new_tokens": max_new_tokens}
     if asker.cfg.temperature > 0:
         params["sampling_seed"] = request_seed(asker.cfg.seed, key)
@@ -65,35 +106,49 @@ async def _generate(client: httpx.AsyncClient, asker: Asker, ids: list[int], max
         params["stop"] = [stop]
     rid = f"{asker.rid_prefix}{key}-{attempt}"
     r = await client.post(f"{asker.url}/generate", json={"input_ids": ids, "sampling_params": params, "rid": rid})
+    # 408 and 429 are a busy server's: worth asking again, as a 5xx is.
+    if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+        raise Refused(f"SGLang refused request {rid} with {r.status_code}: {sglang_message(r)}")
     r.raise_for_status()
-    return list(r.json()["output_ids"])
+    body = r.json()
+    finish = (body.get("meta_info") or {}).get("finish_reason") or {}
+    if finish.get("type") == "abort":
+        raise Aborted(f"SGLang aborted request {rid}: {finish.get('message') or finish}")
+    return Generated(list(body["output_ids"]), finish.get("type") == "length", finish.get("matched"))
 
 
 async def _answer_turn(client, asker: Asker, prompt: list[int], key: str,
-                       attempt: int) -> tuple[list[int], list[int]]:
-    """(every token generated, the answer after any reasoning): with a
-    reasoning budget, the reasoning first (cut there and closed with the
-    end marker), then the answer on its own budget."""
+                       attempt: int) -> tuple[list[int], list[int], bool]:
+    """(every token generated, the answer after any reasoning, whether the
+    answer was cut): with a reasoning budget, the reasoning first (cut
+    there and closed with the end marker), then the answer on its own
+    budget; an output that ended without reasoning is the answer."""
     cfg = asker.cfg
     if cfg.max_reasoning_tokens is None:
         out = await _generate(client, asker, prompt, cfg.max_new_tokens, key, attempt)
     else:
         thought = await _generate(client, asker, prompt, cfg.max_reasoning_tokens, f"{key}-r", attempt,
                                   stop=cfg.reasoning_end)
-        split = split_reasoning(thought, asker.marker)
-        reasoning = split[0] if split else thought + asker.marker  # cut at its budget (or its stop): closed here
-        out = reasoning + await _generate(client, asker, prompt + reasoning, cfg.max_new_tokens, f"{key}-a", attempt)
-    split = split_reasoning(out, asker.marker)
-    if split is None and cfg.thinking and not cfg.keep_reasoning:
-        raise NoAnswer(f"the reasoning did not end ({cfg.reasoning_end!r}) within {cfg.max_new_tokens} tokens, so "
-                       f"there is no answer to keep without it: raise regenerate.max_new_tokens, or set "
-                       f"max_reasoning_tokens")
-    return out, split[1] if split else out
+        split = split_reasoning(thought.ids, asker.marker)
+        if split is None and not thought.cut and thought.stopped_at != cfg.reasoning_end:
+            out = thought  # it ended (end of turn) without reasoning: that was the answer
+        else:
+            reasoning = split[0] if split else thought.ids + asker.marker  # cut at its budget: closed here
+            answer = await _generate(client, asker, prompt + reasoning, cfg.max_new_tokens, f"{key}-a", attempt)
+            out = Generated(reasoning + answer.ids, answer.cut, answer.stopped_at)
+    split = split_reasoning(out.ids, asker.marker)
+    if split is None and not cfg.keep_reasoning and cfg.thinking is not False and out.cut:
+        raise NoAnswer(f"the output reached max_new_tokens ({cfg.max_new_tokens}) without the reasoning's end "
+                       f"({cfg.reasoning_end!r}), so there is no answer to keep without it: raise "
+                       f"regenerate.max_new_tokens, or set max_reasoning_tokens")
+    return out.ids, split[1] if split else out.ids, out.cut
 
 
 async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, attempt: int = 1) -> dict:
-    """The conversation answered turn by turn: its answers row."""
-    cfg, tok = asker.cfg, asker.tokenizer
+    """The conversation answered turn by turn: its answers row. A turn cut
+    at max_new_tokens ends it (on_truncated keep: the row is marked), or
+    raises Cut."""
+    cfg, tok, template = asker.cfg, asker.tokenizer, asker.template
     original = [dict(m) for m in conv.messages]
     points = answer_points(original, cfg.turns)
     if cfg.turns == "all":  # the dataset's answers go; the target's take their places
@@ -101,27 +156,41 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
         points = [sum(1 for m in original[:p + 1] if m["role"] != "assistant") - 1 for p in points]
     else:
         history = original
-    answers, generated, prompt, kept = {}, 0, [], []
+    answers, generated, prompt, kept, cut, reasoned = {}, 0, [], [], False, False
     for turn, point in enumerate(points):
         context = _replayed(history[:point + 1], answers)
-        prompt = render_prompt(tok, context, cfg.thinking)
-        out, answer_ids = await _answer_turn(client, asker, prompt, f"{conv.row_id}-{turn}", attempt)
+        prompt = render_prompt(tok, context, template.kwargs(cfg.thinking))
+        out, answer_ids, cut = await _answer_turn(client, asker, prompt, f"{conv.row_id}-{turn}", attempt)
         kept = out if cfg.keep_reasoning else answer_ids
         if not kept:
             raise NoAnswer(f"the target answered turn {turn} with no token")
         generated += len(out)
+        reasoned = reasoned or len(answer_ids) < len(out)
         # A later turn sees the answer as a serving stack's history holds it:
         # without its reasoning (a reasoning parser returns that apart).
         answers[point] = {"role": "assistant", "content": tok.decode(answer_ids, skip_special_tokens=True).strip()}
+        if cut:
+            if cfg.on_truncated != "keep":
+                raise Cut(f"turn {turn}'s answer reached max_new_tokens ({cfg.max_new_tokens}) "
+                          f"(regenerate.on_truncated: {cfg.on_truncated})", turn)
+            points = points[:turn + 1]  # a cut answer is no later turn's history
+            break
     # An answer without its reasoning follows the context a request without
     # thinking gets (the template's empty reasoning part, if it has one).
     row_thinking = False if cfg.thinking and not cfg.keep_reasoning else cfg.thinking
     if row_thinking != cfg.thinking:
-        prompt = render_prompt(tok, context, row_thinking)
-    mask = context_mask(tok, context, prompt, row_thinking, answers_are_targets=cfg.turns == "all")
+        prompt = render_prompt(tok, context, template.kwargs(row_thinking))
+        kept = after_closed_reasoning(prompt, kept, asker.marker)
+        if not kept:
+            raise NoAnswer(f"the target's answer to turn {len(points) - 1} is only what the template already "
+                           f"puts after a closed reasoning part")
+    # An earlier answer is a loss token only where the context holds it as
+    # the target wrote it: not when its reasoning was left out of the history.
+    mine = cfg.turns == "all" and template.history_stable and not reasoned
+    mask = context_mask(tok, context, prompt, template.kwargs(row_thinking), answers_are_targets=mine)
     return {"row_id": conv.row_id, "source_row": conv.source_row, **dict(conv.extra),
             "messages": _replayed(history[:points[-1] + 1], answers), "input_ids": prompt + kept,
-            "loss_mask": mask + [1] * len(kept), "answer_tokens": generated, "turns": len(points)}
+            "loss_mask": mask + [1] * len(kept), "answer_tokens": generated, "turns": len(points), "cut": cut}
 
 
 def _replayed(history: list[dict], answers: dict[int, dict]) -> list[dict]:
@@ -130,19 +199,3 @@ def _replayed(history: list[dict], answers: dict[int, dict]) -> list[dict]:
     for i, m in enumerate(history):
         out += [m, answers[i]] if i in answers else [m]
     return out
-
-
-async def answer_all(asker: Asker, conversations: Sequence[Conversation], attempt: int = 1,
-                     concurrency: int | None = None) -> list[dict | Exception]:
-    """Each conversation's answers row, or the exception that stopped it,
-    in order; `concurrency` conversations at once."""
-    limit = asyncio.Semaphore(concurrency or asker.cfg.concurrency)
-    options = client_options(asker.api_key, asker.transport)
-    async with httpx.AsyncClient(timeout=asker.cfg.request_timeout_s, **options) as client:
-        async def one(conv):
-            async with limit:
-                try:
-                    return await answer(client, asker, conv, attempt)
-                except Exception as e:  # noqa: BLE001 - the batch decides: retried, quarantined, or the server's
-                    return e
-        return await asyncio.gather(*(one(c) for c in conversations))

@@ -29,18 +29,30 @@ class RegenerateConfig(Section):
         "a request's seed only on a server started with --enable-deterministic-inference (server.extra_args); "
         "otherwise sampled answers differ from run to run"))
     thinking: Optional[bool] = Field(None, description=(
-        "reasoning targets: the chat template's enable_thinking switch (none: the template's default)"))
+        "reasoning targets: turn reasoning on or off through the chat template's switch (none: the template's "
+        "default)"))
+    thinking_switch: Optional[str] = Field(None, description=(
+        "the chat-template kwarg that turns reasoning on or off (none: the one SGLang's own template detection "
+        "finds, as its chat endpoint does: Qwen3's enable_thinking, Kimi-K2.5's thinking). A template that does "
+        "not read it is refused at the plan"))
     reasoning_end: str = Field("</think>", description=(
         "the text that ends a reasoning part (the target's reasoning parser's end marker)"))
     max_reasoning_tokens: Optional[int] = Field(None, ge=1, description=(
         "a reasoning part's own budget: cut there and closed with reasoning_end, the answer then gets "
         "max_new_tokens of its own (none: the reasoning counts against max_new_tokens)"))
+    on_truncated: Literal["keep", "drop", "quarantine"] = Field("keep", description=(
+        "an answer SGLang stopped at max_new_tokens: keep it, marked (its tokens are still the target's own; "
+        "dropping them biases the data against long answers; the conversation ends at it, never the history of "
+        "a later turn), drop it (not stored, not asked again), or quarantine it (not stored, counted as a "
+        "failure, asked again by a rerun)"))
     keep_reasoning: bool = Field(True, description=(
         "keep the reasoning in the training rows (a drafter for a reasoning target drafts it too), or drop it "
         "(the rows hold the answers only)"))
     # At most 32,766: a batch asks the answers index about its rows in one SQLite statement.
     batch_size: int = Field(64, ge=1, le=32_766, description="conversations per batch task and per answer shard")
-    concurrency: int = Field(16, ge=1, description="requests in flight per batch")
+    concurrency: int = Field(16, ge=1, description=(
+        "conversations in flight per data-parallel rank of the server (server.dp_size), across batches: the "
+        "next starts as soon as one ends (tasks/regeneration/pool.py)"))
     attempts: int = Field(3, ge=1, description="tries per conversation before it is quarantined with its error")
     batch_retries: int = Field(3, ge=0, description=(
         "retries of a batch task that failed as a whole (the server went down), with growing delays"))
@@ -61,6 +73,9 @@ class RegenerateConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.max_reasoning_tokens is not None and self.thinking is False:
+            raise ValueError("regenerate.max_reasoning_tokens is a budget for reasoning, which regenerate.thinking: "
+                             "false turns off: unset one of them")
         if self.max_reasoning_tokens is not None and not self.reasoning_end:
             raise ValueError("regenerate.max_reasoning_tokens closes a reasoning part with regenerate.reasoning_end: "
                              "give the target's end marker")
@@ -73,5 +88,6 @@ class RegenerateConfig(Section):
     def identity(self) -> dict:
         """The settings that decide an answer: a conversation answered under
         other ones is answered again."""
-        return self.model_dump(include={"turns", "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed", "thinking",
-                                        "reasoning_end", "max_reasoning_tokens", "keep_reasoning"})
+        return self.model_dump(include={"turns", "max_new_tokens", "temperature", "top_p", "repetition_penalty",
+                                        "seed", "thinking", "thinking_switch", "reasoning_end", "max_reasoning_tokens",
+                                        "keep_reasoning", "on_truncated"})

@@ -6,7 +6,6 @@ flight at CRASH_LIMIT server crashes is taken for their cause, and nothing
 is answered until its shard is committed (answer_store.py)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,9 +15,10 @@ from typing import Callable, Sequence
 from tasks.data.dataset import Rejected, read_rows, renders_tool_calls, to_messages
 from tasks.failures import Permanent
 from tasks.regeneration.answer_store import AnswerStore
-from tasks.regeneration.answers import Asker, answer_all
+from tasks.regeneration.answers import Asker, Cut
+from tasks.regeneration.pool import AnswerPool
 from tasks.regeneration.config import RegenerateConfig
-from tasks.regeneration.turns import Conversation, answer_points, row_id
+from tasks.regeneration.turns import Conversation, answer_points, check_template, row_id
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec
 from tasks.sglang_api import server_down, server_healthy, was_in_flight
@@ -75,8 +75,13 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
     those rows: a node's share), less those answered under the store's
     provenance; a row that is no conversation is Rejected with its reason
     (and not answered)."""
+    template = check_template(tokenizer, cfg)  # refused here, before any request
+    if cfg.turns == "all" and not template.history_stable:
+        logger.warning("the chat template renders an earlier answer in a later turn's context otherwise than as "
+                       "the last turn (Qwen3's drops its reasoning part): the earlier answers are context in the "
+                       "rows, only each row's last answer is trained on")
     settings = {k: store.provenance[k] for k in ("target_config_sha256", "settings")}
-    answered, seen = store.answered_ids(), set()
+    answered, seen = store.answered_ids() | store.dropped_ids(), set()
     todo, rejected, rows, done = [], [], 0, 0
     tool_calls = renders_tool_calls(tokenizer)
     for i, row in read_rows(Path(source), rows=only):
@@ -113,15 +118,20 @@ class BatchAnswers:
     answer_tokens: int
     seconds: float
     quarantined: list[str] = field(default_factory=list)
+    cut: int = 0  # rows stored with their last answer cut (on_truncated keep)
+    dropped: int = 0  # conversations not stored for a cut answer (on_truncated drop)
 
 
-def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation], *,
+def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation], pool: AnswerPool, *,
                  on_down: Callable[[], None] | None = None) -> BatchAnswers:
-    """Answer a batch and commit it as one shard. Each conversation gets up
-    to cfg.attempts tries; one failing them all is quarantined with its
-    last error, the rest stored. If the server stops answering, the
-    conversations in flight are counted against it, `on_down` makes it serve
-    again (or raises), and ServerDown is raised so the batch is retried."""
+    """Answer a batch through the run's pool and commit it as one shard.
+    Each conversation gets up to cfg.attempts tries; one failing them all
+    (or refused by SGLang, which a retry cannot change) is quarantined with
+    its last error, the rest stored; an answer cut at max_new_tokens is
+    kept marked, dropped or quarantined (cfg.on_truncated). If the server
+    stops answering, the conversations in flight are counted against it,
+    `on_down` makes it serve again (or raises), and ServerDown is raised so
+    the batch is retried."""
     t0 = time.perf_counter()
     answered = store.answered_among([c.row_id for c in batch])
     pending = [c for c in batch if c.row_id not in answered]
@@ -133,9 +143,10 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
     pending = [c for c in pending if c not in culprits]
     done: dict[str, dict] = {}
     errors: dict[str, str] = {}
+    dropped: list[Conversation] = []
 
-    def send(group: list[Conversation], attempt: int, width: int | None = None) -> list[Conversation]:
-        outs = asyncio.run(answer_all(asker, group, attempt, width))
+    def send(group: list[Conversation], attempt: int, alone: bool = False) -> list[Conversation]:
+        outs = pool.answer_many(asker, group, attempt, alone=alone)
         down = [o for o in outs if isinstance(o, Exception) and server_down(o)]
         if down and not server_healthy(asker.url, api_key=asker.api_key):
             suspects = store.record_crash([c.row_id for c, o in zip(group, outs)
@@ -147,17 +158,23 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
                              f"{', '.join(f'{r} (crash {n})' for r, n in suspects.items()) or 'none'}")
         failed = []
         for c, out in zip(group, outs):
-            if isinstance(out, Exception):
+            if isinstance(out, Cut) and asker.cfg.on_truncated == "drop":
+                dropped.append(c)
+            elif isinstance(out, Exception):
                 errors[c.row_id] = f"{type(out).__name__}: {out}"
-                failed.append(c)
+                if not isinstance(out, Permanent):
+                    failed.append(c)
+                else:  # refused or cut: another try gets the same
+                    given_up.append(c)
             else:
                 done[c.row_id] = out
         return failed
 
+    given_up: list[Conversation] = []
     # In flight at an earlier crash: alone first, so a second crash names the one.
     for c in [c for c in pending if crashes.get(c.row_id, 0) >= 1]:
-        send([c], 1, 1)
-    pending = [c for c in pending if c.row_id not in done]
+        send([c], 1, alone=True)
+    pending = [c for c in pending if c.row_id not in done and c not in given_up and c not in dropped]
     for attempt in range(1, asker.cfg.attempts + 1):
         if not pending:
             break
@@ -166,12 +183,15 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
                            attempt, asker.cfg.attempts, errors[pending[-1].row_id])
         pending = send(pending, attempt)
     shard = store.commit([done[c.row_id] for c in batch if c.row_id in done])
-    store.quarantine([(c.row_id, c.source_row, errors[c.row_id], asker.cfg.attempts) for c in pending])
-    for c in pending:
-        logger.error("quarantined row %d (%s) after %d attempts: %s", c.source_row, c.row_id, asker.cfg.attempts,
-                     errors[c.row_id])
+    quarantined = given_up + pending
+    store.quarantine([(c.row_id, c.source_row, errors[c.row_id], asker.cfg.attempts) for c in quarantined])
+    store.drop([(c.row_id, c.source_row, f"an answer reached max_new_tokens ({asker.cfg.max_new_tokens}); "
+                 f"regenerate.on_truncated: drop") for c in dropped])
+    for c in quarantined:
+        logger.error("quarantined row %d (%s): %s", c.source_row, c.row_id, errors[c.row_id])
     return BatchAnswers(shard, len(done), sum(r["answer_tokens"] for r in done.values()), time.perf_counter() - t0,
-                        [c.row_id for c in culprits + pending])
+                        [c.row_id for c in culprits + quarantined], cut=sum(r["cut"] for r in done.values()),
+                        dropped=len(dropped))
 
 
 @dataclass
@@ -188,11 +208,12 @@ class Progress:
     def read(self) -> dict:
         now = self.store.summary(self.plan.span)
         rows, tokens = now["rows"] - self.start["rows"], now["answer_tokens"] - self.start["answer_tokens"]
+        cut, dropped = now["cut"] - self.start["cut"], now["dropped"] - self.start["dropped"]
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        todo = len(self.plan.todo)
+        todo, settled = len(self.plan.todo), rows + dropped
         return {"rows": rows, "todo": todo, "answer_tokens": tokens, "tokens_per_s": tokens / elapsed,
-                "eta_s": (todo - rows) * elapsed / rows if rows else None, "quarantined": now["quarantined"],
-                "percent": 100.0 * rows / todo if todo else 100.0}
+                "eta_s": (todo - settled) * elapsed / settled if settled else None, "quarantined": now["quarantined"],
+                "cut": cut, "dropped": dropped, "percent": 100.0 * settled / todo if todo else 100.0}
 
     def check(self, max_ratio: float, min_tried: int = 100) -> None:
         """Stop the run when more than `max_ratio` of the conversations tried failed."""
@@ -209,18 +230,34 @@ class Progress:
     def describe(p: dict) -> str:
         eta = "?" if p["eta_s"] is None else f"{p['eta_s'] / 60:.1f} min"
         return (f"{p['rows']}/{p['todo']} conversations ({p['percent']:.1f}%), {p['answer_tokens']:,} tokens "
-                f"generated at {p['tokens_per_s']:.0f} tok/s, ETA {eta}, quarantined {p['quarantined']}")
+                f"generated at {p['tokens_per_s']:.0f} tok/s, ETA {eta}, cut at max_new_tokens {p['cut']} kept "
+                f"+ {p['dropped']} dropped, quarantined {p['quarantined']}")
+
+
+def batch_workers(width: int, batch_size: int) -> int:
+    """Batch tasks that keep a pool of `width` full: one more than the
+    batches its width spans (a batch waiting on its slowest answer holds a
+    worker, not the server)."""
+    return -(-width // batch_size) + 1
 
 
 def regenerate(url: str, source: Path, out: Path, tokenizer, model_path: Path, cfg: RegenerateConfig = RegenerateConfig(),
-               *, api_key: str | None = None, rid_prefix: str = "regen-") -> dict:
+               *, api_key: str | None = None, rid_prefix: str = "regen-", ranks: int = 1, transport=None) -> dict:
     """The whole stage on a running server, without Prefect (scripts,
-    benchmarks): the answers into `out`, batch by batch; its summary."""
+    benchmarks): the answers into `out`, batches committed as they fill,
+    cfg.concurrency conversations in flight per data-parallel rank; its
+    summary, with the pool's mean and peak width."""
+    from concurrent.futures import ThreadPoolExecutor
+
     store = AnswerStore(out, provenance(source, model_path, cfg))
     plan = plan_regeneration(source, store, cfg, tokenizer)
     asker = Asker(url, tokenizer, cfg, api_key=api_key, rid_prefix=rid_prefix)
     progress = Progress(store, plan)
-    for batch in plan.batches(cfg.batch_size):
-        answer_batch(asker, store, batch)
-        logger.info("progress: %s", progress.describe(progress.read()))
-    return {**store.summary(), "rejected": len(plan.rejected), "seconds": time.perf_counter() - progress.t0}
+    width = cfg.concurrency * ranks
+    with AnswerPool(width, api_key=api_key, transport=transport, timeout_s=cfg.request_timeout_s) as pool, \
+            ThreadPoolExecutor(batch_workers(width, cfg.batch_size)) as workers:
+        for done in [workers.submit(answer_batch, asker, store, b, pool) for b in plan.batches(cfg.batch_size)]:
+            done.result()
+            logger.info("progress: %s", progress.describe(progress.read()))
+        flight = {"mean_in_flight": pool.mean_in_flight(), "peak_in_flight": pool.peak}
+    return {**store.summary(), **flight, "rejected": len(plan.rejected), "seconds": time.perf_counter() - progress.t0}

@@ -61,28 +61,97 @@ def prompt_messages(row: dict) -> list[dict]:
     return messages[:answer_points(messages, "last")[0] + 1]
 
 
-def template_kwargs(thinking: bool | None) -> dict:
-    return {} if thinking is None else {"enable_thinking": thinking}
+class TemplateRefused(ValueError):
+    """The chat template cannot do what the regenerate section asks."""
 
 
-def render_prompt(tokenizer, messages: list[dict], thinking: bool | None) -> list[int]:
+# A conversation only the dry renders see: placeholders, never sent.
+_PROBE = [{"role": "user", "content": "Question one?"}, {"role": "assistant", "content": "Answer one."},
+          {"role": "user", "content": "Question two?"}]
+
+
+@dataclass(frozen=True)
+class Template:
+    """How this run drives the target's chat template, found once at the
+    plan by dry renders: the switch that turns reasoning on or off, and
+    whether an earlier answer renders in a later turn's context as it did
+    when it was the last (Qwen3's template drops the earlier turns'
+    reasoning blocks: their tokens are then context, not the target's own)."""
+    switch: str | None = None
+    history_stable: bool = True
+
+    def kwargs(self, thinking: bool | None) -> dict:
+        return {} if thinking is None or self.switch is None else {self.switch: thinking}
+
+
+def sglang_thinking_switch(chat_template: str | None) -> str | None:
+    """The kwarg SGLang's chat endpoint sets to turn this template's
+    reasoning on or off (its template detection, serving_chat.py
+    _get_reasoning_toggle_param), or None."""
+    from sglang.srt.parser.template_detection import detect_reasoning_pattern
+
+    _, config = detect_reasoning_pattern(chat_template)
+    return config.toggle_param if config is not None else None
+
+
+def check_template(tokenizer, cfg) -> Template:
+    """The Template for the regenerate section `cfg`, or TemplateRefused
+    naming the setting to change: before any request is sent."""
+    switch = None
+    if cfg.thinking is not None:
+        switch = cfg.thinking_switch or sglang_thinking_switch(tokenizer.chat_template)
+        if switch is None:
+            raise TemplateRefused(
+                f"regenerate.thinking is {str(cfg.thinking).lower()} but SGLang finds no reasoning switch in the "
+                f"target's chat template: set regenerate.thinking_switch to the template's kwarg, or leave "
+                f"regenerate.thinking unset")
+        on, off = (render_template(tokenizer, _PROBE[:1], add_generation_prompt=True, **{switch: v})
+                   for v in (True, False))
+        if on == off:
+            raise TemplateRefused(
+                f"the target's chat template renders the same prompt with {switch}=true and false: it does not read "
+                f"{switch!r}, so regenerate.thinking would change nothing. Set regenerate.thinking_switch to the "
+                f"kwarg it reads, or leave regenerate.thinking unset")
+    template = Template(switch)
+    try:
+        context_mask(tokenizer, _PROBE, render_prompt(tokenizer, _PROBE, template.kwargs(cfg.thinking)),
+                     template.kwargs(cfg.thinking), answers_are_targets=True)
+    except ValueError:
+        return Template(switch, history_stable=False)
+    return template
+
+
+def render_prompt(tokenizer, messages: list[dict], kwargs: dict) -> list[int]:
     """The ids the target is sent for the next answer: the chat template
-    with its generation prompt."""
-    return render_template(tokenizer, messages, add_generation_prompt=True, **template_kwargs(thinking))
+    (its `kwargs`: a reasoning switch) with its generation prompt."""
+    return render_template(tokenizer, messages, add_generation_prompt=True, **kwargs)
 
 
-def context_mask(tokenizer, messages: list[dict], prompt: list[int], thinking: bool | None,
+def context_mask(tokenizer, messages: list[dict], prompt: list[int], kwargs: dict,
                  answers_are_targets: bool) -> list[int]:
     """The loss mask over `prompt` (messages rendered with the generation
-    prompt): the earlier assistant answers when they are the target's own,
-    nothing else."""
+    prompt): the earlier assistant answers when they are the target's own
+    as rendered (answers_are_targets), nothing else."""
     if not answers_are_targets or not any(m["role"] == "assistant" for m in messages):
         return [0] * len(prompt)
-    ids, mask = tokenize_conversation(tokenizer, messages, **template_kwargs(thinking))
+    ids, mask = tokenize_conversation(tokenizer, messages, **kwargs)
     if prompt[:len(ids)] != ids:
         raise ValueError("the chat template renders a history differently with its generation prompt; the "
                          "earlier answers' loss tokens cannot be placed")
     return mask + [0] * (len(prompt) - len(ids))
+
+
+def after_closed_reasoning(prompt: list[int], answer: list[int], marker: list[int]) -> list[int]:
+    """`answer` (what the target wrote after its reasoning's end marker)
+    where it follows `prompt`, a render with reasoning off that already
+    closes an empty reasoning part: the tokens the render put after its
+    marker (Qwen3's "\n\n") are the ones the target wrote first, and are
+    not written twice."""
+    for i in range(len(prompt) - len(marker), -1, -1):
+        if marker and prompt[i:i + len(marker)] == marker:
+            tail = prompt[i + len(marker):]
+            return answer[len(tail):] if tail and answer[:len(tail)] == tail else answer
+    return answer
 
 
 def split_reasoning(output: list[int], marker: list[int]) -> tuple[list[int], list[int]] | None:

@@ -1,0 +1,123 @@
+"""The answers' pool: one object holds a run's requests to its server, so
+the server always has `width` conversations to work on.
+
+Batches stay the unit of commit (answer_store.py writes one shard a batch)
+and of Prefect's retries, but no longer of scheduling: every batch task of
+a run hands its conversations to the same pool, each conversation starts
+as soon as any other finishes, and a batch waiting for its slowest answer
+holds one slot, not the server. Before, two batch tasks each sent
+min(concurrency, batch) requests and a batch ended only with its longest
+answer: with long-tailed reasoning the server idled behind the tails.
+
+A batch is admitted only while fewer than `width` conversations wait or
+run, so the pool holds at most width + one batch, however many batch tasks
+Prefect starts. A conversation sent `alone` (in flight at a server crash:
+a suspect) waits until nothing else is in flight and holds every slot, so a
+second crash names it, whichever batch task sent the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+from typing import Sequence
+
+import httpx
+
+from tasks.regeneration.answers import Asker, answer
+from tasks.regeneration.turns import Conversation
+from tasks.sglang_api import client_options
+
+
+class AnswerPool:
+    """`width` conversations in flight on one server, from any thread."""
+
+    def __init__(self, width: int, *, api_key: str | None = None, transport=None, timeout_s: float = 3600.0):
+        if width < 1:
+            raise ValueError(f"an answer pool needs a width of at least 1, not {width}")
+        self.width = width
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="answer-pool", daemon=True)
+        self._thread.start()
+        self._admitted = 0
+        self._room = threading.Condition()
+        self._closed = False
+        # For the bench and the logs: how many were in flight, over time.
+        self.in_flight = self.peak = 0
+        self._flight_area, self._flight_since, self._t0 = 0.0, time.perf_counter(), time.perf_counter()
+        self._client, self._slots, self._solo = self._call(self._start(api_key, transport, timeout_s)).result()
+
+    async def _start(self, api_key, transport, timeout_s):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.width)
+        client = httpx.AsyncClient(timeout=timeout_s, limits=limits, **client_options(api_key, transport))
+        return client, asyncio.Semaphore(self.width), asyncio.Lock()
+
+    def _call(self, coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def answer_many(self, asker: Asker, conversations: Sequence[Conversation], attempt: int = 1, *,
+                    alone: bool = False) -> list[dict | Exception]:
+        """Each conversation's answers row, or the exception that stopped
+        it, in order, once all have ended; blocks while the pool is full."""
+        with self._room:
+            self._room.wait_for(lambda: self._closed or self._admitted < self.width)
+            if self._closed:
+                raise RuntimeError("the answer pool is closed")
+            self._admitted += len(conversations)
+        futures = [self._call(self._one(asker, c, attempt, alone)) for c in conversations]
+        return [f.result() for f in futures]
+
+    async def _one(self, asker: Asker, conv: Conversation, attempt: int, alone: bool):
+        try:
+            if alone:
+                async with self._solo:
+                    for _ in range(self.width):
+                        await self._slots.acquire()
+                    try:
+                        return await self._run(asker, conv, attempt)
+                    finally:
+                        for _ in range(self.width):
+                            self._slots.release()
+            async with self._slots:
+                return await self._run(asker, conv, attempt)
+        except Exception as e:  # noqa: BLE001 - the batch decides: retried, quarantined, or the server's
+            return e
+        finally:
+            with self._room:
+                self._admitted -= 1
+                self._room.notify_all()
+
+    async def _run(self, asker: Asker, conv: Conversation, attempt: int) -> dict:
+        self._count(+1)
+        try:
+            return await answer(self._client, asker, conv, attempt)
+        finally:
+            self._count(-1)
+
+    def _count(self, step: int) -> None:
+        now = time.perf_counter()
+        self._flight_area += self.in_flight * (now - self._flight_since)
+        self._flight_since, self.in_flight = now, self.in_flight + step
+        self.peak = max(self.peak, self.in_flight)
+
+    def mean_in_flight(self) -> float:
+        """Conversations in flight, averaged over the pool's life so far."""
+        now = time.perf_counter()
+        area = self._flight_area + self.in_flight * (now - self._flight_since)
+        return area / max(now - self._t0, 1e-9)
+
+    def close(self) -> None:
+        with self._room:
+            self._closed = True
+            self._room.notify_all()
+        if self._loop.is_running():
+            self._call(self._client.aclose()).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "AnswerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,239 @@
+"""Regeneration on a real server for reasoning targets and long answers:
+Kimi-K2.5's and Qwen3's templates driven by the switch each reads, rows
+checked token for token against the template; answers cut at
+max_new_tokens marked, dropped or quarantined; a request SGLang refuses
+quarantined at once with its words; every batch's conversations sharing
+one pool's width."""
+from __future__ import annotations
+
+import copy
+import json
+
+import httpx
+import pytest
+
+from tasks.regeneration.answer_store import AnswerStore
+from tasks.regeneration.answers import Asker
+from tasks.regeneration.config import RegenerateConfig
+from tasks.regeneration.pool import AnswerPool
+from tasks.regeneration.stage import answer_batch, regenerate
+from tasks.regeneration.turns import Conversation, render_prompt
+from tests.conftest import write_jsonl
+from tests.reasoning_templates import KIMI_K25, QWEN3
+
+pytestmark = pytest.mark.server
+
+USER, ASSISTANT = "user", "assistant"
+
+
+def turn(role: str, text: str) -> dict:
+    return {"role": role, "content": text}
+TWO_TURNS = ({"role": USER, "content": "Name a colour."}, {"role": ASSISTANT, "content": "Red, said a human."})
+
+
+class Recording(httpx.AsyncBaseTransport):
+    """Sends every request on to the real server, keeping its body; with
+    `hold`, holds each until that many are open at once (or 10 s pass),
+    recording the most that were."""
+
+    def __init__(self, hold: int = 0):
+        self.bodies, self.real = [], httpx.AsyncHTTPTransport()
+        self.hold, self.open, self.most = hold, 0, 0
+        self._reached = None
+
+    async def handle_async_request(self, request):
+        import asyncio
+
+        self.bodies.append(json.loads(request.content))
+        self.open += 1
+        self.most = max(self.most, self.open)
+        try:
+            if self.hold:
+                self._reached = self._reached or asyncio.Event()
+                if self.open >= self.hold:
+                    self._reached.set()
+                try:
+                    await asyncio.wait_for(self._reached.wait(), 10)
+                except asyncio.TimeoutError:
+                    pass
+            return await self.real.handle_async_request(request)
+        finally:
+            self.open -= 1
+
+
+def generate(server, ids: list[int], n: int) -> list[int]:
+    r = httpx.post(f"{server.url}/generate", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=120,
+                   json={"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": n}})
+    return r.raise_for_status().json()["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def ends_server(tmp_path_factory):
+    """The tiny model whose answers end (tests/tiny_models.py TINY_ENDS),
+    served as regeneration launches its server: float32, prefix cache on."""
+    from tasks.regeneration.stage import answer_server
+    from tasks.server.config import ServerConfig
+    from tasks.server.launch import launch_server
+    from tests.conftest import ARTIFACTS
+    from tests.tiny_models import TINY_ENDS, ensure_model
+
+    model = ensure_model(TINY_ENDS)
+    spec = answer_server(ServerConfig(model=str(model), dtype="float32", max_total_tokens=8192), model)
+    with launch_server(spec, ARTIFACTS / "ends-server.log", timeout_s=600) as server:
+        yield server
+
+
+def ask(server, tok, conv: Conversation, **settings) -> tuple[dict | Exception, list[dict]]:
+    transport = Recording()
+    asker = Asker(server.url, tok, RegenerateConfig(**settings), api_key=server.api_key)
+    with AnswerPool(1, api_key=server.api_key, transport=transport) as pool:
+        row, = pool.answer_many(asker, [conv])
+    return row, transport.bodies
+
+
+@pytest.mark.parametrize("name, template, switch", [("kimi-k2.5", KIMI_K25, "thinking"),
+                                                    ("qwen3", QWEN3, "enable_thinking")])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_reasoning_targets_two_turns_follow_its_own_switch_token_for_token(
+        ends_server, tokenizer, name, template, switch, thinking):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    server, n = ends_server, 24
+    # The first of a few conversations whose two answers both end within n
+    # tokens (the same one on every run: greedy, a fixed model).
+    for k in range(12):
+        conversation = (*TWO_TURNS[:2], {"role": USER, "content": f"And a fruit, number {k}?"})
+        row, sent = ask(server, tok, Conversation("c", 0, conversation), thinking=thinking, max_new_tokens=n)
+        assert not isinstance(row, Exception), row
+        if row["turns"] == 2 and not row["cut"]:
+            break
+    else:
+        pytest.fail("no conversation of two uncut turns: the tiny model's answers did not end")
+    first, second = sent
+    TWO = conversation
+    kwargs = {switch: thinking}
+    # Each request is the template rendered with the target's own switch (Kimi reads `thinking`:
+    # sent as enable_thinking, its reasoning stayed on whatever was asked).
+    assert first["input_ids"] == render_prompt(tok, list(TWO[:1]), kwargs)
+    answer1 = generate(server, first["input_ids"], n)
+    replayed = [TWO[0], {"role": ASSISTANT, "content": tok.decode(answer1, skip_special_tokens=True).strip()}, TWO[2]]
+    assert row["messages"][:3] == replayed and "said a human" not in json.dumps(row["messages"])
+    context = render_prompt(tok, replayed, kwargs)
+    assert second["input_ids"] == context
+    if not thinking:
+        assert tok.decode(context).endswith("<think></think>" if name == "kimi-k2.5" else "<think>\n\n</think>\n\n")
+    # The row: the last turn's context and the target's answer, token for token, ended by the target.
+    answer2 = generate(server, context, n)
+    assert row["input_ids"] == context + answer2 and answer2[-1] == tok.eos_token_id
+    # Qwen3 renders the earlier answer otherwise than the target wrote it: context, not trained on.
+    earlier = sum(row["loss_mask"][:len(context)])
+    assert (earlier > 0) == (name == "kimi-k2.5") and row["loss_mask"][len(context):] == [1] * len(answer2)
+
+
+def cut_conversations(tok, server) -> list[Conversation]:
+    """Two-turn conversations whose first answer is cut at 3 tokens
+    (checked here, not assumed)."""
+    out = []
+    for k in range(6):
+        messages = ({"role": USER, "content": f"Tell me about {k}."}, {"role": ASSISTANT, "content": "x"},
+                    {"role": USER, "content": "More?"})
+        first = generate(server, render_prompt(tok, list(messages[:1]), {}), 3)
+        if len(first) == 3 and tok.eos_token_id not in first:
+            out.append(Conversation(f"cut{k}", k, messages))
+    assert len(out) >= 2, "the tiny model ended every answer within 3 tokens"
+    return out[:2]
+
+
+@pytest.mark.parametrize("on_truncated", ["keep", "drop", "quarantine"])
+def test_an_answer_cut_at_max_new_tokens_is_marked_and_never_a_later_turns_history(
+        ends_server, tokenizer, tmp_path, on_truncated):
+    cfg = RegenerateConfig(max_new_tokens=3, on_truncated=on_truncated)
+    convs = cut_conversations(tokenizer, ends_server)
+    store = AnswerStore(tmp_path / "answers", {"source": "s", "settings": cfg.identity()})
+    transport = Recording()
+    asker = Asker(ends_server.url, tokenizer, cfg, api_key=ends_server.api_key)
+    with AnswerPool(2, api_key=ends_server.api_key, transport=transport) as pool:
+        result = answer_batch(asker, store, convs, pool)
+    # The second turn is never asked: a cut answer is no history.
+    assert len(transport.bodies) == 2
+    summary = store.summary()
+    if on_truncated == "keep":
+        rows = [r for _, r in store.read()]
+        assert [(r["cut"], r["turns"], len(r["messages"])) for r in rows] == [(True, 1, 2)] * 2
+        assert (summary["rows"], summary["cut"], result.cut) == (2, 2, 2)
+    elif on_truncated == "drop":
+        assert (summary["rows"], summary["dropped"], summary["quarantined"], result.dropped) == (0, 2, 0, 2)
+        assert store.dropped_ids() == {c.row_id for c in convs}
+        # Settled: a rerun under the same settings does not ask them again.
+        assert not store.answered_among([c.row_id for c in convs])
+    else:
+        assert (summary["rows"], summary["quarantined"]) == (0, 2)
+        assert all("max_new_tokens (3)" in reason for _, _, reason, _ in store.quarantined())
+
+
+def test_a_request_sglang_refuses_is_quarantined_at_once_with_its_words(ends_server, tokenizer, tmp_path):
+    cfg = RegenerateConfig(max_new_tokens=3, attempts=3)
+    long = Conversation("long", 0, ({"role": USER, "content": "word " * 5000},))
+    store = AnswerStore(tmp_path / "answers", {"source": "s", "settings": cfg.identity()})
+    transport = Recording()
+    asker = Asker(ends_server.url, tokenizer, cfg, api_key=ends_server.api_key)
+    with AnswerPool(2, api_key=ends_server.api_key, transport=transport) as pool:
+        answer_batch(asker, store, [long], pool)
+    assert len(transport.bodies) == 1  # not asked again: the same request gets the same refusal
+    (_, _, reason, _), = store.quarantined()
+    assert "Refused" in reason and "longer than the model's context length" in reason, reason
+
+
+def test_every_batch_of_a_run_shares_one_pools_width(ends_server, tokenizer, tmp_path):
+    """Width 4 over batches of 2: four conversations in flight at once
+    (before, a batch sent at most its own 2, and two batch tasks 4 only
+    while neither waited on its slowest answer)."""
+    rows = [{"messages": [{"role": USER, "content": f"Count to {k}."}]} for k in range(8)]
+    source = write_jsonl(tmp_path / "data.jsonl", rows)
+    cfg = RegenerateConfig(turns="last", max_new_tokens=2, concurrency=4, batch_size=2)
+    transport = Recording(hold=4)
+    from tests.tiny_models import TINY_ENDS, ensure_model
+
+    result = regenerate(ends_server.url, source, tmp_path / "answers", tokenizer, ensure_model(TINY_ENDS), cfg,
+                        api_key=ends_server.api_key, transport=transport)
+    assert result["rows"] == 8 and transport.most == 4 and result["peak_in_flight"] == 4
+
+
+def test_every_turn_is_answered_with_the_targets_own_earlier_answers(ends_server, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import TINY_ENDS, ensure_model
+
+    model = ensure_model(TINY_ENDS)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    conversation = [turn("system", "Be brief."), turn(USER, "Name a colour."), turn(ASSISTANT, "Red, said a human."),
+                    turn(USER, "And a fruit?"), turn(ASSISTANT, "Apple, said a human."), turn(USER, "Why?")]
+    source = write_jsonl(tmp_path / "data.jsonl", [{"id": "c1", "messages": conversation}])
+    regenerate(ends_server.url, source, tmp_path / "out", tokenizer, model,
+               RegenerateConfig(max_new_tokens=24), api_key=ends_server.api_key)
+    (_, row), = AnswerStore(tmp_path / "out").read()
+    messages = row["messages"]
+    assert row["id"] == "c1" and row["turns"] == 3 and not row["cut"]
+    assert [m["role"] for m in messages] == ["system", USER, ASSISTANT, USER, ASSISTANT, USER, ASSISTANT]
+    assert [m["content"] for m in messages if m["role"] != ASSISTANT] == [
+        m["content"] for m in conversation if m["role"] != ASSISTANT]
+    assert not any("said a human" in m["content"] for m in messages)
+    # Each answer is what the server gives for the context holding the target's earlier answers.
+    for k in (2, 4, 6):
+        context = render_prompt(tokenizer, messages[:k], {})
+        answer = generate(ends_server, context, 24)
+        assert tokenizer.decode(answer, skip_special_tokens=True).strip() == messages[k]["content"]
+    # The row is the last turn's context and answer, token for token; the
+    # earlier answers (the target's) are loss tokens, the rest not.
+    context = render_prompt(tokenizer, messages[:6], {})
+    assert row["input_ids"] == context + generate(ends_server, context, 24)
+    masked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert all(messages[k]["content"] in masked for k in (2, 4, 6))
+    assert "Name a colour" not in masked and "Be brief" not in masked
