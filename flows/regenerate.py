@@ -30,9 +30,8 @@ from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.pool import AnswerPool
-from tasks.regeneration.stage import (
-    Progress, answer_batch, answer_server, batch_workers, plan_regeneration, provenance,
-)
+from tasks.regeneration.provenance import provenance, sampled_without_determinism
+from tasks.regeneration.stage import Progress, answer_batch, answer_server, batch_workers, plan_regeneration
 from tasks.server.config import ServerConfig
 from tasks.server.launch import check_serves
 from tasks.server.supervisor import ServerSupervisor, node_server
@@ -111,10 +110,15 @@ def regenerate_answers(
     held = (nullcontext(check_held_by(out, parent_run)) if parent_run else
             hold_lock(out, f"regenerate {dataset}", run=flow_run.get_id()))
     with held, ExitStack() as stack:
-        # A node's child opens what its parent made and checked: no hash of
-        # a dataset of many GB per share.
-        store = (AnswerStore(out) if parent_run else
-                 AnswerStore(out, provenance(Path(dataset), model_path, regenerate), regenerate.index_url))
+        # A node's child opens what its parent made and checked (no hash of
+        # a dataset of many GB per share), refused if its own target,
+        # template or settings differ (a child rerun from the UI, edited).
+        if parent_run:
+            store = AnswerStore(out)
+            store.check_made_from(provenance(None, model_path, regenerate, tokenizer))
+        else:
+            store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate, tokenizer, server),
+                                regenerate.index_url)
         plan = plan_regeneration(Path(dataset), store, regenerate, tokenizer, rows)
         log.info("%d conversations in %s: %d answered before, %d to answer in batches of %d; %d rows rejected%s",
                  plan.rows, dataset, plan.answered, len(plan.todo), regenerate.batch_size, len(plan.rejected),
@@ -132,7 +136,12 @@ def regenerate_answers(
             asker = Asker(supervisor.url, tokenizer, regenerate, api_key=supervisor.api_key,
                           rid_prefix=f"regen-{secrets.token_hex(4)}-")
             _answer_all(plan, asker, out, supervisor, regenerate, server.dp_size, parent_run)
-        return {"out": str(out), **(verify_answers_task(str(out)) if verify else store.summary())}
+        summary = {"out": str(out), **(verify_answers_task(str(out)) if verify else store.summary())}
+        note = sampled_without_determinism(regenerate, server)
+        if note:
+            log.warning(note)
+            summary["note"] = note
+        return summary
 
 
 def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, regenerate: RegenerateConfig,

@@ -28,7 +28,8 @@ from tasks.data.dataset import DEMO_DATASET
 from tasks.regeneration.answer_index import SqliteIndex
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.config import RegenerateConfig
-from tasks.regeneration.stage import Progress, plan_regeneration, provenance
+from tasks.regeneration.provenance import provenance
+from tasks.regeneration.stage import Progress, plan_regeneration
 from tasks.server.config import ServerConfig
 from tasks.server.supervisor import FROM_NODE
 from tasks.store.lock import hold_lock
@@ -67,12 +68,13 @@ def regenerate_across_nodes(
     run_id = flow_run.get_id()
     # The parent holds the answers; its children on other hosts write under it.
     with hold_lock(out, f"regenerate_across_nodes of {dataset}", run=run_id):
-        store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate), regenerate.index_url)
+        tokenizer = load_tokenizer(model_path)
+        store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate, tokenizer), regenerate.index_url)
         if isinstance(store.index, SqliteIndex) and len(queues) > 1:
             raise ValueError(f"the answers in {out} keep their index in SQLite, which many hosts must not write (not "
                              f"over NFS): use a new regenerate.out with regenerate.index_url, a PostgreSQL URL (or "
                              f"'env' for $EAGLE3_LEDGER_URL)")
-        plan = plan_regeneration(Path(dataset), store, regenerate, load_tokenizer(model_path))
+        plan = plan_regeneration(Path(dataset), store, regenerate, tokenizer)
         dispatcher = nodes.Dispatcher(plan.todo, queues, max_node_failures,
                                       min_share=regenerate.batch_size * batches_per_child,
                                       batch_size=regenerate.batch_size)

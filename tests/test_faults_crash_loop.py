@@ -17,7 +17,8 @@ from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.pool import AnswerPool
-from tasks.regeneration.stage import ServerDown, answer_batch, plan_regeneration, provenance
+from tasks.regeneration.provenance import provenance
+from tasks.regeneration.stage import ServerDown, answer_batch, plan_regeneration
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec
 from tasks.server.supervisor import ServerSupervisor

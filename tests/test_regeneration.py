@@ -16,7 +16,8 @@ import torch
 from tasks.data.dataset import prepare_samples
 from tasks.regeneration.answer_store import AnswerStore, AnswersMismatch
 from tasks.regeneration.config import RegenerateConfig
-from tasks.regeneration.stage import provenance, regenerate
+from tasks.regeneration.provenance import provenance
+from tasks.regeneration.stage import regenerate
 from tasks.regeneration.turns import answer_points, prompt_messages, render_prompt
 from tasks.server.config import API_KEY_ENV
 from tests.conftest import demo_rows, wait_for, write_jsonl
@@ -39,6 +40,11 @@ def test_which_user_turns_are_answered():
     assert prompt_messages(sharegpt) == [turn(USER, "q")]
     with pytest.raises(ValueError, match="no user turn"):
         answer_points([turn("system", "s")], "all")
+    # A user turn followed by neither an answer nor the end: nothing to answer with "all" (it raised
+    # UnboundLocalError after the plan had taken the row).
+    with pytest.raises(ValueError, match="none is answered with turns 'all'"):
+        answer_points([turn(USER, "a"), turn("system", "s"), turn(ASSISTANT, "b")], "all")
+    assert answer_points([turn(USER, "a"), turn("system", "s"), turn(ASSISTANT, "b")], "last") == [0]
 
 
 def generate(server, ids: list[int], n: int) -> list[int]:
@@ -125,8 +131,12 @@ def test_a_killed_regeneration_resumes_and_answers_each_conversation_once(tiny_m
 
     made = create_store(Target.load(str(tiny_model)), tokenizer, CaptureConfig(dataset=str(out)),
                         StoreConfig(path=str(tmp_path / "store")))
+    from tasks.server.config import ServerConfig
+
+    served = ServerConfig(model=str(tiny_model), url=float32_server.url)
+    settings = RegenerateConfig(turns="last", max_new_tokens=24, concurrency=1, batch_size=2)
     assert made.manifest["regenerated"] == {str(out.resolve()): {"format": "eagle3-answers/2", **provenance(
-        source, tiny_model, RegenerateConfig(turns="last", max_new_tokens=24, concurrency=1, batch_size=2))}}
+        source, tiny_model, settings, tokenizer, served)}}
     # A corrupt byte is found, naming its shard; the answers, opened for other settings, are refused.
     name = sorted(indexed)[0]
     damaged = bytearray((out / name).read_bytes())
@@ -135,7 +145,8 @@ def test_a_killed_regeneration_resumes_and_answers_each_conversation_once(tiny_m
     bad = [r for r in store.verify() if not r["ok"]]
     assert [r["shard"] for r in bad] == [name] and "sha256" in bad[0]["problems"][0], bad
     with pytest.raises(AnswersMismatch, match=r"made from another settings .*max_new_tokens': 24"):
-        AnswerStore(out, provenance(source, tiny_model, RegenerateConfig(turns="last", max_new_tokens=25)))
+        AnswerStore(out, provenance(source, tiny_model, settings.model_copy(update={"max_new_tokens": 25}),
+                                    tokenizer, served))
 
 
 def test_two_writers_of_one_conversation_commit_it_once(ledger_url, tmp_path):

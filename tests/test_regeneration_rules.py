@@ -68,7 +68,8 @@ def test_each_reasoning_template_is_driven_by_the_switch_sglang_reads(tokenizer)
 def test_a_template_that_never_reads_the_switch_is_refused_at_the_plan(tokenizer, tmp_path):
     from tasks.regeneration.answer_store import AnswerStore
     from tasks.regeneration.config import RegenerateConfig
-    from tasks.regeneration.stage import plan_regeneration, provenance
+    from tasks.regeneration.provenance import provenance
+    from tasks.regeneration.stage import plan_regeneration
     from tasks.regeneration.turns import TemplateRefused
     from tests.conftest import demo_rows, write_jsonl
     from tests.reasoning_templates import KIMI_K25, NO_SWITCH
@@ -136,3 +137,46 @@ def test_reading_answers_holds_a_bounded_number_of_shards_open(tmp_path):
     assert rows == [(k, f"r{k}") for k in range(shards)]
     assert most <= OPEN_SHARDS
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_resume_or_a_child_with_another_template_weights_flags_or_settings_is_refused(tiny_model, tokenizer,
+                                                                                     tmp_path):
+    import shutil
+
+    from tasks.regeneration.answer_store import AnswerStore, AnswersMismatch
+    from tasks.regeneration.config import RegenerateConfig
+    from tasks.regeneration.provenance import provenance, sampled_without_determinism
+    from tests.conftest import demo_rows, write_jsonl
+    from tests.reasoning_templates import NO_SWITCH
+
+    source = write_jsonl(tmp_path / "data.jsonl", demo_rows(2))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    cfg, server, out = RegenerateConfig(), ServerConfig(model=str(model)), tmp_path / "answers"
+    AnswerStore(out, provenance(source, model, cfg, tokenizer, server))
+    AnswerStore(out, provenance(source, model, cfg, tokenizer, server))  # the same: resumed
+    with pytest.raises(AnswersMismatch, match="made from another chat_template_sha256"):
+        AnswerStore(out, provenance(source, model, cfg, templated(tokenizer, NO_SWITCH), server))
+    with pytest.raises(AnswersMismatch, match=r"made from another server .*'--quantization': 'fp8'"):
+        AnswerStore(out, provenance(source, model, cfg, tokenizer,
+                                    ServerConfig(model=str(model), extra_args=["--quantization", "fp8"])))
+    # Other weights of the same shapes (a fine-tune): one byte of the first tensor.
+    weights = model / "model.safetensors"
+    body = bytearray(weights.read_bytes())
+    body[8 + int.from_bytes(body[:8], "little") + 100] ^= 1
+    weights.write_bytes(bytes(body))
+    with pytest.raises(AnswersMismatch, match="made from another weights"):
+        AnswerStore(out, provenance(source, model, cfg, tokenizer, server))
+    # A node's child checks its own record (no dataset hash, its own paths) against the parent's.
+    store = AnswerStore(out)
+    unchanged = tmp_path / "unchanged"
+    shutil.copytree(tiny_model, unchanged)
+    store.check_made_from(provenance(None, unchanged, cfg, tokenizer))
+    with pytest.raises(AnswersMismatch, match=r"made from another settings .*'max_new_tokens': 256.*'max_new_tokens': 9"):
+        store.check_made_from(provenance(None, unchanged, cfg.model_copy(update={"max_new_tokens": 9}), tokenizer))
+    # Sampled answers the server will not draw again: said in the run's summary.
+    sampled = RegenerateConfig(temperature=0.7)
+    assert "--enable-deterministic-inference" in sampled_without_determinism(sampled, server)
+    assert sampled_without_determinism(sampled, ServerConfig(model=str(model),
+                                                             extra_args=["--enable-deterministic-inference"])) is None
+    assert sampled_without_determinism(cfg, server) is None

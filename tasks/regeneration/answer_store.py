@@ -55,6 +55,7 @@ CREATE TABLE IF NOT EXISTS quarantine(
     row_id TEXT PRIMARY KEY, source_row BIGINT NOT NULL, reason TEXT NOT NULL, attempts BIGINT NOT NULL,
     at DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS crashes(row_id TEXT PRIMARY KEY, count BIGINT NOT NULL);
+CREATE INDEX IF NOT EXISTS rows_by_shard ON rows(shard);
 """
 
 
@@ -73,6 +74,15 @@ def sources_provenance(sources: Sequence[Path]) -> dict[str, dict]:
             for s in sources if is_answers_dir(s)}
 
 
+def _refuse_changes(root: Path, kept: dict, new: dict, keys: set) -> None:
+    changed = sorted(k for k in keys if kept.get(k) != new.get(k))
+    if changed:
+        raise AnswersMismatch(
+            f"the answers in {root} were made from another {', '.join(changed)} "
+            f"({ {k: kept.get(k) for k in changed} }, now { {k: new.get(k) for k in changed} }): give another "
+            f"regenerate.out, or remove it to answer again")
+
+
 class AnswerStore:
     """One answers directory. Safe from the threads Prefect runs batch tasks
     in, and from many nodes with a PostgreSQL index: one short connection
@@ -88,12 +98,7 @@ class AnswerStore:
             provenance = {"format": FORMAT, **provenance}
             if kept.is_file():
                 old = json.loads(kept.read_text())
-                if old != provenance:
-                    changed = sorted(k for k in set(old) | set(provenance) if old.get(k) != provenance.get(k))
-                    raise AnswersMismatch(
-                        f"the answers in {self.root} were made from another {', '.join(changed)} "
-                        f"({ {k: old.get(k) for k in changed} }): give another regenerate.out, or remove it to "
-                        f"answer again")
+                _refuse_changes(self.root, old, provenance, set(old) | set(provenance))
             else:
                 self.root.mkdir(parents=True, exist_ok=True)
                 replace_durably(kept, lambda tmp: tmp.write_text(json.dumps(provenance, indent=1) + "\n"))
@@ -101,6 +106,13 @@ class AnswerStore:
             raise FileNotFoundError(f"{self.root} holds no regenerated answers ({PROVENANCE} missing)")
         self.provenance = json.loads(kept.read_text())
         self.index = open_index(self.root, SCHEMA, index_url, new=provenance is not None)
+
+    def check_made_from(self, record: dict) -> None:
+        """Refuse a writer (a node's child run) whose own record differs from
+        the answers' in any key both hold (AnswersMismatch, naming them)."""
+        # Paths are the node's own (a checkpoint mounted elsewhere): the
+        # fingerprints say whether it is the same target.
+        _refuse_changes(self.root, self.provenance, record, set(record) & set(self.provenance) - {"target", "source"})
 
     def _rows(self, sql: str, args=()) -> list[tuple]:
         return self.index.rows(sql, args)

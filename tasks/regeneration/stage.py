@@ -17,12 +17,12 @@ from tasks.failures import Permanent
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker, Cut
 from tasks.regeneration.pool import AnswerPool
+from tasks.regeneration.provenance import provenance
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import Conversation, answer_points, check_template, row_id
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec
 from tasks.sglang_api import server_down, server_healthy, was_in_flight
-from tasks.store.shards import file_sha256
 
 logger = logging.getLogger("eagle3.regeneration")
 
@@ -37,14 +37,6 @@ class ServerDown(RuntimeError):
 
 class TooManyQuarantined(Permanent, RuntimeError):
     """Conversations fail wholesale: the server or the settings are wrong."""
-
-
-def provenance(source: Path, model_path: Path, cfg: RegenerateConfig) -> dict:
-    """What a set of answers is made from: kept with them and in the store
-    the capture makes of them."""
-    return {"source": str(Path(source).resolve()), "source_sha256": file_sha256(source),
-            "target": str(model_path), "target_config_sha256": file_sha256(Path(model_path) / "config.json"),
-            "settings": cfg.identity()}
 
 
 def answer_server(server: ServerConfig, model_path: Path) -> LaunchSpec:
@@ -249,7 +241,7 @@ def regenerate(url: str, source: Path, out: Path, tokenizer, model_path: Path, c
     summary, with the pool's mean and peak width."""
     from concurrent.futures import ThreadPoolExecutor
 
-    store = AnswerStore(out, provenance(source, model_path, cfg))
+    store = AnswerStore(out, provenance(source, model_path, cfg, tokenizer))
     plan = plan_regeneration(source, store, cfg, tokenizer)
     asker = Asker(url, tokenizer, cfg, api_key=api_key, rid_prefix=rid_prefix)
     progress = Progress(store, plan)

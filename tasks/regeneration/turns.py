@@ -51,7 +51,11 @@ def answer_points(messages: list[dict], turns: str) -> list[int]:
         raise ValueError("no user turn to answer")
     if turns == "last":
         return [users[-1]]
-    return [i for i in users if i + 1 == len(messages) or messages[i + 1]["role"] == "assistant"]
+    points = [i for i in users if i + 1 == len(messages) or messages[i + 1]["role"] == "assistant"]
+    if not points:
+        raise ValueError("no user turn is followed by an answer or ends the conversation, so none is answered "
+                         "with turns 'all' (use turns 'last')")
+    return points
 
 
 def prompt_messages(row: dict) -> list[dict]:
@@ -113,6 +117,8 @@ def check_template(tokenizer, cfg) -> Template:
                 f"{switch!r}, so regenerate.thinking would change nothing. Set regenerate.thinking_switch to the "
                 f"kwarg it reads, or leave regenerate.thinking unset")
     template = Template(switch)
+    if cfg.turns != "all":  # no earlier answer of the target's in any row
+        return template
     try:
         context_mask(tokenizer, _PROBE, render_prompt(tokenizer, _PROBE, template.kwargs(cfg.thinking)),
                      template.kwargs(cfg.thinking), answers_are_targets=True)

@@ -1,0 +1,83 @@
+"""What a set of answers is made from, written once beside them and checked
+on every open (answer_store.py) and by every node's child run: a resume
+under anything different would mix two targets' or two templates' answers
+in one dataset, unseen.
+
+The target is named by what decides its answers: its config, its weights
+(each file's name, size, safetensors header and first MiB: a changed
+checkpoint is found without reading 2 TB), its tokenizer files and the
+chat template the run renders with, and the server flags that change
+numerics (dtype, quantization, the KV cache's dtype, tensor parallelism,
+deterministic inference)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tasks.regeneration.config import RegenerateConfig
+from tasks.store.shards import file_sha256
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "tiktoken.model", "chat_template.jinja", "chat_template.json")
+# Flags that change what a server answers for the same request.
+ANSWER_FLAGS = ("--quantization", "--kv-cache-dtype", "--enable-deterministic-inference", "--attention-backend",
+                "--sampling-backend")
+SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(model_path: Path) -> str:
+    """A hash over every weight file's name, size, header and first MiB."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(model_path).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            header = fh.read(int.from_bytes(head, "little")) if f.suffix == ".safetensors" and len(head) == 8 else b""
+            h.update(f"{f.name}:{f.stat().st_size}:".encode() + head + header + fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(model_path: Path) -> str:
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        f = Path(model_path) / name
+        if f.is_file():
+            h.update(f"{name}:{file_sha256(f)}".encode())
+    return h.hexdigest()
+
+
+def answer_flags(server) -> dict:
+    """The server settings that change its answers (a ServerConfig)."""
+    args, given = list(server.extra_args), {}
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag in ANSWER_FLAGS:
+            given[flag] = value or (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else True)
+    return {"dtype": server.dtype, "tp_size": server.tp_size, **given}
+
+
+def provenance(source: Path | None, model_path: Path, cfg: RegenerateConfig, tokenizer=None, server=None) -> dict:
+    """The record kept with the answers (`source` None: a node's child,
+    which does not hash its parent's dataset again)."""
+    record = {"target": str(model_path), "target_config_sha256": file_sha256(Path(model_path) / "config.json"),
+              "weights": weights_fingerprint(model_path), "tokenizer_sha256": tokenizer_fingerprint(model_path),
+              "settings": cfg.identity()}
+    if source is not None:
+        record = {"source": str(Path(source).resolve()), "source_sha256": file_sha256(source), **record}
+    if tokenizer is not None:
+        record["chat_template_sha256"] = hashlib.sha256(
+            json.dumps(tokenizer.chat_template, sort_keys=True).encode()).hexdigest()
+    if server is not None:
+        record["server"] = answer_flags(server)
+    return record
+
+
+def sampled_without_determinism(cfg: RegenerateConfig, server) -> str | None:
+    """What a run's summary says of sampled answers its server will not
+    draw again from their seeds (SGLang applies a request's seed only with
+    --enable-deterministic-inference)."""
+    if cfg.temperature <= 0 or "--enable-deterministic-inference" in answer_flags(server):
+        return None
+    return ("answers were sampled (temperature > 0) on a server without --enable-deterministic-inference: SGLang "
+            "ignores their seeds, so a rerun or a resumed run draws other answers")
