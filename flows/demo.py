@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         ("store", f"{result['store']}: {summary['samples']} samples, {summary['tokens']:,} tokens, verified"),
         ("stored vs HF forward", f"{samples_checked} samples: min cosine aux {check['aux']:.4f}, "
                                  f"final {check['final']:.4f}, mean {check['mean']:.5f}"),
+        *([("regenerated", "{rows} conversations answered by the target ({answer_tokens:,} tokens), {cut} with "
+                           "their last answer cut at max_new_tokens, {dropped} dropped for one, {quarantined} "
+                           "quarantined".format(**result["regenerated"]))] if result.get("regenerated") else []),
         ("drafter", result["drafter_dir"]),
         ("held-out tau", f"{held_out} samples: {result['heldout_tau']:.2f} over {train.ttt_steps} "
                          f"TTT steps, tau@{steps} {result[f'heldout_tau@{steps}']:.2f}, exact (chained) "

@@ -69,6 +69,7 @@ def eagle3_pipeline(
     # writes them between extraction, verification and training; the
     # extract and train subflows re-enter these locks.
     # The store's lock names this run: capture nodes write under it.
+    regenerated = None
     with hold_lock(store_dir, "eagle3_pipeline", run=flow_run.get_id()), hold_lock(train_dir, "eagle3_pipeline"):
         keep_run_config(store_dir / "runs", "eagle3_pipeline", store_dir)
         if regenerate.enabled:
@@ -77,6 +78,8 @@ def eagle3_pipeline(
             answers = regenerate_answers(server=server, dataset=capture.dataset, regenerate=regenerate.model_copy(
                 update={"out": regenerate.out or str(answers_dir(store_dir))}))
             capture = capture.model_copy(update={"dataset": answers["out"]})
+            regenerated = {k: answers.get(k) for k in ("out", "rows", "answer_tokens", "cut", "dropped",
+                                                        "quarantined", "note")}
         if mode == "stream":
             to_serve = evaluate.num_prompts if evaluate.enabled and "heldout" in evaluate.prompt_sets else 0
             trained = capture_and_train(server, capture, store, train, tuple(capture_nodes), served_prompts=to_serve)
@@ -94,7 +97,7 @@ def eagle3_pipeline(
         "store": str(store_dir), "drafter_dir": trained["drafter_dir"],
         "heldout_tau": held["tau"], f"heldout_tau@{steps}": held[f"tau@{steps}"],
         "heldout_tau_exact": held["tau_exact"], f"heldout_tau_exact@{steps}": held[f"tau_exact@{steps}"],
-        "untrained_tau": trained["untrained"]["tau"]}
+        "untrained_tau": trained["untrained"]["tau"], "regenerated": regenerated}
     if report is None:
         log.info("drafter %s: held-out tau %.2f (tau@%d %.2f, exact %.2f; untrained %.2f); not served "
                  "(evaluate.enabled false: python -m flows.evaluate measures it)", trained["drafter_dir"],

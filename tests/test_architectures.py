@@ -224,6 +224,11 @@ def test_each_architecture_captures_hfs_states_and_trains_a_drafter_sglang_serve
         assert f"--dtype {dtype}" in evaluation["settings"]["commands"]["plain"], evaluation["settings"]
     if regenerate.enabled:
         check_regenerated(tmp_path / "run" / "store", dataset, model)
+        # The run's summary counts the answers cut at max_new_tokens, as the rows mark them.
+        from tasks.regeneration.answer_store import AnswerStore
+
+        cut = sum(row["cut"] for _, row in AnswerStore(tmp_path / "run" / "store" / "regenerated").read())
+        assert (summary["regenerated"]["rows"], summary["regenerated"]["cut"]) == (120, cut), summary
     # The pipeline's run checked a canary in each of its 4 batches at least, recorded per shard.
     report = json.loads((tmp_path / "run" / "store" / "reports" / "latest.json").read_text())
     assert report["canary"]["samples"] >= 4 and 0 <= report["canary"]["worst_ratio"] <= 1, report

@@ -191,19 +191,79 @@ def test_a_request_sglang_refuses_is_quarantined_at_once_with_its_words(ends_ser
     assert "Refused" in reason and "longer than the model's context length" in reason, reason
 
 
-def test_every_batch_of_a_run_shares_one_pools_width(ends_server, tokenizer, tmp_path):
-    """Width 4 over batches of 2: four conversations in flight at once
-    (before, a batch sent at most its own 2, and two batch tasks 4 only
-    while neither waited on its slowest answer)."""
+class LongTails(httpx.AsyncBaseTransport):
+    """The `long` conversations' requests are held until every request of
+    the `last` ones has been answered (or 60 s pass: `timed_out`)."""
+
+    def __init__(self, long: set[str], last: set[str], prefix: str = "regen-"):
+        import asyncio
+
+        self.long, self.last, self.prefix, self.real = long, set(last), prefix, httpx.AsyncHTTPTransport()
+        self.answered, self.done, self.timed_out = set(), asyncio.Event(), False
+
+    async def handle_async_request(self, request):
+        import asyncio
+
+        row_id = json.loads(request.content)["rid"][len(self.prefix):].split("-")[0]
+        if row_id in self.long:
+            try:
+                await asyncio.wait_for(self.done.wait(), 60)
+            except asyncio.TimeoutError:
+                self.timed_out = True
+        response = await self.real.handle_async_request(request)
+        if row_id in self.last:
+            self.answered.add(row_id)
+            if self.answered == self.last:
+                self.done.set()
+        return response
+
+
+def test_batches_after_two_slow_answers_are_answered_while_those_wait(ends_server, tokenizer, tmp_path):
+    """Width 4 in batches of 2, the first two batches each holding an answer
+    that ends only after the last batch's have: the pool answers batches 3
+    and 4 meanwhile. Before, two batch tasks each waited on their slow one
+    and nothing else was asked (here: 60 s, then timed out)."""
+    from tasks.regeneration.provenance import provenance
+    from tasks.regeneration.stage import plan_regeneration
+    from tests.tiny_models import TINY_ENDS, ensure_model
+
+    model = ensure_model(TINY_ENDS)
     rows = [{"messages": [{"role": USER, "content": f"Count to {k}."}]} for k in range(8)]
     source = write_jsonl(tmp_path / "data.jsonl", rows)
     cfg = RegenerateConfig(turns="last", max_new_tokens=2, concurrency=4, batch_size=2)
-    transport = Recording(hold=4)
-    from tests.tiny_models import TINY_ENDS, ensure_model
+    out = tmp_path / "answers"
+    todo = plan_regeneration(source, AnswerStore(out, provenance(source, model, cfg, tokenizer)), cfg, tokenizer).todo
+    transport = LongTails(long={todo[0].row_id, todo[2].row_id}, last={todo[6].row_id, todo[7].row_id})
+    result = regenerate(ends_server.url, source, out, tokenizer, model, cfg, api_key=ends_server.api_key,
+                        transport=transport)
+    assert result["rows"] == 8 and not transport.timed_out
+    assert result["peak_in_flight"] == 4
 
-    result = regenerate(ends_server.url, source, tmp_path / "answers", tokenizer, ensure_model(TINY_ENDS), cfg,
-                        api_key=ends_server.api_key, transport=transport)
-    assert result["rows"] == 8 and transport.most == 4 and result["peak_in_flight"] == 4
+
+def test_a_closed_pool_ends_every_batch_in_it_at_once(ends_server, tokenizer):
+    """A run that stops (a stop rule, a cancel) closes its pool: batches
+    waiting in it end with PoolClosed (not retried, nothing quarantined)
+    instead of keeping the flow's workers, and so the flow, alive."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.regeneration.pool import PoolClosed
+
+    asker = Asker(ends_server.url, tokenizer, RegenerateConfig(), api_key=ends_server.api_key)
+    held = LongTails(long={f"c{k}" for k in range(3)}, last={"never"})
+    pool = AnswerPool(1, api_key=ends_server.api_key, transport=held)
+    conversations = [Conversation(f"c{k}", k, ({"role": USER, "content": "Hi."},)) for k in range(3)]
+    with ThreadPoolExecutor(2) as workers:
+        first = workers.submit(pool.answer_many, asker, conversations[:2])
+        time.sleep(0.5)
+        second = workers.submit(pool.answer_many, asker, conversations[2:])  # waits for room
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        pool.close()
+        outs = first.result(timeout=10)
+        with pytest.raises(PoolClosed):
+            second.result(timeout=10)
+    assert time.monotonic() - t0 < 10 and all(isinstance(o, PoolClosed) for o in outs), outs
 
 
 def test_every_turn_is_answered_with_the_targets_own_earlier_answers(ends_server, tmp_path):

@@ -96,7 +96,9 @@ class AnswerStore:
         kept = self.root / PROVENANCE
         if provenance is not None:
             provenance = {"format": FORMAT, **provenance}
-            if kept.is_file():
+            if kept.is_file() and json.loads(kept.read_text()).get("format") != FORMAT:
+                pass  # refused below, naming the format
+            elif kept.is_file():
                 old = json.loads(kept.read_text())
                 _refuse_changes(self.root, old, provenance, set(old) | set(provenance))
             else:
@@ -105,6 +107,11 @@ class AnswerStore:
         elif not kept.is_file():
             raise FileNotFoundError(f"{self.root} holds no regenerated answers ({PROVENANCE} missing)")
         self.provenance = json.loads(kept.read_text())
+        if self.provenance.get("format") != FORMAT:
+            raise AnswersMismatch(
+                f"the answers in {self.root} are in format {self.provenance.get('format')!r}, made before cut "
+                f"answers were marked and the template and weights recorded; this version reads {FORMAT!r}: "
+                f"answer again into a new regenerate.out")
         self.index = open_index(self.root, SCHEMA, index_url, new=provenance is not None)
 
     def check_made_from(self, record: dict) -> None:
@@ -238,13 +245,16 @@ class AnswerStore:
     def export(self, path: Path) -> int:
         """Every answered conversation, in source order, as one JSONL file
         (written durably); the rows written."""
-        rows = list(self.read())
+        written = 0
 
         def write(tmp: Path) -> None:
+            nonlocal written
             with open(tmp, "w") as f:
-                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for _, r in rows)
+                for _, r in self.read():  # row by row: 600k rows of ids do not fit in memory at once
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+                    written += 1
         replace_durably(Path(path), write)
-        return len(rows)
+        return written
 
     def remove_unindexed(self) -> list[str]:
         """Delete shard files the index does not name, and their temps: a

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import secrets
 from dataclasses import dataclass, field
 
 import httpx
 
-from tasks.failures import Permanent
+from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import (
     Conversation, Template, after_closed_reasoning, answer_points, check_template, context_mask, render_prompt,
@@ -41,7 +42,13 @@ class Refused(Permanent, NoAnswer):
 
 
 class Aborted(RuntimeError):
-    """SGLang aborted the request (HTTP 200, finish_reason abort): asked again."""
+    """SGLang aborted the request (HTTP 200, finish_reason abort), or ended it
+    on a NaN: asked again."""
+
+
+class NotServed(EndsRun, RuntimeError):
+    """The server refuses every request (401, 403: a wrong key; 404: no
+    /generate there): no conversation can be answered, the run stops."""
 
 
 class Cut(Permanent, NoAnswer):
@@ -91,8 +98,11 @@ def request_seed(seed: int, key: str) -> int:
 def sglang_message(r: httpx.Response) -> str:
     """SGLang's own words for a refused request ({"error": {"message"}})."""
     try:
-        error = r.json().get("error")
-        return str(error.get("message") if isinstance(error, dict) else error)
+        body = r.json()
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        return str(error or (body.get("detail") if isinstance(body, dict) else None) or r.text[:500])
     except ValueError:
         return r.text[:500]
 
@@ -104,15 +114,22 @@ async def _generate(client: httpx.AsyncClient, asker: Asker, ids: list[int], max
         params["sampling_seed"] = request_seed(asker.cfg.seed, key)
     if stop:
         params["stop"] = [stop]
-    rid = f"{asker.rid_prefix}{key}-{attempt}"
+    # A nonce of its own: a retry never meets its earlier try, still
+    # registered on the server, as a "duplicate request ID" refusal.
+    rid = f"{asker.rid_prefix}{key}-{attempt}-{secrets.token_hex(3)}"
     r = await client.post(f"{asker.url}/generate", json={"input_ids": ids, "sampling_params": params, "rid": rid})
+    if r.status_code in (401, 403, 404):
+        raise NotServed(f"the SGLang server at {asker.url} answers {r.status_code} to /generate "
+                        f"({sglang_message(r)}): check server.url and the API key; the run stops")
     # 408 and 429 are a busy server's: worth asking again, as a 5xx is.
     if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
         raise Refused(f"SGLang refused request {rid} with {r.status_code}: {sglang_message(r)}")
     r.raise_for_status()
     body = r.json()
     finish = (body.get("meta_info") or {}).get("finish_reason") or {}
-    if finish.get("type") == "abort":
+    # SGLang ends a request whose logits went NaN as a "stop" on its EOS
+    # (schedule_batch.py _check_vocab_boundary_finish): not an answer.
+    if finish.get("type") == "abort" or finish.get("matched") == "NaN happened":
         raise Aborted(f"SGLang aborted request {rid}: {finish.get('message') or finish}")
     return Generated(list(body["output_ids"]), finish.get("type") == "length", finish.get("matched"))
 
@@ -130,17 +147,19 @@ async def _answer_turn(client, asker: Asker, prompt: list[int], key: str,
         thought = await _generate(client, asker, prompt, cfg.max_reasoning_tokens, f"{key}-r", attempt,
                                   stop=cfg.reasoning_end)
         split = split_reasoning(thought.ids, asker.marker)
-        if split is None and not thought.cut and thought.stopped_at != cfg.reasoning_end:
+        stopped_at_marker = thought.stopped_at == cfg.reasoning_end
+        if split is None and not thought.cut and not stopped_at_marker:
             out = thought  # it ended (end of turn) without reasoning: that was the answer
         else:
-            reasoning = split[0] if split else thought.ids + asker.marker  # cut at its budget: closed here
+            # Closed by the target (its own tokens for the marker), or cut at its budget and closed here.
+            reasoning = split[0] if split else thought.ids if stopped_at_marker else thought.ids + asker.marker
             answer = await _generate(client, asker, prompt + reasoning, cfg.max_new_tokens, f"{key}-a", attempt)
             out = Generated(reasoning + answer.ids, answer.cut, answer.stopped_at)
     split = split_reasoning(out.ids, asker.marker)
     if split is None and not cfg.keep_reasoning and cfg.thinking is not False and out.cut:
-        raise NoAnswer(f"the output reached max_new_tokens ({cfg.max_new_tokens}) without the reasoning's end "
-                       f"({cfg.reasoning_end!r}), so there is no answer to keep without it: raise "
-                       f"regenerate.max_new_tokens, or set max_reasoning_tokens")
+        raise Cut(f"the output reached max_new_tokens ({cfg.max_new_tokens}) without the reasoning's end "
+                  f"({cfg.reasoning_end!r}), so there is no answer to keep without it: raise "
+                  f"regenerate.max_new_tokens, or set max_reasoning_tokens", turn=-1)
     return out.ids, split[1] if split else out.ids, out.cut
 
 
@@ -177,7 +196,7 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
             break
     # An answer without its reasoning follows the context a request without
     # thinking gets (the template's empty reasoning part, if it has one).
-    row_thinking = False if cfg.thinking and not cfg.keep_reasoning else cfg.thinking
+    row_thinking = False if not cfg.keep_reasoning else cfg.thinking
     if row_thinking != cfg.thinking:
         prompt = render_prompt(tok, context, template.kwargs(row_thinking))
         kept = after_closed_reasoning(prompt, kept, asker.marker)
@@ -187,7 +206,10 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
     # An earlier answer is a loss token only where the context holds it as
     # the target wrote it: not when its reasoning was left out of the history.
     mine = cfg.turns == "all" and template.history_stable and not reasoned
-    mask = context_mask(tok, context, prompt, template.kwargs(row_thinking), answers_are_targets=mine)
+    try:
+        mask = context_mask(tok, context, prompt, template.kwargs(row_thinking), answers_are_targets=mine)
+    except ValueError:  # this row takes a branch of the template the plan's dry render did not
+        mask = context_mask(tok, context, prompt, template.kwargs(row_thinking), answers_are_targets=False)
     return {"row_id": conv.row_id, "source_row": conv.source_row, **dict(conv.extra),
             "messages": _replayed(history[:points[-1] + 1], answers), "input_ids": prompt + kept,
             "loss_mask": mask + [1] * len(kept), "answer_tokens": generated, "turns": len(points), "cut": cut}

@@ -25,9 +25,14 @@ from typing import Sequence
 
 import httpx
 
+from tasks.failures import Permanent
 from tasks.regeneration.answers import Asker, answer
 from tasks.regeneration.turns import Conversation
 from tasks.sglang_api import client_options
+
+
+class PoolClosed(Permanent, RuntimeError):
+    """The run closed its pool (it is stopping): not retried."""
 
 
 class AnswerPool:
@@ -63,7 +68,7 @@ class AnswerPool:
         with self._room:
             self._room.wait_for(lambda: self._closed or self._admitted < self.width)
             if self._closed:
-                raise RuntimeError("the answer pool is closed")
+                raise PoolClosed("the run's answer pool is closed: the run is stopping")
             self._admitted += len(conversations)
         futures = [self._call(self._one(asker, c, attempt, alone)) for c in conversations]
         return [f.result() for f in futures]
@@ -81,6 +86,8 @@ class AnswerPool:
                             self._slots.release()
             async with self._slots:
                 return await self._run(asker, conv, attempt)
+        except asyncio.CancelledError:  # close(): the run is stopping
+            return PoolClosed("the run's answer pool closed while the conversation was in flight")
         except Exception as e:  # noqa: BLE001 - the batch decides: retried, quarantined, or the server's
             return e
         finally:
@@ -108,13 +115,25 @@ class AnswerPool:
         return area / max(now - self._t0, 1e-9)
 
     def close(self) -> None:
+        """Stop: what waits for room is refused, what is in flight is
+        cancelled (its batch gets PoolClosed), so no batch task outlives
+        the run."""
         with self._room:
+            if self._closed:
+                return
             self._closed = True
             self._room.notify_all()
-        if self._loop.is_running():
-            self._call(self._client.aclose()).result(timeout=30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
+        self._call(self._cancel_all()).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+    async def _cancel_all(self) -> None:
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await self._client.aclose()
 
     def __enter__(self) -> "AnswerPool":
         return self

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tasks.data.dataset import Rejected, read_rows, renders_tool_calls, to_messages
-from tasks.failures import Permanent
+from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.answer_store import AnswerStore
-from tasks.regeneration.answers import Asker, Cut
-from tasks.regeneration.pool import AnswerPool
+from tasks.regeneration.answers import Asker, Cut, NoAnswer
+from tasks.regeneration.pool import AnswerPool, PoolClosed
 from tasks.regeneration.provenance import provenance
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import Conversation, answer_points, check_template, row_id
@@ -136,9 +136,13 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
     done: dict[str, dict] = {}
     errors: dict[str, str] = {}
     dropped: list[Conversation] = []
+    drop_reasons: dict[str, str] = {}
 
     def send(group: list[Conversation], attempt: int, alone: bool = False) -> list[Conversation]:
         outs = pool.answer_many(asker, group, attempt, alone=alone)
+        stop = next((o for o in outs if isinstance(o, (PoolClosed, EndsRun))), None)
+        if stop is not None:  # the run is stopping: nothing of this batch is quarantined or committed
+            raise stop
         down = [o for o in outs if isinstance(o, Exception) and server_down(o)]
         if down and not server_healthy(asker.url, api_key=asker.api_key):
             suspects = store.record_crash([c.row_id for c, o in zip(group, outs)
@@ -150,14 +154,16 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
                              f"{', '.join(f'{r} (crash {n})' for r, n in suspects.items()) or 'none'}")
         failed = []
         for c, out in zip(group, outs):
-            if isinstance(out, Cut) and asker.cfg.on_truncated == "drop":
-                dropped.append(c)
+            if isinstance(out, Cut) and asker.cfg.on_truncated != "quarantine":
+                dropped.append(c)  # drop, or keep with nothing to keep (reasoning cut before its end)
+                drop_reasons[c.row_id] = str(out)
             elif isinstance(out, Exception):
                 errors[c.row_id] = f"{type(out).__name__}: {out}"
-                if not isinstance(out, Permanent):
-                    failed.append(c)
-                else:  # refused or cut: another try gets the same
+                # Refused or cut, or no answer from a greedy target: another try gets the same.
+                if isinstance(out, Permanent) or (isinstance(out, NoAnswer) and asker.cfg.temperature == 0):
                     given_up.append(c)
+                else:
+                    failed.append(c)
             else:
                 done[c.row_id] = out
         return failed
@@ -177,8 +183,8 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
     shard = store.commit([done[c.row_id] for c in batch if c.row_id in done])
     quarantined = given_up + pending
     store.quarantine([(c.row_id, c.source_row, errors[c.row_id], asker.cfg.attempts) for c in quarantined])
-    store.drop([(c.row_id, c.source_row, f"an answer reached max_new_tokens ({asker.cfg.max_new_tokens}); "
-                 f"regenerate.on_truncated: drop") for c in dropped])
+    store.drop([(c.row_id, c.source_row, f"{drop_reasons[c.row_id]}; dropped (regenerate.on_truncated: "
+                 f"{asker.cfg.on_truncated})") for c in dropped])
     for c in quarantined:
         logger.error("quarantined row %d (%s): %s", c.source_row, c.row_id, errors[c.row_id])
     return BatchAnswers(shard, len(done), sum(r["answer_tokens"] for r in done.values()), time.perf_counter() - t0,
@@ -246,10 +252,19 @@ def regenerate(url: str, source: Path, out: Path, tokenizer, model_path: Path, c
     asker = Asker(url, tokenizer, cfg, api_key=api_key, rid_prefix=rid_prefix)
     progress = Progress(store, plan)
     width = cfg.concurrency * ranks
-    with AnswerPool(width, api_key=api_key, transport=transport, timeout_s=cfg.request_timeout_s) as pool, \
-            ThreadPoolExecutor(batch_workers(width, cfg.batch_size)) as workers:
-        for done in [workers.submit(answer_batch, asker, store, b, pool) for b in plan.batches(cfg.batch_size)]:
-            done.result()
-            logger.info("progress: %s", progress.describe(progress.read()))
+    # The pool closes first on the way out: a batch still in it ends (PoolClosed)
+    # instead of keeping the workers' exit waiting.
+    with ThreadPoolExecutor(batch_workers(width, cfg.batch_size)) as workers, \
+            AnswerPool(width, api_key=api_key, transport=transport, timeout_s=cfg.request_timeout_s) as pool:
+        futures = [workers.submit(answer_batch, asker, store, b, pool) for b in plan.batches(cfg.batch_size)]
+        try:
+            for done in futures:
+                done.result()
+                logger.info("progress: %s", progress.describe(progress.read()))
+                progress.check(cfg.max_quarantine_ratio)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
         flight = {"mean_in_flight": pool.mean_in_flight(), "peak_in_flight": pool.peak}
     return {**store.summary(), **flight, "rejected": len(plan.rejected), "seconds": time.perf_counter() - progress.t0}

@@ -102,13 +102,17 @@ def check_template(tokenizer, cfg) -> Template:
     """The Template for the regenerate section `cfg`, or TemplateRefused
     naming the setting to change: before any request is sent."""
     switch = None
-    if cfg.thinking is not None:
+    # Rows without their reasoning are rendered with it switched off.
+    row_thinking = False if not cfg.keep_reasoning else cfg.thinking
+    if cfg.thinking is not None or row_thinking is not None:
         switch = cfg.thinking_switch or sglang_thinking_switch(tokenizer.chat_template)
         if switch is None:
+            asked = ("regenerate.keep_reasoning is false (rows are rendered with reasoning off)" if
+                     cfg.thinking is None else f"regenerate.thinking is {str(cfg.thinking).lower()}")
             raise TemplateRefused(
-                f"regenerate.thinking is {str(cfg.thinking).lower()} but SGLang finds no reasoning switch in the "
-                f"target's chat template: set regenerate.thinking_switch to the template's kwarg, or leave "
-                f"regenerate.thinking unset")
+                f"{asked} but SGLang finds no reasoning switch in the target's chat template: set "
+                f"regenerate.thinking_switch to the template's kwarg, or leave regenerate.thinking unset and "
+                f"keep_reasoning true")
         on, off = (render_template(tokenizer, _PROBE[:1], add_generation_prompt=True, **{switch: v})
                    for v in (True, False))
         if on == off:
@@ -120,8 +124,8 @@ def check_template(tokenizer, cfg) -> Template:
     if cfg.turns != "all":  # no earlier answer of the target's in any row
         return template
     try:
-        context_mask(tokenizer, _PROBE, render_prompt(tokenizer, _PROBE, template.kwargs(cfg.thinking)),
-                     template.kwargs(cfg.thinking), answers_are_targets=True)
+        context_mask(tokenizer, _PROBE, render_prompt(tokenizer, _PROBE, template.kwargs(row_thinking)),
+                     template.kwargs(row_thinking), answers_are_targets=True)
     except ValueError:
         return Template(switch, history_stable=False)
     return template
@@ -153,7 +157,8 @@ def after_closed_reasoning(prompt: list[int], answer: list[int], marker: list[in
     closes an empty reasoning part: the tokens the render put after its
     marker (Qwen3's "\n\n") are the ones the target wrote first, and are
     not written twice."""
-    for i in range(len(prompt) - len(marker), -1, -1):
+    # Only the generation prompt's own closed part: the last few tokens.
+    for i in range(len(prompt) - len(marker), max(len(prompt) - len(marker) - 8, 0) - 1, -1):
         if marker and prompt[i:i + len(marker)] == marker:
             tail = prompt[i + len(marker):]
             return answer[len(tail):] if tail and answer[:len(tail)] == tail else answer

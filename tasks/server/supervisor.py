@@ -163,7 +163,10 @@ class ServerSupervisor:
                 logger.warning("the attached SGLang server at %s answers again after %.0f s", self.attach_url,
                                time.monotonic() - t0)
                 return
-        raise ServerGone(f"the attached SGLang server at {self.attach_url} is not answering"
+        # Without a wait (attach_wait_s 0) a silence may be a busy moment: the
+        # batch's retries ride it out. After a wait, the server is gone.
+        gone = ServerGone if self.attach_wait_s else ServerError
+        raise gone(f"the attached SGLang server at {self.attach_url} is not answering"
                           + (f" (waited {self.attach_wait_s:.0f} s)" if self.attach_wait_s else "")
                           + "; restart it, then retry the run (stored batches are kept)")
 
