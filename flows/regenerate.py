@@ -31,7 +31,9 @@ from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.pool import AnswerPool
 from tasks.regeneration.provenance import provenance, sampled_without_determinism
-from tasks.regeneration.stage import Progress, answer_batch, answer_server, batch_workers, plan_regeneration
+from tasks.regeneration.stage import (
+    Progress, answer_batch, answer_server, batch_workers, plan_regeneration, served_ranks,
+)
 from tasks.server.config import ServerConfig
 from tasks.server.launch import check_serves
 from tasks.server.supervisor import ServerSupervisor, node_server
@@ -135,7 +137,8 @@ def regenerate_answers(
             # server never shares a rid with this one's.
             asker = Asker(supervisor.url, tokenizer, regenerate, api_key=supervisor.api_key,
                           rid_prefix=f"regen-{secrets.token_hex(4)}-")
-            _answer_all(plan, asker, out, supervisor, regenerate, server.dp_size, parent_run)
+            ranks = served_ranks(supervisor.url, supervisor.api_key)  # a node's server: its own, not the section's
+            _answer_all(plan, asker, out, supervisor, regenerate, ranks, parent_run)
         summary = {"out": str(out), **(verify_answers_task(str(out)) if verify else store.summary())}
         note = sampled_without_determinism(regenerate, server)
         if note:

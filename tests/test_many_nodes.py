@@ -245,10 +245,10 @@ def test_a_regeneration_over_two_nodes_answers_every_row_once_though_a_child_is_
     run_file.write_text(yaml.safe_dump({
         "queues": list(QUEUES), "model": stack["model"],
         "dataset": str(write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))),
-        # One conversation a batch, two batches at once: a share of 4 takes two waves, and the
+        # One conversation a batch, one in flight: a share of 4 takes four waves, and the
         # child runs only in the 0.1 s between two looks at it (stopped for each look).
-        "regenerate": {"out": str(answers), "index_url": "env", "batch_size": 1, "max_new_tokens": 8,
-                       "turns": "last"},
+        "regenerate": {"out": str(answers), "index_url": "env", "batch_size": 1, "concurrency": 1,
+                       "max_new_tokens": 8, "turns": "last"},
         "batches_per_child": 4}))
     # The parent in a thread of this process (its command line is the capture parents' and
     # tests/test_cli.py's): a process of its own would take seconds to start.

@@ -160,10 +160,15 @@ def test_a_resume_or_a_child_with_another_template_weights_flags_or_settings_is_
     with pytest.raises(AnswersMismatch, match=r"made from another server .*'--quantization': 'fp8'"):
         AnswerStore(out, provenance(source, model, cfg, tokenizer,
                                     ServerConfig(model=str(model), extra_args=["--quantization", "fp8"])))
-    # Other weights of the same shapes (a fine-tune): one byte of the first tensor.
+    # Other weights of the same shapes (a LoRA merged into one layer's q_proj):
+    # a byte of that tensor, in the middle of the file.
+    import json
+
     weights = model / "model.safetensors"
     body = bytearray(weights.read_bytes())
-    body[8 + int.from_bytes(body[:8], "little") + 100] ^= 1
+    header = int.from_bytes(body[:8], "little")
+    start = json.loads(body[8:8 + header])["model.layers.3.self_attn.q_proj.weight"]["data_offsets"][0]
+    body[8 + header + start + 1] ^= 1
     weights.write_bytes(bytes(body))
     with pytest.raises(AnswersMismatch, match="made from another weights"):
         AnswerStore(out, provenance(source, model, cfg, tokenizer, server))

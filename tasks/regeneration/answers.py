@@ -16,6 +16,7 @@ One conversation becomes one answers row (answer_store.FORMAT):
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import secrets
@@ -178,7 +179,8 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
     answers, generated, prompt, kept, cut, reasoned = {}, 0, [], [], False, False
     for turn, point in enumerate(points):
         context = _replayed(history[:point + 1], answers)
-        prompt = render_prompt(tok, context, template.kwargs(cfg.thinking))
+        # Templates render off the pool's event loop: every answer in flight waits while it is busy.
+        prompt = await asyncio.to_thread(render_prompt, tok, context, template.kwargs(cfg.thinking))
         out, answer_ids, cut = await _answer_turn(client, asker, prompt, f"{conv.row_id}-{turn}", attempt)
         kept = out if cfg.keep_reasoning else answer_ids
         if not kept:
@@ -198,7 +200,7 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
     # thinking gets (the template's empty reasoning part, if it has one).
     row_thinking = False if not cfg.keep_reasoning else cfg.thinking
     if row_thinking != cfg.thinking:
-        prompt = render_prompt(tok, context, template.kwargs(row_thinking))
+        prompt = await asyncio.to_thread(render_prompt, tok, context, template.kwargs(row_thinking))
         kept = after_closed_reasoning(prompt, kept, asker.marker)
         if not kept:
             raise NoAnswer(f"the target's answer to turn {len(points) - 1} is only what the template already "
@@ -207,9 +209,9 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
     # the target wrote it: not when its reasoning was left out of the history.
     mine = cfg.turns == "all" and template.history_stable and not reasoned
     try:
-        mask = context_mask(tok, context, prompt, template.kwargs(row_thinking), answers_are_targets=mine)
+        mask = await asyncio.to_thread(context_mask, tok, context, prompt, template.kwargs(row_thinking), mine)
     except ValueError:  # this row takes a branch of the template the plan's dry render did not
-        mask = context_mask(tok, context, prompt, template.kwargs(row_thinking), answers_are_targets=False)
+        mask = await asyncio.to_thread(context_mask, tok, context, prompt, template.kwargs(row_thinking), False)
     return {"row_id": conv.row_id, "source_row": conv.source_row, **dict(conv.extra),
             "messages": _replayed(history[:points[-1] + 1], answers), "input_ids": prompt + kept,
             "loss_mask": mask + [1] * len(kept), "answer_tokens": generated, "turns": len(points), "cut": cut}

@@ -4,11 +4,11 @@ under anything different would mix two targets' or two templates' answers
 in one dataset, unseen.
 
 The target is named by what decides its answers: its config, its weights
-(each file's name, size, safetensors header and first MiB: a changed
-checkpoint is found without reading 2 TB), its tokenizer files and the
-chat template the run renders with, and the server flags that change
-numerics (dtype, quantization, the KV cache's dtype, tensor parallelism,
-deterministic inference)."""
+(each file's name, size, safetensors header and the first bytes of every
+tensor: a changed checkpoint is found without reading 2 TB), its tokenizer
+and generation files and the chat template the run renders with, and the
+server flags that change numerics (dtype, quantization, the KV cache's
+dtype, tensor parallelism, deterministic inference, ...)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,22 +19,42 @@ from tasks.regeneration.config import RegenerateConfig
 from tasks.store.shards import file_sha256
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# Beside the tokenizer's own files: generation_config.json, whose
+# eos_token_id SGLang adds to a request's stop tokens.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "tiktoken.model", "chat_template.jinja", "chat_template.json")
+                   "vocab.json", "merges.txt", "tiktoken.model", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
 # Flags that change what a server answers for the same request.
 ANSWER_FLAGS = ("--quantization", "--kv-cache-dtype", "--enable-deterministic-inference", "--attention-backend",
-                "--sampling-backend")
-SAMPLE_BYTES = 1 << 20
+                "--sampling-backend", "--preferred-sampling-params", "--context-length", "--json-model-override-args",
+                "--revision", "--enable-fp32-lm-head", "--moe-runner-backend", "--ep-size")
+TENSOR_SAMPLE = 64  # bytes of each tensor: a fine-tune or a merged LoRA changes all of a tensor's
+WINDOW, WINDOWS = 1 << 16, 32  # other formats: evenly spread windows, and the file's ends
 
 
 def weights_fingerprint(model_path: Path) -> str:
-    """A hash over every weight file's name, size, header and first MiB."""
+    """A hash over every weight file's name and size and, for safetensors,
+    its header and the first bytes of every tensor (a checkpoint whose
+    weights differ in any tensor differs here, read in seconds, not the
+    hours 2 TB take); other formats: strided windows."""
     h = hashlib.sha256()
     for f in sorted(p for p in Path(model_path).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}:".encode())
         with open(f, "rb") as fh:
             head = fh.read(8)
-            header = fh.read(int.from_bytes(head, "little")) if f.suffix == ".safetensors" and len(head) == 8 else b""
-            h.update(f"{f.name}:{f.stat().st_size}:".encode() + head + header + fh.read(SAMPLE_BYTES))
+            if f.suffix == ".safetensors" and len(head) == 8:
+                header = fh.read(int.from_bytes(head, "little"))
+                h.update(header)
+                base = 8 + len(header)
+                tensors = json.loads(header)
+                for name in sorted(k for k in tensors if k != "__metadata__"):
+                    fh.seek(base + tensors[name]["data_offsets"][0])
+                    h.update(fh.read(TENSOR_SAMPLE))
+            else:
+                for k in range(WINDOWS + 1):
+                    fh.seek(max(0, min(size - WINDOW, k * (size // WINDOWS))))
+                    h.update(fh.read(WINDOW))
     return h.hexdigest()
 
 
