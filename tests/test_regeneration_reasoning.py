@@ -255,9 +255,11 @@ def test_a_closed_pool_ends_every_batch_in_it_at_once(ends_server, tokenizer):
     conversations = [Conversation(f"c{k}", k, ({"role": USER, "content": "Hi."},)) for k in range(3)]
     with ThreadPoolExecutor(2) as workers:
         first = workers.submit(pool.answer_many, asker, conversations[:2])
-        time.sleep(0.5)
-        second = workers.submit(pool.answer_many, asker, conversations[2:])  # waits for room
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while pool.in_flight < 1:  # the first conversation held at the transport, the second waiting its turn
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        second = workers.submit(pool.answer_many, asker, conversations[2:])  # waits for room, or finds it closed
         t0 = time.monotonic()
         pool.close()
         outs = first.result(timeout=10)

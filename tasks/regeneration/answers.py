@@ -155,7 +155,8 @@ async def _answer_turn(client, asker: Asker, prompt: list[int], key: str,
             # Closed by the target (its own tokens for the marker), or cut at its budget and closed here.
             reasoning = split[0] if split else thought.ids if stopped_at_marker else thought.ids + asker.marker
             answer = await _generate(client, asker, prompt + reasoning, cfg.max_new_tokens, f"{key}-a", attempt)
-            out = Generated(reasoning + answer.ids, answer.cut, answer.stopped_at)
+            # The split is known: the marker's tokens may be the target's own, not encode(reasoning_end)'s.
+            return reasoning + answer.ids, answer.ids, answer.cut
     split = split_reasoning(out.ids, asker.marker)
     if split is None and not cfg.keep_reasoning and cfg.thinking is not False and out.cut:
         raise Cut(f"the output reached max_new_tokens ({cfg.max_new_tokens}) without the reasoning's end "

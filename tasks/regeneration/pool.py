@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Sequence
 
 import httpx
@@ -65,13 +65,19 @@ class AnswerPool:
                     alone: bool = False) -> list[dict | Exception]:
         """Each conversation's answers row, or the exception that stopped
         it, in order, once all have ended; blocks while the pool is full."""
+        # Built here, in the caller's thread: not on the loop every answer in flight waits on.
+        _ = (asker.template, asker.marker)
         with self._room:
             self._room.wait_for(lambda: self._closed or self._admitted < self.width)
             if self._closed:
                 raise PoolClosed("the run's answer pool is closed: the run is stopping")
             self._admitted += len(conversations)
-        futures = [self._call(self._one(asker, c, attempt, alone)) for c in conversations]
-        return [f.result() for f in futures]
+            # Scheduled under the lock close() takes: it cancels every one of them.
+            futures = [self._call(self._one(asker, c, attempt, alone)) for c in conversations]
+        try:
+            return [f.result() for f in futures]
+        except (CancelledError, RuntimeError) as e:  # the loop went while one was scheduled
+            raise PoolClosed(f"the run's answer pool closed: {e!r}") from e
 
     async def _one(self, asker: Asker, conv: Conversation, attempt: int, alone: bool):
         try:
@@ -123,17 +129,20 @@ class AnswerPool:
                 return
             self._closed = True
             self._room.notify_all()
-        self._call(self._cancel_all()).result(timeout=60)
+            stopping = self._call(self._cancel_all())
+        stopping.result(timeout=60)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
-        self._loop.close()
+        if not self._thread.is_alive():
+            self._loop.close()
 
     async def _cancel_all(self) -> None:
-        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        while pending := [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         await self._client.aclose()
+        await self._loop.shutdown_default_executor()  # the template renders (asyncio.to_thread)
 
     def __enter__(self) -> "AnswerPool":
         return self

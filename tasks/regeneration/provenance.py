@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from tasks.regeneration.config import RegenerateConfig
@@ -28,7 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 ANSWER_FLAGS = ("--quantization", "--kv-cache-dtype", "--enable-deterministic-inference", "--attention-backend",
                 "--sampling-backend", "--preferred-sampling-params", "--context-length", "--json-model-override-args",
                 "--revision", "--enable-fp32-lm-head", "--moe-runner-backend", "--ep-size")
-TENSOR_SAMPLE = 64  # bytes of each tensor: a fine-tune or a merged LoRA changes all of a tensor's
+TENSOR_SAMPLE = 64  # bytes at each end of each tensor: a fine-tune or a merged LoRA changes all of a tensor's
 WINDOW, WINDOWS = 1 << 16, 32  # other formats: evenly spread windows, and the file's ends
 
 
@@ -41,20 +42,28 @@ def weights_fingerprint(model_path: Path) -> str:
     for f in sorted(p for p in Path(model_path).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}:".encode())
-        with open(f, "rb") as fh:
-            head = fh.read(8)
+        # Unbuffered reads at their offsets: a buffered file would fetch a
+        # whole file-system block (MiBs on Lustre) for each 64 bytes.
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            head = os.pread(fd, 8, 0)
             if f.suffix == ".safetensors" and len(head) == 8:
-                header = fh.read(int.from_bytes(head, "little"))
+                header = os.pread(fd, int.from_bytes(head, "little"), 8)
                 h.update(header)
                 base = 8 + len(header)
                 tensors = json.loads(header)
-                for name in sorted(k for k in tensors if k != "__metadata__"):
-                    fh.seek(base + tensors[name]["data_offsets"][0])
-                    h.update(fh.read(TENSOR_SAMPLE))
+                spans = {k: v["data_offsets"] for k, v in tensors.items() if k != "__metadata__"}
+                # Read in file order, hashed in name order; each tensor's first and last bytes.
+                read = {name: os.pread(fd, TENSOR_SAMPLE, base + start) +
+                        os.pread(fd, TENSOR_SAMPLE, base + max(start, end - TENSOR_SAMPLE))
+                        for name, (start, end) in sorted(spans.items(), key=lambda kv: kv[1][0])}
+                for name in sorted(read):
+                    h.update(read[name])
             else:
                 for k in range(WINDOWS + 1):
-                    fh.seek(max(0, min(size - WINDOW, k * (size // WINDOWS))))
-                    h.update(fh.read(WINDOW))
+                    h.update(os.pread(fd, WINDOW, max(0, min(size - WINDOW, k * (size // WINDOWS)))))
+        finally:
+            os.close(fd)
     return h.hexdigest()
 
 

@@ -22,7 +22,7 @@ from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import Conversation, answer_points, check_template, row_id
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec
-from tasks.sglang_api import ServerError, server_down, server_healthy, server_says, was_in_flight
+from tasks.sglang_api import server_down, server_healthy, server_says, was_in_flight
 
 logger = logging.getLogger("eagle3.regeneration")
 
@@ -234,14 +234,12 @@ class Progress:
 
 def served_ranks(url: str, api_key: str | None = None) -> int:
     """The data-parallel ranks of the server at `url` as it runs (replicas,
-    or attention groups under DP attention), from its /server_info: a
-    node's server is not described by the run's own server section."""
-    ranks = server_says(url, "/server_info", "dp_size", "its data-parallel size", api_key=api_key) or 1
-    try:
-        groups = server_says(url, "/server_info", "attn_dp_size", "its attention DP size", api_key=api_key) or 1
-    except ServerError:  # an SGLang before --attn-dp-size
-        groups = 1
-    return max(int(ranks), int(groups))
+    or attention groups under DP attention: SGLang refuses both above 1),
+    from its /server_info: a node's server is not described by the run's
+    own server section."""
+    info = server_says(url, "/server_info", "dp_size", "its data-parallel size", api_key=api_key)
+    groups = server_says(url, "/server_info", "attn_dp_size", "its attention DP size", api_key=api_key)
+    return max(int(info or 1), int(groups or 1))
 
 
 def batch_workers(width: int, batch_size: int) -> int:
