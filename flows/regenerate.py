@@ -155,13 +155,10 @@ def _answer_all(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, reg
         log.warning("%d batch tasks at once cannot keep %d conversations in flight in batches of %d: raise "
                     "regenerate.batch_size to at least %d", MAX_BATCH_WORKERS, width, regenerate.batch_size,
                     -(-width // (MAX_BATCH_WORKERS - 1)))
-    pool = AnswerPool(width, api_key=asker.api_key, timeout_s=regenerate.request_timeout_s)
     log.info("answering %d conversations, %d in flight (%d per data-parallel rank x %d), committed in batches "
              "of %d", len(plan.todo), width, regenerate.concurrency, ranks, regenerate.batch_size)
-    try:
+    with AnswerPool(width, api_key=asker.api_key, timeout_s=regenerate.request_timeout_s) as pool:
         _answer_batches(plan, asker, out, supervisor, regenerate, pool, parent_run)
-    finally:
-        pool.close()
 
 
 def _answer_batches(plan, asker: Asker, out: Path, supervisor: ServerSupervisor, regenerate: RegenerateConfig,

@@ -94,16 +94,10 @@ class AnswerStore:
         made from anything else."""
         self.root = Path(root)
         kept = self.root / PROVENANCE
-        if provenance is not None:
-            provenance = {"format": FORMAT, **provenance}
-            if kept.is_file() and json.loads(kept.read_text()).get("format") != FORMAT:
-                pass  # refused below, naming the format
-            elif kept.is_file():
-                old = json.loads(kept.read_text())
-                _refuse_changes(self.root, old, provenance, set(old) | set(provenance))
-            else:
-                self.root.mkdir(parents=True, exist_ok=True)
-                replace_durably(kept, lambda tmp: tmp.write_text(json.dumps(provenance, indent=1) + "\n"))
+        if provenance is not None and not kept.is_file():
+            self.root.mkdir(parents=True, exist_ok=True)
+            record = {"format": FORMAT, **provenance}
+            replace_durably(kept, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
         elif not kept.is_file():
             raise FileNotFoundError(f"{self.root} holds no regenerated answers ({PROVENANCE} missing)")
         self.provenance = json.loads(kept.read_text())
@@ -112,6 +106,9 @@ class AnswerStore:
                 f"the answers in {self.root} are in format {self.provenance.get('format')!r}, made before cut "
                 f"answers were marked and the template and weights recorded; this version reads {FORMAT!r}: "
                 f"answer again into a new regenerate.out")
+        if provenance is not None:
+            new = {"format": FORMAT, **provenance}
+            _refuse_changes(self.root, self.provenance, new, set(self.provenance) | set(new))
         self.index = open_index(self.root, SCHEMA, index_url, new=provenance is not None)
 
     def check_made_from(self, record: dict) -> None:
