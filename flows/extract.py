@@ -33,13 +33,14 @@ from tasks.paths import default_dump_root, ensure_private_dir
 from tasks.regeneration.answer_store import sources_provenance
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec, check_serves
-from tasks.server.supervisor import ServerSupervisor, node_sections
+from tasks.server.supervisor import ServerSupervisor, attached_to, node_sections
 from tasks.store.config import StoreConfig
 from tasks.store.handle import Store
 from tasks.store.lock import LockHeld, check_held_by, hold_lock
 from tasks.store.manifest import build_manifest
 from tasks.store.shards import WRITER_NAME, remove_leaked_temps
 from tasks.target.checkpoint import Target
+from tasks.target.models import resolve_model
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,22 @@ def launch_task(target: Target, server: ServerConfig, dump_dir: Path, log_path: 
 def endpoint(server: ServerSupervisor, dump_dir: Path, target: Target) -> extraction.Endpoint:
     return extraction.Endpoint(server.url, dump_dir, target.layers.sglang_ids, target.path, api_key=server.api_key,
                                rid_prefix=server.rid_prefix, on_down=server.recover)
+
+
+@contextmanager
+def one_server(server: ServerConfig, capture: CaptureConfig, store: Path) -> Iterator[tuple[ServerConfig,
+                                                                                          CaptureConfig]]:
+    """One capture server for several stages of a run, launched here and
+    stopped at the end: the sections they attach to it with. A stage that
+    finds it down relaunches it through this launcher
+    (tasks/server/supervisor.py)."""
+    dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(store)
+    target = Target.load(str(resolve_model(server.model)), capture.aux_layer_ids)
+    live = launch_task(target, server, dump_dir, store / "logs" / "sglang-server.log")
+    try:
+        yield attached_to(server, live), capture.model_copy(update={"dump_dir": str(dump_dir)})
+    finally:
+        live.stop()
 
 
 @task(name="warm-up", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)

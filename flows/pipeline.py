@@ -7,6 +7,7 @@ config whose sections are the stages' own.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,7 +16,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.config import checked, described
-from flows.extract import extract_hidden_states
+from flows.extract import extract_hidden_states, one_server
 from flows.run_record import keep_run_config
 from flows.stream import capture_and_train
 from flows.evaluate import baseline_server, evaluate_drafter
@@ -72,21 +73,29 @@ def eagle3_pipeline(
     regenerated = None
     with hold_lock(store_dir, "eagle3_pipeline", run=flow_run.get_id()), hold_lock(train_dir, "eagle3_pipeline"):
         keep_run_config(store_dir / "runs", "eagle3_pipeline", store_dir)
-        if regenerate.enabled:
-            # On the attached server if there is one (it serves what it does
-            # not capture), else on a plain one launched for the answers.
-            answers = regenerate_answers(server=server, dataset=capture.dataset, regenerate=regenerate.model_copy(
-                update={"out": regenerate.out or str(answers_dir(store_dir))}))
-            capture = capture.model_copy(update={"dataset": answers["out"]})
-            regenerated = {k: answers.get(k) for k in ("out", "rows", "answer_tokens", "cut", "dropped",
-                                                        "quarantined", "note")}
-        if mode == "stream":
-            to_serve = evaluate.num_prompts if evaluate.enabled and "heldout" in evaluate.prompt_sets else 0
-            trained = capture_and_train(server, capture, store, train, tuple(capture_nodes), served_prompts=to_serve)
-            verify_store(store=str(store_dir))  # the whole store, as offline, before it is served
-        else:
-            extract_hidden_states(server=server, capture=capture, store=store, verify=False)
-            verify_store(store=str(store_dir))
+        with ExitStack() as serving:
+            capturing = server
+            if regenerate.enabled:
+                # One model load: the capture server the run launches answers
+                # first (outside its rid prefix: served, not captured), unless
+                # capture nodes capture, or a server is attached (which does).
+                if not server.url and not capture_nodes:
+                    capturing, capture = serving.enter_context(one_server(server, capture, store_dir))
+                answers = regenerate_answers(server=capturing, dataset=capture.dataset,
+                                             regenerate=regenerate.model_copy(update={
+                                                 "out": regenerate.out or str(answers_dir(store_dir))}))
+                capture = capture.model_copy(update={"dataset": answers["out"]})
+                regenerated = {k: answers.get(k) for k in ("out", "rows", "answer_tokens", "cut", "dropped",
+                                                            "quarantined", "note")}
+            if mode == "stream":
+                to_serve = evaluate.num_prompts if evaluate.enabled and "heldout" in evaluate.prompt_sets else 0
+                trained = capture_and_train(capturing, capture, store, train, tuple(capture_nodes),
+                                            served_prompts=to_serve)
+            else:
+                extract_hidden_states(server=capturing, capture=capture, store=store, verify=False)
+        # The server is down: training and the evaluation's servers get the devices.
+        verify_store(store=str(store_dir))  # the whole store (in stream mode too) before it is trained on or served
+        if mode != "stream":
             trained = train_drafter(store=str(store_dir), train=train, server=server)
         report = evaluate_drafter(drafter_dirs=[trained["drafter_dir"]], store=str(store_dir),
                                   server=server.model_copy(update={"model": trained["target"]}),

@@ -31,7 +31,7 @@ from prefect.runtime import flow_run
 
 from flows.artifacts import artifact_key
 from flows.node_runs import run_on_node
-from flows.extract import create_store, default_dump_dir, extract_hidden_states, launch_task
+from flows.extract import create_store, extract_hidden_states, one_server
 from flows.train import train_drafter
 from tasks.capture.config import CaptureConfig
 from tasks.server.config import ServerConfig
@@ -104,13 +104,7 @@ def capture_in_order(server: ServerConfig, capture: CaptureConfig, store: StoreC
     budget = SpoolBudget(root, plan.spool_room(train.spool_bytes))
     with ExitStack() as stack:
         if not server.url:  # launch once; each part of the capture attaches to it
-            dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(root)
-            target = Target.load(str(resolve_model(server.model)), capture.aux_layer_ids)
-            live = launch_task(target, server, dump_dir, root / "logs" / "sglang-server.log")
-            stack.callback(live.stop)
-            server = server.model_copy(update={"url": live.url, "api_key": live.api_key,
-                                               "rid_prefix": live.rid_prefix})
-            capture = capture.model_copy(update={"dump_dir": str(dump_dir)})
+            server, capture = stack.enter_context(one_server(server, capture, root))
         peak, captured, paused, started = budget.held(), 0, 0.0, time.time()
         while parts:
             if trainer_stopped(root):

@@ -18,6 +18,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,8 +40,8 @@ from tasks.server.health import wait_healthy
 from tasks.server.config import API_KEY_ENV, ServerConfig
 from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, check_serves, launch_server
 from tasks.server.server_log import LogFollower
-from tasks.server.supervisor import ServerSupervisor, attach_api_key
-from tasks.sglang_api import ServerError, auth_headers, server_healthy
+from tasks.server.supervisor import ServerSupervisor, attach_api_key, attached_to
+from tasks.sglang_api import ServerError, ServerGone, auth_headers, server_healthy
 from tasks.store.ledger.open import open_store
 from tasks.store.handle import Store
 from tasks.store.shards import BF16, FORMAT
@@ -144,6 +145,35 @@ def test_a_relaunched_server_keeps_its_prefix_and_key(fake_sglang, tmp_path):
         assert supervisor.healthy()  # with the key: the fake refuses health checks without it
     finally:
         supervisor.stop()
+
+
+def test_a_stage_attached_to_its_runs_server_relaunches_it_through_the_launcher(fake_sglang, tmp_path):
+    """The pipeline's regeneration and capture attach to the one server the
+    run launched (flows/extract.py one_server): a stage that finds it dead
+    has it relaunched at once, and past its restarts learns so at once,
+    where an attached server's stage would wait for an owner."""
+    launcher = ServerSupervisor(capture_config(tmp_path, server={"max_restarts": 1}), tmp_path / "server.log",
+                                timeout_s=30)
+    try:
+        launcher.start()
+        stage = ServerSupervisor(attached_to(ServerConfig(model="m"), launcher))
+        assert (stage.url, stage.api_key, stage.rid_prefix) == (launcher.url, launcher.api_key, launcher.rid_prefix)
+        for relaunches in (1, 2):
+            first = launcher.handle
+            os.killpg(first.process.pid, signal.SIGKILL)
+            first.process.wait()
+            t0 = time.monotonic()
+            if relaunches == 1:
+                stage.recover()
+                assert launcher.handle is not first and len(fake_sglang) == 2 and stage.healthy()
+            else:
+                with pytest.raises(ServerGone, match=r"died again after 1 relaunches"):
+                    stage.recover()
+                assert time.monotonic() - t0 < 5 and len(fake_sglang) == 2
+    finally:
+        launcher.stop()
+    with pytest.raises(ServerError, match="is not answering"):  # the run's server is gone: nothing to go through
+        stage.recover()
 
 
 def test_attach_mode_takes_the_key_given_or_from_the_environment(monkeypatch, tmp_path):

@@ -68,19 +68,24 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_two_extractions_into_sibling_stores_keep_their_own_servers(tiny_model, prefect_api, tmp_path):
     """Seen before: a second run into stores/b took stores/a's live server
     for an orphan (both kept their record in stores/logs) and killed it. Each
-    store now owns its server's log and record: both runs, at once, complete."""
+    store now owns its server's log and record: both runs, at once, complete.
+    b's run is the pipeline with regeneration: one server (one model load)
+    answers the conversations and then captures them."""
     from tests.conftest import demo_rows, wait_for, write_jsonl
 
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(24))
     stores = tmp_path / "stores"
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     runs = {}
+    pipeline = ["-m", "flows.pipeline", "--regenerate.enabled", "true", "--regenerate.max-new-tokens", "8",
+                "--evaluate.enabled", "false", "--train.out-dir", str(tmp_path / "train"), "--train.epochs", "1",
+                "--train.draft-vocab-size", "512", "--train.tokens-per-batch", "1024"]
     for name in ("a", "b"):
         runs[name] = subprocess.Popen(
-            [sys.executable, "-m", "flows.extract", "--server.model", str(tiny_model), "--server.max-total-tokens",
-             "8192", "--capture.dataset", str(dataset), "--capture.batch-size", "8", "--capture.max-length", "256",
-             "--store.path", str(stores / name)], cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"),
-            stderr=open(tmp_path / f"{name}.err", "w"))
+            [sys.executable, *(pipeline if name == "b" else ["-m", "flows.extract"]), "--server.model",
+             str(tiny_model), "--server.max-total-tokens", "8192", "--capture.dataset", str(dataset),
+             "--capture.batch-size", "8", "--capture.max-length", "256", "--store.path", str(stores / name)],
+            cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"), stderr=open(tmp_path / f"{name}.err", "w"))
         if name == "a":  # b starts once a's server runs (its pid record is written at launch)
             wait_for(pidfile_for(stores / "a" / "logs" / "sglang-server.log").exists, runs["a"], tmp_path / "a.err",
                      timeout_s=300)
@@ -93,7 +98,11 @@ def test_two_extractions_into_sibling_stores_keep_their_own_servers(tiny_model, 
         log = (stores / name / "logs" / "sglang-server.log").read_text()
         assert log.count("The server is fired up and ready to roll") == 1, name  # its own server, once
         result = json.loads(out[out.index("{"):])
-        assert result["samples"] == 24 and result["verification"]["ok"]
+        if name == "a":
+            assert result["samples"] == 24 and result["verification"]["ok"]
+        else:
+            assert result["regenerated"]["rows"] == 24 and result["heldout_tau"] is not None, result
+            assert "SGLang server for the answers at" in err and not (stores / "b" / "regenerated" / "logs").exists()
     assert not (stores / "logs").exists()
 
 

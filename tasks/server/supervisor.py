@@ -28,6 +28,12 @@ NODE_ENV = {"url": "EAGLE3_SERVER_URL", "dump_dir": "EAGLE3_DUMP_DIR", "rid_pref
             "wait_s": "EAGLE3_SERVER_WAIT_S"}
 FROM_NODE = "env"
 
+# The servers this process launched, by URL. A stage that attaches to one
+# (the pipeline's regeneration and capture share one server, one model load)
+# recovers it through its launcher: relaunched, or gone at once past its
+# restarts, as for the stage's own launched server.
+_LAUNCHED: dict[str, "ServerSupervisor"] = {}
+
 
 def node_sections(server: ServerConfig, capture: CaptureConfig) -> tuple[ServerConfig, CaptureConfig]:
     """The sections as given, or for server.url "env" this node's server:
@@ -53,6 +59,13 @@ def node_server(server: ServerConfig) -> ServerConfig:
                                      "rid_prefix": os.environ[NODE_ENV["rid_prefix"]],
                                      "api_key": os.environ.get(API_KEY_ENV),
                                      "attach_wait_s": float(os.environ[NODE_ENV["wait_s"]])})
+
+
+def attached_to(server: ServerConfig, live: "ServerSupervisor") -> ServerConfig:
+    """The server section a later stage of the run attaches to `live` (a
+    server the run launched) with. The key is a SecretStr: Prefect records
+    it masked; a subflow in this process gets it."""
+    return server.model_copy(update={"url": live.url, "api_key": live.api_key, "rid_prefix": live.rid_prefix})
 
 
 def attach_api_key(given: SecretStr | None) -> str | None:
@@ -114,6 +127,7 @@ class ServerSupervisor:
             # A relaunch reuses the port, rid prefix and API key (the
             # launched spec holds them), so what the batches hold stays valid.
             self.spec = dataclasses.replace(self.handle.spec, port=int(self.handle.url.rsplit(":", 1)[1]))
+            _LAUNCHED[self.url] = self
         elif not self.healthy():
             if not self.attach_wait_s:
                 raise ServerError(f"no healthy SGLang server at {self.attach_url}")
@@ -129,6 +143,10 @@ class ServerSupervisor:
         """Make the server serve again, or raise ServerError saying why not
         (ServerStopped once the run has stopped it)."""
         self._check_running()
+        launcher = _LAUNCHED.get(self.attach_url) if self.attach_url else None
+        if launcher is not None:
+            launcher.recover()
+            return
         with self._lock:
             self._check_running()
             if self.healthy():
@@ -185,4 +203,5 @@ class ServerSupervisor:
             return  # once: its pid, reaped, may be another process's by now
         self._stopped = True
         if self.handle is not None:
+            _LAUNCHED.pop(self.handle.url, None)
             stop_server(self.handle)
