@@ -35,6 +35,7 @@ from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 from tasks.train.dflash_export import is_dflash
+from tasks.train.model_card import add_served
 
 
 def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerConfig | None:
@@ -107,6 +108,8 @@ def evaluate_task(server: ServerConfig, drafters: list[Drafter], sets: list[Prom
         create_table_artifact(table=served_text_table(report["served_text"]), key=f"{key}-served-text",
                               description="per draft position: training's held-out chain, the same chain on the "
                                           "text SGLang verified, its verify steps replayed, SGLang's own count")
+    for d in drafters:  # its card (drafter/README.md) says what SGLang served
+        add_served(d.path, report, d.name)
     for said in (report["speeds_note"], report["sampled_note"]):
         if said:
             log.warning(said)

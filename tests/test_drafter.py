@@ -22,7 +22,7 @@ from tasks.train.export import UnservedTensor, export_drafter, export_weights, l
 from tasks.train.loop import lr_at
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import autocast_dtype
-from tasks.train.ttt import acceptance_length, chain_hits, exact_acceptance_length, ttt_forward
+from tasks.train.ttt import acceptance_length, chain_hits, divergence, exact_acceptance_length, ttt_forward
 from tasks.train.vocab import DraftVocab, count_target_tokens, target_greedy
 from tests.random_drafter import export_random_drafter
 from tests.tiny_models import TINY, TINY_DEEPSEEK_V3, TINY_KIMI_K25, ensure_model
@@ -277,6 +277,34 @@ def test_positions_whose_target_token_the_draft_vocabulary_lacks_are_left_out_of
     # Accuracy still counts every scored position.
     assert torch.equal(parity.counted, everything.counted) and (parity.in_loss < parity.counted).all()
     assert parity.chained[0] == parity.correct[0] and (parity.chained <= parity.correct).all()
+
+
+def test_the_losses_are_cross_entropy_total_variation_and_their_sum(tiny_model):
+    """tv is what speculative sampling rejects, 1 - sum min(p, q), computed
+    here independently; kl_tv their sum; and the unrolled loss of each is
+    its per-position value under the same weights."""
+    p = torch.softmax(torch.randn(5, 7, generator=torch.Generator().manual_seed(0)), -1)
+    logits = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
+    q = torch.softmax(logits, -1)
+    assert torch.allclose(divergence("tv", p, logits), 1 - torch.minimum(p, q).sum(-1), atol=1e-6)
+    assert torch.allclose(divergence("forward_kl", p, logits), -(p * q.log()).sum(-1), atol=1e-6)
+    assert torch.allclose(divergence("kl_tv", p, logits),
+                          divergence("forward_kl", p, logits) + divergence("tv", p, logits))
+    assert torch.allclose(divergence("tv", q, logits), torch.zeros(5), atol=1e-6)
+    with pytest.raises(ValueError, match="use one of forward_kl, tv, kl_tv"):
+        divergence("reverse_kl", p, logits)
+    vocab = DraftVocab.from_counts(np.arange(2048)[::-1].copy(), 512)
+    model = build_drafter(tiny_model, vocab, seed=1)
+    _, head = load_target_embeddings(tiny_model)
+    batch, head_rows = _synthetic_batch(model.cfg), head[torch.from_numpy(vocab.target_ids)]
+    with torch.no_grad():
+        runs = {kind: ttt_forward(model, batch, head_rows, steps=3, decay=0.8, full_head=head, loss=kind)
+                for kind in ("forward_kl", "tv", "kl_tv")}
+    assert all(0 <= loss <= 1 for loss in runs["tv"].step_losses)
+    assert torch.allclose(runs["kl_tv"].step_losses, runs["forward_kl"].step_losses + runs["tv"].step_losses)
+    assert torch.equal(runs["tv"].correct, runs["forward_kl"].correct)  # the same drafter, the same hits
+    with pytest.raises(ValueError, match="train.method dflash: loss 'tv'"):
+        TrainConfig(method="dflash", loss="tv")
 
 
 def test_the_targets_greedy_token_is_found_in_chunks_of_positions(monkeypatch):

@@ -68,10 +68,18 @@ class TrainConfig(Section):
     aux_layer_ids: AuxLayerIds = Field(None, description=(
         "SGLang 'output of layer i' ids of the aux layers the drafter reads, among the store's (default: all of "
         "the store's; three for an EAGLE-3 drafter of SGLang's kind)"))
+    init_from: Optional[str] = Field(None, description=(
+        "eagle3: start from this exported drafter (an earlier run's drafter/ or a published one in SGLang's "
+        "layout) instead of random weights, keeping its vocabulary map; refused, naming why, unless it was made "
+        "for this target, these aux layers, this layout, variant and draft_vocab_size"))
     draft_vocab_size: int = Field(8192, ge=16, description=(
         "eagle3: draft vocabulary, the N most frequent target tokens (a DFlash drafter drafts from the whole)"))
     ttt_steps: int = Field(7, ge=1, description="eagle3: training-time-test unroll depth K (loss weights decay^k)")
     step_decay: float = Field(0.8, gt=0, le=1, description="eagle3: loss weight decay per TTT step")
+    loss: Literal["forward_kl", "tv", "kl_tv"] = Field("forward_kl", description=(
+        "eagle3: the loss against the target's distribution over the draft vocabulary: forward_kl (soft "
+        "cross-entropy), tv (total variation: what speculative sampling rejects), kl_tv (their sum); "
+        "bench/recipe.py measures each served in SGLang"))
     epochs: int = Field(2, ge=1, description="passes over the training split")
     lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW, warm-up then cosine)")
     warmup_fraction: float = Field(0.05, ge=0, le=1, description=(
@@ -183,7 +191,8 @@ class TrainConfig(Section):
             raise ValueError(f"train.mla_dims {self.mla_dims} sizes an MLA drafter: set train.attention mla too, "
                              f"or leave mla_dims empty")
         if self.method == "dflash":
-            defaults = {"variant": "eagle3", "attention": "gqa", "mla_dims": {}}
+            defaults = {"variant": "eagle3", "attention": "gqa", "mla_dims": {}, "loss": "forward_kl",
+                        "init_from": None}
             eagle3_only = [f"{k} {getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
             if eagle3_only:
                 raise ValueError(f"train.method dflash: {', '.join(eagle3_only)} set(s) an EAGLE-3 drafter; leave "

@@ -31,7 +31,7 @@ def evaluate(run: Run) -> dict:
     for batch in prefetch(run.collate, batches):
         with run.autocast():
             out = ttt_forward(model, run.on_device(batch), run.head_rows, steps=cfg.ttt_steps,
-                              decay=cfg.step_decay, full_head=run.full_head)
+                              decay=cfg.step_decay, full_head=run.full_head, loss=cfg.loss)
         correct += out.correct.cpu()
         counted += out.counted.cpu()
         in_loss += out.in_loss.cpu()

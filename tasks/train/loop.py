@@ -34,6 +34,8 @@ from tasks.train.config import CheckpointMismatch, TrainConfig, TrainingError, T
 from tasks.train.data import assign_batches, heldout_prompts, plan_batches, prefetch, split_fingerprint
 from tasks.train.heldout import describe, evaluate
 from tasks.train.export import copy_drafter, export_drafter
+from tasks.train.init_from import TARGET_WEIGHTS
+from tasks.train.model_card import write_card
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare
 from tasks.server.config import ServerConfig
@@ -304,7 +306,8 @@ def _log_start(run: Run, plans: list[list[list[int]]], per_step: int) -> None:
 def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: dict) -> None:
     """The drafter's weights as they are now, exported with how they were
     trained and their held-out metrics."""
-    extra = {"store": str(Path(store).resolve()), "target": str(run.target), "steps": step,
+    extra = {"store": str(Path(store).resolve()), "target": str(run.target),
+             TARGET_WEIGHTS: run.reader.manifest.get("target", {}).get("weights_sha256"), "steps": step,
              "heldout": {k: v for k, v in heldout.items() if k not in ("epoch", "served")},
              "config": run.cfg.identity(store)}
     if run.dflash:
@@ -312,6 +315,7 @@ def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: 
     else:
         export_drafter(run.model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
                        extra=extra)
+    write_card(drafter_dir)
 
 
 def _evaluate(run: Run, module: torch.nn.Module, history: list[dict], epoch: int, step: int,

@@ -14,6 +14,7 @@ import torch
 from tasks.server.config import ServerConfig
 from tasks.store.reader import StoreReader
 from tasks.store.verification import require_verified
+from tasks.target.architectures import architecture_of, read_config
 from tasks.target.layers import AuxLayers
 from tasks.train import distributed
 from tasks.train.config import DrafterRefused, TrainConfig, TrainingError
@@ -23,6 +24,7 @@ from tasks.train.dflash import DFlashConfig, DFlashDrafter
 from tasks.train.dflash_training import DFlashSetup, DFlashStep, anchor_generator, prepare_dflash
 from tasks.train.drafter import DrafterConfig, Eagle3Drafter, build_drafter, target_sizes
 from tasks.train.gpu_kernels import check_tensor_parallel
+from tasks.train.init_from import load_init, read_init
 from tasks.stream.reader import StreamReader
 from tasks.train.ttt import TTT
 from tasks.train.vocab import DraftVocab, count_target_tokens
@@ -76,7 +78,7 @@ class Run:
         cfg = self.cfg
         if self.dflash:
             return module(batch, anchor_generator(cfg.seed, epoch, index))
-        return module(batch, self.head_rows, cfg.ttt_steps, cfg.step_decay, self.full_head)
+        return module(batch, self.head_rows, cfg.ttt_steps, cfg.step_decay, self.full_head, cfg.loss)
 
 
 def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None, rank: int = 0,
@@ -119,6 +121,12 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
         raise TrainingError(f"train.aux_layer_ids {cfg.aux_layer_ids}: {e}") from None
     # Only once the settings are known to fit the store: the two target-vocabulary matrices are the
     # run's largest read (4.7 GB each in fp32 at 160k x 7168).
+    # A fresh run from an exported drafter (a resumed one has its checkpoint's
+    # vocabulary and weights): checked before the big read.
+    init = None
+    if cfg.init_from and vocab is None:
+        vocab, init = read_init(cfg.init_from, cfg, target_sizes(target), layers, architecture_of(read_config(target)),
+                                manifest)
     embed, head = load_target_embeddings(target)
     head = head.to(device)
     if vocab is None:
@@ -126,9 +134,14 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     try:
         model = build_drafter(target, vocab, seed=cfg.seed, num_aux=len(layers.sglang_ids),
                               variant=cfg.variant, attention=cfg.attention, mla_dims=cfg.mla_dims,
-                              head_dim=cfg.head_dim, embeddings=(embed, head)).to(device)
+                              head_dim=cfg.head_dim, embeddings=(embed, head))
     except ValueError as e:
         raise TrainingError(f"train.attention {cfg.attention} on target {target}: {e}") from None
+    if init is not None:
+        load_init(model, init, cfg.init_from)
+        logger.info("starting from the drafter in %s (train.init_from; its %d-token vocabulary)", cfg.init_from,
+                    vocab.size)
+    model = model.to(device)
     head_rows = head[torch.from_numpy(vocab.target_ids).to(device)]
     low = autocast_dtype(cfg.precision, device)
     if low is not None:

@@ -6,9 +6,11 @@ the drafter takes the target's aux states h_t and the embedding of token
 x_{t+1}, and must predict x_{t+2}, whose distribution the target gives at
 position t+1 (its final state there, through its lm_head). Step k feeds back
 the drafter's own hidden state, takes x_{t+1+k}, and is scored against the
-target at t+1+k (`Eagle3Drafter.step` is the served computation). Loss: soft
-cross-entropy to the target distribution over the draft vocabulary, weighted
-decay^k, on positions whose predicted token is a loss-masked (assistant)
+target at t+1+k (`Eagle3Drafter.step` is the served computation). Loss
+(`LOSSES`): soft cross-entropy to the target distribution over the draft
+vocabulary (forward KL up to the target's entropy), or the total variation
+between the two, whose complement is what speculative sampling accepts, or
+their sum; weighted decay^k, on positions whose predicted token is a loss-masked (assistant)
 token and whose target greedy token (full vocabulary) is in the draft
 vocabulary (as SpecForge: the drafter cannot propose the others, and the
 target distribution restricted to the draft vocabulary says nothing useful
@@ -53,6 +55,23 @@ class StepOutput:
     target_top: torch.Tensor  # [b, n] the target's greedy token after each position, what the hits are against
 
 
+LOSSES = ("forward_kl", "tv", "kl_tv")
+
+
+def divergence(kind: str, target_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per position, the drafter's distribution (logits) against the
+    target's (target_p), both over the draft vocabulary. `tv`: 1 - sum
+    min(p, q), the probability speculative sampling rejects the draft, so
+    minimising it maximises acceptance directly; its gradient ignores tokens
+    where q already exceeds p. `kl_tv`: both (KL's gradient everywhere)."""
+    if kind not in LOSSES:
+        raise ValueError(f"loss {kind!r}: use one of {', '.join(LOSSES)}")
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    kl = -(target_p * logq).sum(-1) if kind != "tv" else 0.0
+    tv = 0.5 * (target_p - logq.exp()).abs().sum(-1) if kind != "forward_kl" else 0.0
+    return kl + tv
+
+
 def chain_hits(hits: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per starting position, a running AND over the steps: (chained [K]: how
     many positions have steps 0..k all hit, chain_counted [K]: how many have
@@ -68,7 +87,7 @@ def chain_hits(hits: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[to
 
 
 def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, steps: int, decay: float,
-                full_head: torch.Tensor | None = None) -> StepOutput:
+                full_head: torch.Tensor | None = None, loss: str = "forward_kl") -> StepOutput:
     """One TTT unroll over a padded batch. `head_rows` are the target lm_head
     rows of the draft vocabulary (the target distribution restricted to it).
     With `full_head` (the target's whole lm_head), accuracy is against the
@@ -91,7 +110,7 @@ def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, s
     hidden = model.project(aux)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    loss = torch.zeros((), device=ids.device)
+    total = torch.zeros((), device=ids.device)
     hits, scored, in_loss, step_losses = [], [], [], []
     for k in range(steps):
         j = k + 1
@@ -99,17 +118,17 @@ def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, s
         logits, hidden = model.readout(out)
         weight = _shift(mask, j + 1, False) & ((pos + j + 1)[None, :] < lengths[:, None])
         loss_weight = weight & _shift(proposable, j, False)
-        ce = -(_shift(target_p, j) * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        per_position = divergence(loss, _shift(target_p, j), logits)
         count = loss_weight.sum()
-        step_loss = (ce * loss_weight).sum() / count.clamp(min=1)
-        loss = loss + decay ** k * step_loss
+        step_loss = (per_position * loss_weight).sum() / count.clamp(min=1)
+        total = total + decay ** k * step_loss
         with torch.no_grad():
             hits.append((d2t[logits.argmax(-1)] == _shift(target_top, j)) & weight)
         scored.append(weight)
         in_loss.append(count)
         step_losses.append(step_loss.detach())
     chained, chain_counted = chain_hits(hits, scored)
-    return StepOutput(loss, torch.stack([h.sum() for h in hits]), torch.stack([s.sum() for s in scored]),
+    return StepOutput(total, torch.stack([h.sum() for h in hits]), torch.stack([s.sum() for s in scored]),
                       torch.stack(step_losses), torch.stack(in_loss), chained, chain_counted,
                       torch.stack(hits), torch.stack(scored), target_top)
 
@@ -123,8 +142,8 @@ class TTT(torch.nn.Module):
         self.drafter = drafter
 
     def forward(self, batch: dict, head_rows: torch.Tensor, steps: int, decay: float,
-                full_head: torch.Tensor | None = None) -> StepOutput:
-        return ttt_forward(self.drafter, batch, head_rows, steps=steps, decay=decay, full_head=full_head)
+                full_head: torch.Tensor | None = None, loss: str = "forward_kl") -> StepOutput:
+        return ttt_forward(self.drafter, batch, head_rows, steps=steps, decay=decay, full_head=full_head, loss=loss)
 
 
 def acceptance_length(acc: Iterable[float]) -> float:

@@ -1,0 +1,102 @@
+"""`train.init_from`: a training that starts from a drafter exported before
+(an earlier run's drafter/, or a published one in SGLang's EAGLE-3 layout)
+instead of random weights.
+
+What the drafter was trained against must be what this run trains it
+against, or the starting weights mean nothing here (and SGLang, serving the
+result, would feed it other states than it learned on): the same target
+(its sizes and vocabulary; the weights' fingerprint where the export
+recorded it), the same aux layers, the same layout, variant and draft
+vocabulary size. Each is checked before anything is trained and refused
+naming what differs. The run keeps the drafter's vocabulary map (d2t): its
+lm_head rows are those tokens.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from tasks.target.architectures import Architecture
+from tasks.target.layers import AuxLayers
+from tasks.train.config import DrafterRefused, TrainConfig
+from tasks.train.drafter import Eagle3Drafter
+from tasks.train.export import attention_of, export_weights, variant_of
+from tasks.train.vocab import DraftVocab
+
+# Recorded by the export (tasks/train/loop.py _export) from the store's
+# manifest: the target's weights fingerprint the drafter was trained on.
+TARGET_WEIGHTS = "target_weights_sha256"
+
+
+class InitRefused(DrafterRefused):
+    """train.init_from names a drafter this run cannot start from."""
+
+
+def _refuse(path: Path, what: str) -> InitRefused:
+    return InitRefused(f"train.init_from {path}: {what}; give a drafter exported for this target and store, or "
+                       f"leave init_from unset to start from random weights")
+
+
+def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: AuxLayers,
+              architecture: Architecture, manifest: dict) -> tuple[DraftVocab, dict[str, torch.Tensor]]:
+    """The exported drafter at `path`, checked against this run (its
+    settings `cfg`, the target's text config, the aux layers it reads, the
+    store's `manifest`): its vocabulary and its tensors by export name."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise _refuse(path, "no config.json and model.safetensors there (an exported drafter's folder holds both)")
+    config = json.loads((path / "config.json").read_text())
+    try:
+        attention = attention_of(config)
+    except ValueError as e:
+        raise _refuse(path, str(e)) from None
+    if (attention, variant_of(config)) != (cfg.attention, cfg.variant):
+        raise _refuse(path, f"a {variant_of(config)} drafter with {attention} attention, where this run trains "
+                            f"{cfg.variant} with {cfg.attention} (train.variant, train.attention)")
+    for key in ("vocab_size", "hidden_size"):
+        if config.get(key) != target_config.get(key):
+            raise _refuse(path, f"made for a target with {key} {config.get(key)}, where this target has "
+                                f"{target_config.get(key)}")
+    recorded = config.get("eagle3_training", {}).get(TARGET_WEIGHTS)
+    store_weights = manifest.get("target", {}).get("weights_sha256")
+    if recorded and store_weights and recorded != store_weights:
+        raise _refuse(path, f"trained on a target whose weights fingerprint is {recorded[:12]}..., where the store "
+                            f"was captured from {store_weights[:12]}... (other weights of the same shapes)")
+    ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    want = architecture.sglang_layer_ids(layers.sglang_ids)
+    if ids != want:
+        raise _refuse(path, f"reads the target's layers {ids} (as SGLang's class for this target counts them), "
+                            f"where this run trains on {want}: the store's aux layers, or train.aux_layer_ids")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if "d2t" not in tensors:
+        raise _refuse(path, "no d2t tensor (the draft-to-target vocabulary map)")
+    size = len(tensors["d2t"])
+    if size != cfg.draft_vocab_size:
+        raise _refuse(path, f"a draft vocabulary of {size} tokens, where train.draft_vocab_size is "
+                            f"{cfg.draft_vocab_size}: set it to {size}")
+    vocab = DraftVocab.from_d2t(tensors["d2t"], target_config["vocab_size"])
+    ids = vocab.target_ids
+    if ids.min() < 0 or ids.max() >= vocab.vocab_size or (np.diff(ids) <= 0).any():
+        raise _refuse(path, f"its d2t maps draft ids to target ids outside 0..{vocab.vocab_size - 1} or not "
+                            f"ascending and distinct: not a vocabulary map of this target")
+    return vocab, tensors
+
+
+def load_init(model: Eagle3Drafter, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Copy the exported tensors into `model` (built with their vocabulary):
+    every trained tensor must be there with its shape."""
+    names = export_weights(model)
+    missing = sorted(set(names) - set(tensors))
+    shapes = [f"{k} {tuple(tensors[k].shape)} (this run's {tuple(p.shape)})" for k, p in names.items()
+              if k in tensors and tensors[k].shape != p.shape]
+    if missing or shapes:
+        raise _refuse(Path(path), "; ".join(filter(None, [missing and f"lacks {', '.join(missing)}",
+                                                          shapes and f"other shapes: {', '.join(shapes)}"])))
+    with torch.no_grad():
+        for k, p in names.items():
+            p.copy_(tensors[k].to(p.dtype))
