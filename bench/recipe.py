@@ -8,10 +8,10 @@ prompts, all in one run.
     .venv/bin/python bench/recipe.py --greedy-store runs/demo-regen/store  # and the answers lever
 
 An arm is a name in ARMS or settings joined by '+' (`lr=5e-3+loss=tv`).
-Prompts: data/heldout_prompts.jsonl, 96 prompts no demo conversation holds
-(the store's own held-out split is 5% of 300 conversations: 11 prompts, a
-standard error of about 0.05 on accept length; 96 prompts bring it under
-0.03). Each generation is 48 tokens, greedy, EOS ignored, as the demo's
+Prompts: data/heldout_prompts.jsonl, 96 prompts no demo conversation asks
+or rewords (some share a form, as a user's next prompts would). The store's
+own held-out split is 5% of 300 conversations: 11 prompts, a standard
+error of about 0.05 on accept length; 96 prompts bring it under 0.03. Each generation is 48 tokens, greedy, EOS ignored, as the demo's
 evaluation.
 
 Prints per arm: training tokens/s (and against the base), held-out tau at
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         rate = r["tokens"] / r["compute_s"]
         diff, se = paired_difference(s["per_request"], served[first]["per_request"])
         positions = " ".join(f"{p:.3f}" for p in s["per_position"])
-        print(f"{arm:34s} {rate:7.0f} {rate / base_rate:5.2f} {held[f'tau@{steps}']:7.3f} "
+        print(f"{arm:34s} {rate:7.0f} {rate / base_rate:5.2f} {held.get(f'tau@{steps}', float('nan')):7.3f} "
               f"{held.get('unproposable', 0):6.3f} {s['pooled']:6.3f} {s['pooled_se']:5.3f} {diff:+7.3f} "
               f"{se:5.3f}  {positions:18s}  {s['outputs_equal']}")
     print(f"\naccept length of each against {first}: "

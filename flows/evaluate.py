@@ -109,7 +109,7 @@ def evaluate_task(server: ServerConfig, drafters: list[Drafter], sets: list[Prom
                               description="per draft position: training's held-out chain, the same chain on the "
                                           "text SGLang verified, its verify steps replayed, SGLang's own count")
     for d in drafters:  # its card (drafter/README.md) says what SGLang served
-        add_served(d.path, report, d.name)
+        add_served(d.path, report, d.name, d.num_steps)
     for said in (report["speeds_note"], report["sampled_note"]):
         if said:
             log.warning(said)

@@ -33,7 +33,7 @@ from tasks.paths import default_dump_root, ensure_private_dir
 from tasks.regeneration.answer_store import sources_provenance
 from tasks.server.config import ServerConfig
 from tasks.server.launch import CaptureSpec, check_serves
-from tasks.server.supervisor import ServerSupervisor, attached_to, node_sections
+from tasks.server.supervisor import RUN_SERVER, ServerSupervisor, node_sections, share, unshare
 from tasks.store.config import StoreConfig
 from tasks.store.handle import Store
 from tasks.store.lock import LockHeld, check_held_by, hold_lock
@@ -105,14 +105,15 @@ def preflight_task(planned: Planned, dump_dir: Path, capture: CaptureConfig) -> 
 @task(name="launch-server", cache_policy=NO_CACHE)
 def launch_task(target: Target, server: ServerConfig, dump_dir: Path, log_path: Path) -> ServerSupervisor:
     log = get_run_logger()
-    if server.url:
+    if server.url and server.url.startswith(RUN_SERVER):
+        supervisor = ServerSupervisor(server)
+        log.info("on the run's capture server (started by its first stage with work; log: %s)", log_path)
+    elif server.url:
         supervisor = ServerSupervisor(server)
         log.info("attaching to the SGLang server at %s (rid prefix %r, %s)", server.url, server.rid_prefix,
                  "with an API key" if supervisor.api_key else "no API key")
     else:
-        spec = CaptureSpec(server=server.model_copy(update={"model": str(target.path)}), dump_dir=dump_dir,
-                           aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
-        supervisor = ServerSupervisor(spec, log_path)
+        supervisor = ServerSupervisor(capture_spec(target, server, dump_dir), log_path)
         log.info("launching SGLang on %s (tp %d, dp %d%s), log: %s", target.path, server.tp_size, server.dp_size,
                  ", dp attention" if server.dp_attention else "", log_path)
     log.info("SGLang server ready at %s", supervisor.start())
@@ -128,17 +129,25 @@ def endpoint(server: ServerSupervisor, dump_dir: Path, target: Target) -> extrac
 @contextmanager
 def one_server(server: ServerConfig, capture: CaptureConfig, store: Path) -> Iterator[tuple[ServerConfig,
                                                                                           CaptureConfig]]:
-    """One capture server for several stages of a run, launched here and
-    stopped at the end: the sections they attach to it with. A stage that
-    finds it down relaunches it through this launcher
-    (tasks/server/supervisor.py)."""
+    """One capture server for several stages of a run: the sections they
+    name it by (tasks/server/supervisor.py share). The first stage with
+    work starts it; it stops when the block ends."""
     dump_dir = Path(capture.dump_dir) if capture.dump_dir else default_dump_dir(store)
     target = Target.load(str(resolve_model(server.model)), capture.aux_layer_ids)
-    live = launch_task(target, server, dump_dir, store / "logs" / "sglang-server.log")
+    live = ServerSupervisor(capture_spec(target, server, dump_dir), store / "logs" / "sglang-server.log")
+    url = share(live)
     try:
-        yield attached_to(server, live), capture.model_copy(update={"dump_dir": str(dump_dir)})
+        yield server.model_copy(update={"url": url}), capture.model_copy(update={"dump_dir": str(dump_dir)})
     finally:
+        unshare(url)
         live.stop()
+        if live.handle is not None:  # a dump that landed after its request failed: none can land now
+            extraction.reset_dump_dir(dump_dir, rid_prefix=live.rid_prefix)
+
+
+def capture_spec(target: Target, server: ServerConfig, dump_dir: Path) -> CaptureSpec:
+    return CaptureSpec(server=server.model_copy(update={"model": str(target.path)}), dump_dir=dump_dir,
+                       aux_layer_ids=target.served_layer_ids, capture_module=target.arch.decoder_stack)
 
 
 @task(name="warm-up", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)

@@ -78,8 +78,10 @@ def eagle3_pipeline(
             if regenerate.enabled:
                 # One model load: the capture server the run launches answers
                 # first (outside its rid prefix: served, not captured), unless
-                # capture nodes capture, or a server is attached (which does).
-                if not server.url and not capture_nodes:
+                # a server is attached (which does), or the capture runs
+                # beside the training (stream mode: its capture stops its own
+                # server when done, and the answers' server is gone by then).
+                if not server.url and mode == "offline":
                     capturing, capture = serving.enter_context(one_server(server, capture, store_dir))
                 answers = regenerate_answers(server=capturing, dataset=capture.dataset,
                                              regenerate=regenerate.model_copy(update={

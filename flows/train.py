@@ -101,7 +101,10 @@ def train_drafter(
     always the store's target."""
     store = str(Path(store).resolve())
     out_dir = Path(train.out_dir).resolve()
-    cfg = train.model_copy(update={"out_dir": str(out_dir)})
+    # Absolute, as out_dir: torchrun's processes start elsewhere, and a resume
+    # compares the path as recorded.
+    cfg = train.model_copy(update={"out_dir": str(out_dir), **(
+        {"init_from": str(Path(train.init_from).resolve())} if train.init_from else {})})
     # One run per out_dir: two would interleave checkpoints and exports. On
     # several nodes every node's run trains (torchrun on each meets the
     # others) and node 0's holds the out_dir they share and does the rest;

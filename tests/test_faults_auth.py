@@ -40,7 +40,7 @@ from tasks.server.health import wait_healthy
 from tasks.server.config import API_KEY_ENV, ServerConfig
 from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, check_serves, launch_server
 from tasks.server.server_log import LogFollower
-from tasks.server.supervisor import ServerSupervisor, attach_api_key, attached_to
+from tasks.server.supervisor import ServerSupervisor, attach_api_key, share, unshare
 from tasks.sglang_api import ServerError, ServerGone, auth_headers, server_healthy
 from tasks.store.ledger.open import open_store
 from tasks.store.handle import Store
@@ -147,33 +147,39 @@ def test_a_relaunched_server_keeps_its_prefix_and_key(fake_sglang, tmp_path):
         supervisor.stop()
 
 
-def test_a_stage_attached_to_its_runs_server_relaunches_it_through_the_launcher(fake_sglang, tmp_path):
-    """The pipeline's regeneration and capture attach to the one server the
-    run launched (flows/extract.py one_server): a stage that finds it dead
-    has it relaunched at once, and past its restarts learns so at once,
-    where an attached server's stage would wait for an owner."""
+def test_the_runs_shared_server_starts_with_its_first_stage_and_is_relaunched_through_it(fake_sglang, tmp_path):
+    """The pipeline's regeneration and capture share the server the run
+    launches (flows/extract.py one_server), named by a token: nothing starts
+    until a stage needs it, a stage that finds it dead has it relaunched at
+    once, and past its restarts learns so at once, where an attached
+    server's stage would wait for an owner. Its key is in no section."""
     launcher = ServerSupervisor(capture_config(tmp_path, server={"max_restarts": 1}), tmp_path / "server.log",
                                 timeout_s=30)
+    url = share(launcher)
     try:
-        launcher.start()
-        stage = ServerSupervisor(attached_to(ServerConfig(model="m"), launcher))
-        assert (stage.url, stage.api_key, stage.rid_prefix) == (launcher.url, launcher.api_key, launcher.rid_prefix)
+        section = ServerConfig(model="m", url=url)
+        assert section.api_key is None and section.rid_prefix == RID_PREFIX
+        first, second = ServerSupervisor(section), ServerSupervisor(section)
+        assert not fake_sglang  # a run with nothing to do loads no model
+        assert first.start() == second.start() == launcher.url and len(fake_sglang) == 1
+        assert (first.api_key, first.rid_prefix) == (launcher.api_key, launcher.rid_prefix)
         for relaunches in (1, 2):
-            first = launcher.handle
-            os.killpg(first.process.pid, signal.SIGKILL)
-            first.process.wait()
+            dead = launcher.handle
+            os.killpg(dead.process.pid, signal.SIGKILL)
+            dead.process.wait()
             t0 = time.monotonic()
             if relaunches == 1:
-                stage.recover()
-                assert launcher.handle is not first and len(fake_sglang) == 2 and stage.healthy()
+                second.recover()
+                assert launcher.handle is not dead and len(fake_sglang) == 2 and first.healthy()
             else:
                 with pytest.raises(ServerGone, match=r"died again after 1 relaunches"):
-                    stage.recover()
+                    first.recover()
                 assert time.monotonic() - t0 < 5 and len(fake_sglang) == 2
     finally:
+        unshare(url)
         launcher.stop()
-    with pytest.raises(ServerError, match="is not answering"):  # the run's server is gone: nothing to go through
-        stage.recover()
+    with pytest.raises(ValueError, match="that run is over"):  # a stage rerun from the UI after its run
+        ServerSupervisor(ServerConfig(model="m", url=url))
 
 
 def test_attach_mode_takes_the_key_given_or_from_the_environment(monkeypatch, tmp_path):

@@ -61,6 +61,13 @@ def test_a_drafter_for_another_vocabulary_or_other_layers_is_refused_naming_it(t
     save_file(tensors, str(init / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(InitRefused, match="target ids outside 0..2047"):
         prepare(settings(tmp_path, init), store)
+    # A t2d (what it can propose: what training's loss counts) that is not its d2t's.
+    init = export_random_drafter(tiny_model, tmp_path / "t2d", draft_vocab_size=512)
+    tensors = load_file(str(init / "model.safetensors"))
+    tensors["t2d"][600] = True
+    save_file(tensors, str(init / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InitRefused, match="its t2d .* disagrees with its d2t"):
+        prepare(settings(tmp_path, init), store)
 
 
 def test_a_drafter_for_another_target_is_refused_by_its_sizes_or_its_weights(tiny_model, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -28,11 +29,25 @@ NODE_ENV = {"url": "EAGLE3_SERVER_URL", "dump_dir": "EAGLE3_DUMP_DIR", "rid_pref
             "wait_s": "EAGLE3_SERVER_WAIT_S"}
 FROM_NODE = "env"
 
-# The servers this process launched, by URL. A stage that attaches to one
-# (the pipeline's regeneration and capture share one server, one model load)
-# recovers it through its launcher: relaunched, or gone at once past its
-# restarts, as for the stage's own launched server.
-_LAUNCHED: dict[str, "ServerSupervisor"] = {}
+# A server one run launches for several of its stages (the pipeline's
+# regeneration and capture: one model load). The stages' sections name it
+# by a token, server.url "run:<token>": the first stage that needs it
+# starts it (a run with nothing left to do loads no model), and a stage that
+# finds it down has it relaunched, or learns at once it is gone. Its URL,
+# key and rid prefix stay in this process: no stage's parameters hold them.
+RUN_SERVER = "run:"
+_SHARED: dict[str, "ServerSupervisor"] = {}
+
+
+def share(launcher: "ServerSupervisor") -> str:
+    """The server.url the run's stages name `launcher` (not started) by."""
+    url = f"{RUN_SERVER}{secrets.token_hex(8)}"
+    _SHARED[url] = launcher
+    return url
+
+
+def unshare(url: str) -> None:
+    _SHARED.pop(url, None)
 
 
 def node_sections(server: ServerConfig, capture: CaptureConfig) -> tuple[ServerConfig, CaptureConfig]:
@@ -61,13 +76,6 @@ def node_server(server: ServerConfig) -> ServerConfig:
                                      "attach_wait_s": float(os.environ[NODE_ENV["wait_s"]])})
 
 
-def attached_to(server: ServerConfig, live: "ServerSupervisor") -> ServerConfig:
-    """The server section a later stage of the run attaches to `live` (a
-    server the run launched) with. The key is a SecretStr: Prefect records
-    it masked; a subflow in this process gets it."""
-    return server.model_copy(update={"url": live.url, "api_key": live.api_key, "rid_prefix": live.rid_prefix})
-
-
 def attach_api_key(given: SecretStr | None) -> str | None:
     """The API key for an attached server: `given`, else $EAGLE3_API_KEY,
     else none (a server started without --api-key)."""
@@ -92,6 +100,14 @@ class ServerSupervisor:
 
     def __init__(self, target: LaunchSpec | ServerConfig, log_path: Path | None = None, *,
                  timeout_s: float = 600.0):
+        # A stage of a run on the run's shared server: everything through it.
+        self._shared = None
+        if isinstance(target, ServerConfig) and (target.url or "").startswith(RUN_SERVER):
+            self._shared = _SHARED.get(target.url)
+            if self._shared is None:
+                raise ValueError(f"server.url {target.url!r} names a server the pipeline run that launched it "
+                                 f"shares with its stages, and that run is over: leave server.url unset to launch "
+                                 f"one, or give the URL of a running server")
         if isinstance(target, ServerConfig):
             if target.url is None:
                 raise ValueError("this server section has no url to attach to: give a LaunchSpec of it to launch "
@@ -111,30 +127,48 @@ class ServerSupervisor:
 
     @property
     def url(self) -> str:
+        if self._shared:
+            return self._shared.url
         return self.attach_url or self.handle.url
 
     @property
     def api_key(self) -> str | None:
+        if self._shared:
+            return self._shared.api_key
         return self._attach_key if self.attach_url else self.handle.api_key
 
     @property
     def rid_prefix(self) -> str:
+        if self._shared:
+            return self._shared.rid_prefix
         return self._attach_prefix if self.attach_url else self.handle.rid_prefix
 
     def start(self) -> str:
+        if self._shared:
+            return self._shared.start_once()
         if self.attach_url is None:
             self.handle = launch_server(self.spec, self.log_path, timeout_s=self.timeout_s, follower=self.follower)
             # A relaunch reuses the port, rid prefix and API key (the
             # launched spec holds them), so what the batches hold stays valid.
             self.spec = dataclasses.replace(self.handle.spec, port=int(self.handle.url.rsplit(":", 1)[1]))
-            _LAUNCHED[self.url] = self
         elif not self.healthy():
             if not self.attach_wait_s:
                 raise ServerError(f"no healthy SGLang server at {self.attach_url}")
             self._wait_attached()  # its owner may be relaunching it
         return self.url
 
+    def start_once(self) -> str:
+        """A launched server started by the first of the stages that call
+        this; the others find it running."""
+        with self._lock:
+            self._check_running()
+            if self.handle is None:
+                self.start()
+        return self.url
+
     def healthy(self) -> bool:
+        if self._shared:
+            return self._shared.healthy()
         if self.handle is not None and not self.handle.alive():
             return False
         return server_healthy(self.url, api_key=self.api_key)
@@ -142,11 +176,10 @@ class ServerSupervisor:
     def recover(self) -> None:
         """Make the server serve again, or raise ServerError saying why not
         (ServerStopped once the run has stopped it)."""
-        self._check_running()
-        launcher = _LAUNCHED.get(self.attach_url) if self.attach_url else None
-        if launcher is not None:
-            launcher.recover()
+        if self._shared:
+            self._shared.recover()
             return
+        self._check_running()
         with self._lock:
             self._check_running()
             if self.healthy():
@@ -193,7 +226,9 @@ class ServerSupervisor:
             raise ServerStopped(f"the SGLang server at {self.url} was stopped by its run; not relaunched")
 
     def forward_log(self, log: logging.Logger) -> None:
-        if self.follower is not None:
+        if self._shared:
+            self._shared.forward_log(log)
+        elif self.follower is not None:
             self.follower.forward(log)
 
     def stop(self) -> None:
@@ -203,5 +238,4 @@ class ServerSupervisor:
             return  # once: its pid, reaped, may be another process's by now
         self._stopped = True
         if self.handle is not None:
-            _LAUNCHED.pop(self.handle.url, None)
             stop_server(self.handle)

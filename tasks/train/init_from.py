@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from tasks.target.architectures import Architecture
-from tasks.target.layers import AuxLayers
+from tasks.target.layers import AuxLayers, default_aux_layer_ids
 from tasks.train.config import DrafterRefused, TrainConfig
 from tasks.train.drafter import Eagle3Drafter
 from tasks.train.export import attention_of, export_weights, variant_of
@@ -66,11 +66,21 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
     if recorded and store_weights and recorded != store_weights:
         raise _refuse(path, f"trained on a target whose weights fingerprint is {recorded[:12]}..., where the store "
                             f"was captured from {store_weights[:12]}... (other weights of the same shapes)")
-    ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    want = architecture.sglang_layer_ids(layers.sglang_ids)
+    eagle = config.get("eagle_config", {})
+    # Ours also write the layers in a convention no target class changes
+    # (layer_output_ids); a published one has SGLang's list, or none: the
+    # target class's default layers.
+    if "layer_output_ids" in eagle:
+        ids, want = eagle["layer_output_ids"], list(layers.sglang_ids)
+    else:
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        want = architecture.sglang_layer_ids(layers.sglang_ids)
+        if ids is None:
+            default = list(layers.sglang_ids) == list(default_aux_layer_ids(target_config["num_hidden_layers"]))
+            ids, want = "SGLang's default ones", ("SGLang's default ones" if default else want)
     if ids != want:
-        raise _refuse(path, f"reads the target's layers {ids} (as SGLang's class for this target counts them), "
-                            f"where this run trains on {want}: the store's aux layers, or train.aux_layer_ids")
+        raise _refuse(path, f"reads the target's layers {ids}, where this run trains on {want}: the store's aux "
+                            f"layers, or train.aux_layer_ids")
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if "d2t" not in tensors:
@@ -84,13 +94,15 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
     if ids.min() < 0 or ids.max() >= vocab.vocab_size or (np.diff(ids) <= 0).any():
         raise _refuse(path, f"its d2t maps draft ids to target ids outside 0..{vocab.vocab_size - 1} or not "
                             f"ascending and distinct: not a vocabulary map of this target")
+    if "t2d" in tensors and not torch.equal(tensors["t2d"].bool(), vocab.t2d):
+        raise _refuse(path, "its t2d (the target tokens it can propose) disagrees with its d2t")
     return vocab, tensors
 
 
 def load_init(model: Eagle3Drafter, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Copy the exported tensors into `model` (built with their vocabulary):
-    every trained tensor must be there with its shape."""
-    names = export_weights(model)
+    """Copy the exported tensors into `model` (built with their vocabulary,
+    whose maps it keeps): every trained tensor must be there with its shape."""
+    names = {k: p for k, p in export_weights(model).items() if k not in ("d2t", "t2d")}
     missing = sorted(set(names) - set(tensors))
     shapes = [f"{k} {tuple(tensors[k].shape)} (this run's {tuple(p.shape)})" for k, p in names.items()
               if k in tensors and tensors[k].shape != p.shape]

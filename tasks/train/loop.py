@@ -35,7 +35,7 @@ from tasks.train.data import assign_batches, heldout_prompts, plan_batches, pref
 from tasks.train.heldout import describe, evaluate
 from tasks.train.export import copy_drafter, export_drafter
 from tasks.train.init_from import TARGET_WEIGHTS
-from tasks.train.model_card import write_card
+from tasks.train.model_card import card_or_warning
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import Run, autocast_dtype, prepare
 from tasks.server.config import ServerConfig
@@ -315,7 +315,7 @@ def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: 
     else:
         export_drafter(run.model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
                        extra=extra)
-    write_card(drafter_dir)
+    card_or_warning(drafter_dir)
 
 
 def _evaluate(run: Run, module: torch.nn.Module, history: list[dict], epoch: int, step: int,

@@ -13,9 +13,12 @@ weights it replaced.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from tasks.durable import replace_durably
+
+logger = logging.getLogger("eagle3.training")
 
 CARD = "README.md"
 # The recipe's settings worth a reader's eye, in this order (the card lists
@@ -62,8 +65,10 @@ def _data(store: Path) -> list[str]:
     return lines
 
 
-def _served(rows: list[dict], speedups: list[dict], prompts: dict[str, int], device: str) -> list[str]:
-    lines = ["| prompts | requests | accept length (pooled) | standard error | mean of means | per position | "
+def _served(rows: list[dict], speedups: list[dict], prompts: dict[str, int], device: str,
+            num_steps: int) -> list[str]:
+    lines = [f"Greedy, a chain of {num_steps} drafts a verify step (top-1), as the command below serves it.", "",
+             "| prompts | requests | accept length (pooled) | standard error | mean of means | per position | "
              "greedy output unchanged |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         positions = " / ".join(f"{p:.3f}" for p in r["per_position"])
@@ -108,11 +113,12 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
                  f"vocabulary)" if held.get("unproposable") is not None else ""),
               "", "## Served in SGLang", ""]
     if served:
+        steps = served.get("num_steps", steps)
         lines += _served(served["rows"], served.get("sweep", []), served.get("prompts", {}),
-                         served.get("device", "cpu"))
+                         served.get("device", "cpu"), steps)
     else:
-        lines.append("Not measured yet: `python -m flows.evaluate --drafter-dirs "
-                     f"{drafter_dir}` serves it and fills this section in.")
+        lines.append(f"Not measured yet: `python -m flows.evaluate --drafter-dirs {drafter_dir.resolve()} "
+                     f"--server.model {target} --store {store}` serves it and fills this section in.")
     draft_flags = (f"--speculative-algorithm EAGLE3 --speculative-num-steps {steps} --speculative-eagle-topk 1 "
                    f"--speculative-num-draft-tokens {steps + 1}" if method == "EAGLE-3" else
                    "--speculative-algorithm DFLASH")
@@ -125,10 +131,23 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
     return drafter_dir / CARD
 
 
-def add_served(drafter_dir: str | Path, report: dict, name: str) -> Path:
+def add_served(drafter_dir: str | Path, report: dict, name: str, num_steps: int) -> Path | None:
     """The card again, with what the evaluation's `report`
-    (tasks/evaluation/side_by_side.py) measured of the drafter it calls `name`."""
+    (tasks/evaluation/side_by_side.py) measured of the drafter it calls
+    `name`, served at `num_steps`."""
     rows = [r for r in report["acceptance"] if r["drafter"] == name and r["mode"] == "greedy"]
     sweep = sorted((r for r in report["sweep"] if r["drafter"] == name), key=lambda r: r["concurrency"])
-    return write_card(drafter_dir, {"rows": rows, "sweep": sweep[:1], "prompts": report["prompt_sets"],
-                                    "device": report["settings"]["device"]})
+    return card_or_warning(drafter_dir, {"rows": rows, "sweep": sweep[:1], "prompts": report["prompt_sets"],
+                                         "device": report["settings"]["device"], "num_steps": num_steps})
+
+
+def card_or_warning(drafter_dir: str | Path, served: dict | None = None) -> Path | None:
+    """write_card, or a warning saying why not: the card documents a drafter
+    whose export (or evaluation) is done, and must never undo it (a drafter
+    folder another user owns, a store whose index this process cannot
+    open)."""
+    try:
+        return write_card(drafter_dir, served)
+    except Exception as e:  # noqa: BLE001 - documentation only; the reason is logged
+        logger.warning("no model card written in %s: %s: %s", drafter_dir, type(e).__name__, e)
+        return None

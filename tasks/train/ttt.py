@@ -61,9 +61,12 @@ LOSSES = ("forward_kl", "tv", "kl_tv")
 def divergence(kind: str, target_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per position, the drafter's distribution (logits) against the
     target's (target_p), both over the draft vocabulary. `tv`: 1 - sum
-    min(p, q), the probability speculative sampling rejects the draft, so
-    minimising it maximises acceptance directly; its gradient ignores tokens
-    where q already exceeds p. `kl_tv`: both (KL's gradient everywhere)."""
+    min(p, q), the probability speculative sampling rejects a draft when
+    the target's mass is all in the draft vocabulary (it is renormalised
+    there); greedy verification accepts by the argmax instead. Its gradient
+    through the softmax is about 1/V of cross-entropy's while q is near
+    uniform, so from random weights it learns slowly. `kl_tv`: their sum,
+    cross-entropy's gradient early and TV's term once q is close."""
     if kind not in LOSSES:
         raise ValueError(f"loss {kind!r}: use one of {', '.join(LOSSES)}")
     logq = torch.log_softmax(logits.float(), dim=-1)
