@@ -86,3 +86,4 @@ def test_a_drafter_for_another_target_is_refused_by_its_sizes_or_its_weights(tin
     (init / "config.json").write_text(json.dumps({**config, "hidden_size": 256}))
     with pytest.raises(InitRefused, match="made for a target with hidden_size 256, where this target has 128"):
         read_init(init, cfg, target_sizes(tiny_model), layers, architecture, manifest)
+

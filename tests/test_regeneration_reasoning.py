@@ -175,7 +175,7 @@ def test_an_answer_cut_at_max_new_tokens_is_marked_and_never_a_later_turns_histo
         assert not store.answered_among([c.row_id for c in convs])
     else:
         assert (summary["rows"], summary["quarantined"]) == (0, 2)
-        assert all("max_new_tokens (3)" in reason for _, _, reason, _ in store.quarantined())
+        assert all("max_new_tokens (3)" in reason and attempts == 1 for _, _, reason, attempts in store.quarantined())
 
 
 def test_a_request_sglang_refuses_is_quarantined_at_once_with_its_words(ends_server, tokenizer, tmp_path):
@@ -187,8 +187,9 @@ def test_a_request_sglang_refuses_is_quarantined_at_once_with_its_words(ends_ser
     with AnswerPool(2, api_key=ends_server.api_key, transport=transport) as pool:
         answer_batch(asker, store, [long], pool)
     assert len(transport.bodies) == 1  # not asked again: the same request gets the same refusal
-    (_, _, reason, _), = store.quarantined()
+    (_, _, reason, attempts), = store.quarantined()
     assert "Refused" in reason and "longer than the model's context length" in reason, reason
+    assert attempts == 1  # what the record says is what was sent
 
 
 class LongTails(httpx.AsyncBaseTransport):

@@ -138,7 +138,11 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
     dropped: list[Conversation] = []
     drop_reasons: dict[str, str] = {}
 
+    tries: dict[str, int] = {}  # what each quarantined row records: once, for a refusal
+
     def send(group: list[Conversation], attempt: int, alone: bool = False) -> list[Conversation]:
+        for c in group:
+            tries[c.row_id] = tries.get(c.row_id, 0) + 1
         outs = pool.answer_many(asker, group, attempt, alone=alone)
         stop = next((o for o in outs if isinstance(o, (PoolClosed, EndsRun))), None)
         if stop is not None:  # the run is stopping: nothing of this batch is quarantined or committed
@@ -182,7 +186,7 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
         pending = send(pending, attempt)
     shard = store.commit([done[c.row_id] for c in batch if c.row_id in done])
     quarantined = given_up + pending
-    store.quarantine([(c.row_id, c.source_row, errors[c.row_id], asker.cfg.attempts) for c in quarantined])
+    store.quarantine([(c.row_id, c.source_row, errors[c.row_id], tries[c.row_id]) for c in quarantined])
     store.drop([(c.row_id, c.source_row, f"{drop_reasons[c.row_id]}; dropped (regenerate.on_truncated: "
                  f"{asker.cfg.on_truncated})") for c in dropped])
     for c in quarantined:

@@ -30,8 +30,10 @@ def evaluate(run: Run) -> dict:
     batches = plan_batches(run.reader.num_tokens, idx, cfg.tokens_per_batch, None)
     for batch in prefetch(run.collate, batches):
         with run.autocast():
-            out = ttt_forward(model, run.on_device(batch), run.head_rows, steps=cfg.ttt_steps,
+            batch = run.on_device(batch)
+            out = ttt_forward(model, batch, run.head_rows, steps=cfg.ttt_steps,
                               decay=cfg.step_decay, full_head=run.full_head, loss=cfg.loss)
+            run.remember(batch, out)
         correct += out.correct.cpu()
         counted += out.counted.cpu()
         in_loss += out.in_loss.cpu()

@@ -5,7 +5,7 @@ rank's device in the precision the config asks for."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from tasks.train.gpu_kernels import check_tensor_parallel
 from tasks.train.init_from import load_init, read_init
 from tasks.stream.reader import StreamReader
 from tasks.train.ttt import TTT
-from tasks.train.vocab import DraftVocab, count_target_tokens
+from tasks.train.vocab import DraftVocab, GreedyCache, count_target_tokens
 
 logger = logging.getLogger("eagle3.training")
 
@@ -57,9 +57,21 @@ class Run:
     vocab: DraftVocab | None = None  # EAGLE-3's; a DFlash drafter drafts from the whole vocabulary
     aux_positions: tuple[int, ...] | None = None  # of the layers read, in the store's layer axis; None: all of them
     dflash: DFlashSetup | None = None
+    greedy: GreedyCache = field(default_factory=GreedyCache)
 
     def collate(self, indices: list[int]) -> dict:
-        return collate(self.reader, indices, self.aux_positions)
+        batch = collate(self.reader, indices, self.aux_positions)
+        if not self.dflash:
+            batch["samples"] = torch.tensor(indices, dtype=torch.long)
+            top = self.greedy.lookup(indices, batch["input_ids"].shape[1])
+            if top is not None:
+                batch["target_top"] = top
+        return batch
+
+    def remember(self, batch: dict, out) -> None:
+        """An EAGLE-3 batch's greedy tokens, for its samples' next epochs."""
+        if "target_top" not in batch and self.full_head is not None:
+            self.greedy.remember(batch["samples"], out.target_top, batch["lengths"])
 
     def autocast(self):
         dtype = autocast_dtype(self.cfg.precision, self.device)
@@ -78,7 +90,9 @@ class Run:
         cfg = self.cfg
         if self.dflash:
             return module(batch, anchor_generator(cfg.seed, epoch, index))
-        return module(batch, self.head_rows, cfg.ttt_steps, cfg.step_decay, self.full_head, cfg.loss)
+        out = module(batch, self.head_rows, cfg.ttt_steps, cfg.step_decay, self.full_head, cfg.loss)
+        self.remember(batch, out)
+        return out
 
 
 def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None, rank: int = 0,

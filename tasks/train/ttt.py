@@ -108,7 +108,10 @@ def ttt_forward(model: Eagle3Drafter, batch: dict, head_rows: torch.Tensor, *, s
         target_logits = final @ head_rows.T
         target_p = torch.softmax(target_logits.float(), dim=-1)
         d2t = model.draft_to_target
-        target_top = target_greedy(final, full_head) if full_head is not None else d2t[target_logits.argmax(-1)]
+        if full_head is None:
+            target_top = d2t[target_logits.argmax(-1)]
+        else:  # remembered from an earlier epoch (vocab.GreedyCache), or computed
+            target_top = batch["target_top"] if "target_top" in batch else target_greedy(final, full_head)
         proposable = model.t2d[target_top]
     hidden = model.project(aux)
     keys: list[torch.Tensor] = []

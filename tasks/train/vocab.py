@@ -57,6 +57,36 @@ def target_greedy(final: torch.Tensor, full_head: torch.Tensor) -> torch.Tensor:
     return top.view(final.shape[:-1])
 
 
+class GreedyCache:
+    """The target's greedy token (full vocabulary) at every position of the
+    samples seen so far, kept across epochs: from the second epoch on, a
+    batch's are looked up instead of multiplied out of the whole lm_head
+    again (positions x the target's vocabulary x H: 17% of a step at the
+    demo's sizes on a CPU). Int32 on the host, up to `max_bytes`; samples past
+    that are computed each time. Safe between the loader's thread (lookup)
+    and the training thread (remember): single dict operations."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.rows: dict[int, torch.Tensor] = {}
+        self.bytes, self.max_bytes = 0, max_bytes
+
+    def lookup(self, indices: list[int], n: int) -> torch.Tensor | None:
+        """[len(indices), n] long, right-padded with 0, if every sample is kept."""
+        rows = [self.rows.get(int(i)) for i in indices]
+        if any(r is None for r in rows):
+            return None
+        out = torch.zeros(len(rows), n, dtype=torch.long)
+        for k, r in enumerate(rows):
+            out[k, :len(r)] = r
+        return out
+
+    def remember(self, indices: torch.Tensor, top: torch.Tensor, lengths: torch.Tensor) -> None:
+        for i, row, m in zip(indices.tolist(), top.detach().cpu(), lengths.tolist()):
+            if i not in self.rows and self.bytes + 4 * m <= self.max_bytes:
+                self.rows[i] = row[:m].to(torch.int32).clone()
+                self.bytes += 4 * m
+
+
 def count_target_tokens(samples, head: torch.Tensor, max_tokens: int | None = None, *,
                         dtype: torch.dtype = torch.float32, positions_per_matmul: int = 8192) -> np.ndarray:
     """How often each target id is the target's greedy next token at a
