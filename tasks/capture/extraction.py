@@ -39,14 +39,14 @@ class ServerUnavailable(RuntimeError):
     """The server stopped answering mid-batch; the batch must be retried."""
 
 
-def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX) -> int:
+def reset_dump_dir(dump_dir: Path, *, rid_prefix: str = RID_PREFIX, orphans: bool = True) -> int:
     """Remove dumps this pipeline wrote earlier (only its own files, and
-    their temp files: rids under the capture server's `rid_prefix`, or under
-    RID_PREFIX, which every prefix a launched server draws starts with, so an
-    earlier run's orphans go too), check the directory is writable. Returns
-    the number removed."""
+    their temp files: rids under the capture server's `rid_prefix`, or with
+    `orphans` under RID_PREFIX, which every prefix a launched server draws
+    starts with, so an earlier run's orphans go too), check the directory is
+    writable. Returns the number removed."""
     dump_dir = ensure_private_dir(Path(dump_dir))
-    prefixes = tuple({check_rid_prefix(rid_prefix), RID_PREFIX})
+    prefixes = tuple({check_rid_prefix(rid_prefix)} | ({RID_PREFIX} if orphans else set()))
     removed = 0
     for path in dump_dir.iterdir():
         name = path.name

@@ -138,7 +138,9 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
     dropped: list[Conversation] = []
     drop_reasons: dict[str, str] = {}
 
-    tries: dict[str, int] = {}  # what each quarantined row records: once, for a refusal
+    # What a quarantined row records: the tries of this run of the batch
+    # (a refusal: 1); a batch task Prefect retried counts from 0 again.
+    tries: dict[str, int] = {}
 
     def send(group: list[Conversation], attempt: int, alone: bool = False) -> list[Conversation]:
         for c in group:

@@ -129,7 +129,7 @@ class ServerSupervisor:
     def url(self) -> str:
         if self._shared:
             return self._shared.url
-        return self.attach_url or self.handle.url
+        return self.attach_url or (self.handle.url if self.handle else "(a server not started yet)")
 
     @property
     def api_key(self) -> str | None:
@@ -164,6 +164,12 @@ class ServerSupervisor:
             self._check_running()
             if self.handle is None:
                 self.start()
+                if self._stopped:  # stop() came while it started: it found no handle to stop
+                    stop_server(self.handle)
+                    self._check_running()
+                return self.url
+        if not self.healthy():  # died between stages: relaunched now, not at the next stage's first batch
+            self.recover()
         return self.url
 
     def healthy(self) -> bool:
@@ -176,10 +182,10 @@ class ServerSupervisor:
     def recover(self) -> None:
         """Make the server serve again, or raise ServerError saying why not
         (ServerStopped once the run has stopped it)."""
+        self._check_running()  # a stage its run stopped relaunches nothing, shared or not
         if self._shared:
             self._shared.recover()
             return
-        self._check_running()
         with self._lock:
             self._check_running()
             if self.healthy():

@@ -76,7 +76,10 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         want = architecture.sglang_layer_ids(layers.sglang_ids)
         if ids is None:
-            default = list(layers.sglang_ids) == list(default_aux_layer_ids(target_config["num_hidden_layers"]))
+            try:
+                default = list(layers.sglang_ids) == list(default_aux_layer_ids(target_config["num_hidden_layers"]))
+            except ValueError as e:  # a target too shallow for SGLang's default layers
+                raise _refuse(path, f"names no aux layers, and {e}") from None
             ids, want = "SGLang's default ones", ("SGLang's default ones" if default else want)
     if ids != want:
         raise _refuse(path, f"reads the target's layers {ids}, where this run trains on {want}: the store's aux "
@@ -94,6 +97,9 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
     if ids.min() < 0 or ids.max() >= vocab.vocab_size or (np.diff(ids) <= 0).any():
         raise _refuse(path, f"its d2t maps draft ids to target ids outside 0..{vocab.vocab_size - 1} or not "
                             f"ascending and distinct: not a vocabulary map of this target")
+    if "t2d" in tensors and tensors["t2d"].shape != vocab.t2d.shape:
+        raise _refuse(path, f"its t2d has {tuple(tensors['t2d'].shape)} entries, where this target's vocabulary has "
+                            f"{vocab.vocab_size}")
     if "t2d" in tensors and not torch.equal(tensors["t2d"].bool(), vocab.t2d):
         raise _refuse(path, "its t2d (the target tokens it can propose) disagrees with its d2t")
     return vocab, tensors

@@ -67,7 +67,7 @@ def _data(store: Path) -> list[str]:
 
 def _served(rows: list[dict], speedups: list[dict], prompts: dict[str, int], device: str,
             num_steps: int) -> list[str]:
-    lines = [f"Greedy, a chain of {num_steps} drafts a verify step (top-1), as the command below serves it.", "",
+    lines = [f"Greedy, {num_steps} drafts a verify step, as the command below serves it.", "",
              "| prompts | requests | accept length (pooled) | standard error | mean of means | per position | "
              "greedy output unchanged |", "|---|---|---|---|---|---|---|"]
     for r in rows:

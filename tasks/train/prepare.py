@@ -5,7 +5,7 @@ rank's device in the precision the config asks for."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,11 +57,11 @@ class Run:
     vocab: DraftVocab | None = None  # EAGLE-3's; a DFlash drafter drafts from the whole vocabulary
     aux_positions: tuple[int, ...] | None = None  # of the layers read, in the store's layer axis; None: all of them
     dflash: DFlashSetup | None = None
-    greedy: GreedyCache = field(default_factory=GreedyCache)
+    greedy: GreedyCache | None = None  # EAGLE-3 on one CPU process (remembers_greedy)
 
     def collate(self, indices: list[int]) -> dict:
         batch = collate(self.reader, indices, self.aux_positions)
-        if not self.dflash:
+        if self.greedy is not None:
             batch["samples"] = torch.tensor(indices, dtype=torch.long)
             top = self.greedy.lookup(indices, batch["input_ids"].shape[1])
             if top is not None:
@@ -70,7 +70,7 @@ class Run:
 
     def remember(self, batch: dict, out) -> None:
         """An EAGLE-3 batch's greedy tokens, for its samples' next epochs."""
-        if "target_top" not in batch and self.full_head is not None:
+        if self.greedy is not None and "target_top" not in batch:
             self.greedy.remember(batch["samples"], out.target_top, batch["lengths"])
 
     def autocast(self):
@@ -161,7 +161,20 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if low is not None:
         head = head.to(low)
     return Run(cfg, reader, train_idx, held_idx, layers, target, _in_precision(model, cfg, device), head_rows, head,
-               device, rank, world, vocab, _unless_all(positions, manifest))
+               device, rank, world, vocab, _unless_all(positions, manifest),
+               greedy=GreedyCache() if remembers_greedy(cfg, device, world) else None)
+
+
+def remembers_greedy(cfg: TrainConfig, device: torch.device, world: int) -> bool:
+    """Whether the target's greedy tokens are remembered across epochs
+    (vocab.GreedyCache): measured to pay on a CPU (17% of a step). Not on a
+    GPU, where the product is a smaller share and the host copies would
+    stall the stream; not over several ranks, which deal each epoch's
+    batches out again (a rank would rarely hold a whole batch); not where a
+    stream run captures each epoch's samples again (spooled, not cached),
+    whose greedy tokens must be the new capture's."""
+    respooled = cfg.stream and cfg.spool_bytes is not None and not cfg.cache_epochs
+    return device.type == "cpu" and world == 1 and not respooled
 
 
 def drafter_config(cfg: TrainConfig, target_config: dict, target: Path | str = "the target",

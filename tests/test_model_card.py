@@ -1,0 +1,77 @@
+"""The drafter's card (tasks/train/model_card.py) without a server: what the
+export and the store record, read back from the card; and a card that
+cannot be written leaves the drafter as it was."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.store.ledger.open import open_ledger
+from tasks.train.config import TrainConfig
+from tasks.train.model_card import CARD, add_served, card_or_warning, write_card
+from tests.conftest import random_store
+from tests.random_drafter import export_random_drafter
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("card")
+    store = random_store(d, tiny_model, 8, max_length=64)
+    cfg = TrainConfig(out_dir=str(d / "train"), draft_vocab_size=512, loss="kl_tv", lr=1e-3)
+    heldout = {"tau": 0.5, "tau_exact": 0.52, "acc": [0.3, 0.2, 0.1], "heldout_tokens": 99, "unproposable": 0.125}
+    return export_random_drafter(tiny_model, d / "train" / "drafter", draft_vocab_size=512, extra={
+        "store": str(store), "target": str(tiny_model), "steps": 7, "heldout": heldout,
+        "config": cfg.identity(store)}), store
+
+
+def test_the_card_holds_the_target_data_recipe_heldout_and_served_figures(drafter, tiny_model):
+    path, store = drafter
+    counts = open_ledger(store).summary()
+    card = write_card(path).read_text()
+    assert f"# EAGLE-3 drafter for {tiny_model.name}" in card
+    assert f"{counts['samples']:,} samples, {counts['tokens']:,} tokens" in card and "not regenerated" in card
+    assert "| loss | kl_tv |" in card and "| lr | 0.001 |" in card and "| draft_vocab_size | 512 |" in card
+    assert "tau 0.500, exact 0.520; accuracy per step 0.300 / 0.200 / 0.100; 12.5% of positions unproposable" in card
+    assert "Not measured yet" in card and f"--store {store}" in card
+    report = {"acceptance": [{"drafter": "d", "mode": "greedy", "prompt_set": "/x/heldout_prompts.jsonl",
+                              "requests": 3, "pooled": 1.4567, "pooled_se": 0.0321, "mean_of_means": 1.44,
+                              "per_position": [0.3, 0.1, 0.05], "outputs_equal": True},
+                             {"drafter": "other", "mode": "greedy", "prompt_set": "p", "requests": 1, "pooled": 9.0,
+                              "pooled_se": 0, "mean_of_means": 9, "per_position": [1], "outputs_equal": True}],
+              "sweep": [{"drafter": "d", "concurrency": 4, "per_user_speedup": 1.5, "spec_per_user_tokens_per_s": 3,
+                         "plain_per_user_tokens_per_s": 2},
+                        {"drafter": "d", "concurrency": 1, "per_user_speedup": 0.8, "spec_per_user_tokens_per_s": 8,
+                         "plain_per_user_tokens_per_s": 10}],
+              "prompt_sets": {"/x/heldout_prompts.jsonl": 3}, "settings": {"device": "cpu"}}
+    card = add_served(path, report, "d", num_steps=2).read_text()
+    assert "| heldout_prompts.jsonl (3) | 3 | 1.457 | 0.032 | 1.440 | 0.300 / 0.100 / 0.050 | True |" in card
+    assert "9.000" not in card  # another drafter's row
+    assert "Speed-up at 1 stream(s): 0.80x" in card  # the fewest streams
+    assert "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3" in card
+
+
+def test_a_card_that_cannot_be_written_warns_and_leaves_the_drafter(drafter, tmp_path, caplog):
+    path, _ = drafter
+    copy = tmp_path / "drafter"
+    copy.mkdir()
+    for f in path.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes()) if f.is_file() else None
+    (copy / CARD).unlink(missing_ok=True)
+    (copy / CARD).mkdir()  # in the card's way: its rename fails
+    (copy / CARD / "x").write_text("x")
+    before = {f.name: f.read_bytes() for f in copy.iterdir() if f.is_file()}
+    assert card_or_warning(copy) is None
+    assert "no model card written" in caplog.text
+    assert {f.name: f.read_bytes() for f in copy.iterdir() if f.is_file()} == before
+
+
+def test_a_card_whose_store_is_gone_still_says_what_it_can(drafter, tmp_path):
+    path, _ = drafter
+    config = json.loads((path / "config.json").read_text())
+    config["eagle3_training"]["store"] = str(tmp_path / "moved")
+    copy = tmp_path / "moved-drafter"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps(config))
+    card = (card_or_warning(copy) or copy / CARD).read_text()
+    assert f"store `{tmp_path / 'moved'}` (not found here)" in card
