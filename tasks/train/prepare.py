@@ -118,7 +118,8 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     if not (target / "config.json").exists():
         raise TrainingError(f"target checkpoint {target} not found: pass `target` (the model the store was "
                             f"captured from, {manifest.get('target')})")
-    drafter_config(cfg, target_sizes(target), target, server=server)
+    sizes = target_sizes(target)
+    drafter_config(cfg, sizes, target, server=server)
     train_idx, held_idx = split(reader.sample_ids, cfg.heldout_fraction)
     device = distributed.device()
     if cfg.method == "dflash":
@@ -139,7 +140,7 @@ def prepare(cfg: TrainConfig, store: str | Path, vocab: DraftVocab | None = None
     # vocabulary and weights): checked before the big read.
     init = None
     if cfg.init_from and vocab is None:
-        vocab, init = read_init(cfg.init_from, cfg, target_sizes(target), layers, architecture_of(read_config(target)),
+        vocab, init = read_init(cfg.init_from, cfg, sizes, layers, architecture_of(read_config(target)),
                                 manifest)
     embed, head = load_target_embeddings(target)
     head = head.to(device)
