@@ -42,3 +42,18 @@ KIMI_K25 = (
 # A template with no switch at all: thinking settings cannot reach it.
 NO_SWITCH = ("{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}"
              "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}")
+
+# Qwen3's handling of agentic turns: an assistant turn's tool_calls as
+# <tool_call> blocks, a tool's result as a user turn's <tool_response>, and
+# any other role (a "developer" turn) dropped without a word.
+QWEN3_TOOLS = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or m.role == 'system' %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (m.content or '') }}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + call.function.arguments"
+    " + '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content"
+    " + '\\n</tool_response><|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")

@@ -45,6 +45,14 @@ def test_which_user_turns_are_answered():
     with pytest.raises(ValueError, match="none is answered with turns 'all'"):
         answer_points([turn(USER, "a"), turn("system", "s"), turn(ASSISTANT, "b")], "all")
     assert answer_points([turn(USER, "a"), turn("system", "s"), turn(ASSISTANT, "b")], "last") == [0]
+    # An agentic row: the target answers after a tool's result too, and a
+    # turn that calls tools is the dataset's (its results answer its calls).
+    calls = {"role": ASSISTANT, "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    agentic = [turn(USER, "q"), calls, turn("tool", "r"), turn(ASSISTANT, "final"), turn(USER, "q2"),
+               turn(ASSISTANT, "a2")]
+    assert answer_points(agentic, "all") == [2, 4]
+    assert answer_points(agentic, "last") == [4] and answer_points(agentic[:3], "last") == [2]
+    assert answer_points(agentic[:3], "all") == [2]
 
 
 def generate(server, ids: list[int], n: int) -> list[int]:

@@ -19,7 +19,7 @@ from tasks.regeneration.pool import AnswerPool
 from tasks.regeneration.stage import answer_batch, regenerate
 from tasks.regeneration.turns import Conversation, render_prompt
 from tests.conftest import write_jsonl
-from tests.reasoning_templates import KIMI_K25, QWEN3
+from tests.reasoning_templates import KIMI_K25, QWEN3, QWEN3_TOOLS
 
 pytestmark = pytest.mark.server
 
@@ -300,3 +300,33 @@ def test_every_turn_is_answered_with_the_targets_own_earlier_answers(ends_server
     masked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
     assert all(messages[k]["content"] in masked for k in (2, 4, 6))
     assert "Name a colour" not in masked and "Be brief" not in masked
+
+
+def test_an_agentic_rows_tool_calls_stay_the_datasets_and_the_target_answers_after_each_result(
+        ends_server, tokenizer):
+    """With turns "all" the target answers after a tool's result as after a
+    user's turn, with the dataset's call and result in its context (no tool
+    runs here to answer calls of its own); nothing but its last answer is
+    trained on, as the calls in the context are not its words."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = QWEN3_TOOLS
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    head = (turn(USER, "Weather in Paris?"), {"role": ASSISTANT, "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "18C, sunny", "tool_call_id": "c1"})
+    conversation = (*head, turn(ASSISTANT, "Sunny, said a human."), turn(USER, "And tomorrow?"),
+                    turn(ASSISTANT, "Rain, said a human."))
+    row, sent = ask(ends_server, tok, Conversation("a", 0, conversation), max_new_tokens=24, on_truncated="keep")
+    assert not isinstance(row, Exception), row
+    assert row["turns"] == 2, row  # the tiny model ends its first answer (greedy: every run)
+    answer1 = generate(ends_server, render_prompt(tok, list(head), {}), 24)
+    replayed = [*head, {"role": ASSISTANT, "content": tok.decode(answer1, skip_special_tokens=True).strip()},
+                conversation[4]]
+    assert [b["input_ids"] for b in sent] == [render_prompt(tok, list(head), {}), render_prompt(tok, replayed, {})]
+    assert row["messages"][:5] == replayed and "said a human" not in json.dumps(row["messages"])
+    context = render_prompt(tok, replayed, {})
+    answer2 = generate(ends_server, context, 24)
+    assert row["input_ids"] == context + answer2
+    assert row["loss_mask"] == [0] * len(context) + [1] * len(answer2)
+    # "last": the one answer after the last user turn, the dataset's turns before it as they are.
+    row, sent = ask(ends_server, tok, Conversation("b", 0, conversation), max_new_tokens=24, turns="last")
+    assert [b["input_ids"] for b in sent] == [render_prompt(tok, list(conversation[:5]), {})]

@@ -28,8 +28,12 @@ from tasks.failures import Permanent
 from tasks.paths import DATA_DIR
 
 DEMO_DATASET = DATA_DIR / "demo_conversations.jsonl"
-ROLES = {"system", "user", "assistant"}
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+# "tool" (a tool's result) and "developer" (gpt-oss's and OpenAI's system
+# role) reach a row only where the target's chat template renders them.
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+PLAIN_ROLES = frozenset({"system", "user", "assistant"})
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "observation": "tool", "developer": "developer"}
 MAX_LENGTH_POLICIES = ("truncate", "skip")
 
 
@@ -223,11 +227,45 @@ def _json_array_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, dict
                 raise ValueError(f"{path}: expected ',' or ']' after row {i - 1}, found {sep or 'the end'!r}")
 
 
-def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
+@dataclass(frozen=True)
+class Renders:
+    """What the target's chat template renders beyond plain turns: an
+    assistant turn's tool_calls, and which roles (a template that drops a
+    "developer" turn, as Qwen3's does, or raises on it, does not render it)."""
+    tool_calls: bool = False
+    roles: frozenset = PLAIN_ROLES
+
+
+_MARK = "ZQX-ROLE-PROBE"
+
+
+def template_renders(tokenizer) -> Renders:
+    """The Renders of `tokenizer`'s chat template, found by dry renders of a
+    placeholder turn of each role (never sent anywhere)."""
+    tool_calls = "tool_calls" in (tokenizer.chat_template or "")
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": "{}"}}]}
+    probes = {"developer": [{"role": "developer", "content": _MARK}, {"role": "user", "content": "u"}],
+              "tool": [{"role": "user", "content": "u"},
+                       call if tool_calls else {"role": "assistant", "content": "a"},
+                       {"role": "tool", "content": _MARK, "tool_call_id": "call_0", "name": "probe"}]}
+    roles = set(PLAIN_ROLES)
+    for role, messages in probes.items():
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception:  # a template that refuses the role: raise_exception, an unknown key, ...
+            continue
+        if _MARK in text:
+            roles.add(role)
+    return Renders(tool_calls, frozenset(roles))
+
+
+def to_messages(row: dict, *, renders: Renders = Renders()) -> list[dict]:
     """OpenAI-style messages of a conversation row; ValueError says why not.
-    An assistant turn's `tool_calls` are kept when `tool_calls` (the chat
-    template renders them), else the row is refused: dropping them would
-    train on a conversation that never happened."""
+    An assistant turn's `tool_calls`, a tool's result and a developer turn
+    are kept where the chat template renders them (`renders`), else the row
+    is refused: dropping them would train on a conversation that never
+    happened."""
     if "messages" in row:
         raw = row["messages"]
         key_role, key_text, roles = "role", "content", {r: r for r in ROLES}
@@ -246,9 +284,12 @@ def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
         role = roles.get(turn[key_role])
         if role is None:
             raise ValueError(f"unknown role {turn[key_role]!r} (known: {sorted(roles)})")
+        if role not in renders.roles:
+            raise ValueError(f"turn {k} is a {role!r} turn, which this tokenizer's chat template does not render "
+                             f"(a dry render drops or refuses it); use a template that renders it, or drop the row")
         text = turn.get(key_text)
         if calls:
-            if not tool_calls:
+            if not renders.tool_calls:
                 raise ValueError(f"{role} turn {k} has tool_calls, which this tokenizer's chat template does "
                                  f"not render; use a template that renders tool calls, or drop the row")
             if text is None:
@@ -258,6 +299,9 @@ def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
         message = {"role": role, "content": text}
         if calls:
             message["tool_calls"] = calls
+        for key in ("tool_call_id", "name") if role == "tool" else ():  # which call a result answers
+            if key in turn:
+                message[key] = turn[key]
         messages.append(message)
     return messages
 
@@ -294,7 +338,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], **template_kwargs) ->
     return ids, mask
 
 
-def tokenize_row(tokenizer, row: dict) -> tuple[list[int], list[int]]:
+def tokenize_row(tokenizer, row: dict, renders: Renders | None = None) -> tuple[list[int], list[int]]:
+    """A row's token ids and loss mask; `renders` (template_renders) saves
+    its dry renders per row."""
     if not isinstance(row, dict):
         raise ValueError(f"row is a {type(row).__name__}, not an object")
     if "input_ids" in row:
@@ -317,12 +363,7 @@ def tokenize_row(tokenizer, row: dict) -> tuple[list[int], list[int]]:
             raise ValueError("text is not a string")
         ids = list(tokenizer(row["text"])["input_ids"])
         return ids, [1] * len(ids)
-    return tokenize_conversation(tokenizer, to_messages(row, tool_calls=renders_tool_calls(tokenizer)))
-
-
-def renders_tool_calls(tokenizer) -> bool:
-    """Whether the chat template looks at an assistant turn's tool_calls."""
-    return "tool_calls" in (tokenizer.chat_template or "")
+    return tokenize_conversation(tokenizer, to_messages(row, renders=renders or template_renders(tokenizer)))
 
 
 class NoUsableRows(Permanent, ValueError):
@@ -347,13 +388,13 @@ def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "tr
     the rest is not tokenised)."""
     if policy not in MAX_LENGTH_POLICIES:
         raise ValueError(f"max-length policy must be one of {MAX_LENGTH_POLICIES}, got {policy!r}")
-    samples, rejected = [], []
+    samples, rejected, renders = [], [], template_renders(tokenizer)
     for i, row in read_rows(path, rows=rows):
         if isinstance(row, Rejected):
             rejected.append(row)
             continue
         try:
-            ids, mask = tokenize_row(tokenizer, row)
+            ids, mask = tokenize_row(tokenizer, row, renders)
         except Exception as e:  # a template can raise anything on odd input
             rejected.append(Rejected(i, str(e) or type(e).__name__))
             continue

@@ -27,8 +27,8 @@ import httpx
 from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import (
-    Conversation, Template, after_closed_reasoning, answer_points, check_template, context_mask, render_prompt,
-    split_reasoning,
+    Conversation, Template, after_closed_reasoning, answer_points, calls_tools, check_template, context_mask,
+    render_prompt, split_reasoning,
 )
 
 
@@ -172,9 +172,10 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
     cfg, tok, template = asker.cfg, asker.tokenizer, asker.template
     original = [dict(m) for m in conv.messages]
     points = answer_points(original, cfg.turns)
-    if cfg.turns == "all":  # the dataset's answers go; the target's take their places
-        history = [m for m in original if m["role"] != "assistant"]
-        points = [sum(1 for m in original[:p + 1] if m["role"] != "assistant") - 1 for p in points]
+    if cfg.turns == "all":  # the dataset's answers go (its tool calls stay); the target's take their places
+        kept = [m["role"] != "assistant" or calls_tools(m) for m in original]
+        history = [m for m, keep in zip(original, kept) if keep]
+        points = [sum(kept[:p + 1]) - 1 for p in points]
     else:
         history = original
     answers, generated, prompt, kept, cut, reasoned = {}, 0, [], [], False, False
@@ -207,8 +208,9 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
             raise NoAnswer(f"the target's answer to turn {len(points) - 1} is only what the template already "
                            f"puts after a closed reasoning part")
     # An earlier answer is a loss token only where the context holds it as
-    # the target wrote it: not when its reasoning was left out of the history.
-    mine = cfg.turns == "all" and template.history_stable and not reasoned
+    # the target wrote it: not when its reasoning was left out of the
+    # history, nor beside the dataset's tool calls (their turns are no answers of its).
+    mine = cfg.turns == "all" and template.history_stable and not reasoned and not any(map(calls_tools, context))
     try:
         mask = await asyncio.to_thread(context_mask, tok, context, prompt, template.kwargs(row_thinking), mine)
     except ValueError:  # this row takes a branch of the template the plan's dry render did not

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tasks.data.dataset import Rejected, read_rows, renders_tool_calls, to_messages
+from tasks.data.dataset import Rejected, read_rows, template_renders, to_messages
 from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker, Cut, NoAnswer
@@ -75,12 +75,12 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
     settings = {k: store.provenance[k] for k in ("target_config_sha256", "settings")}
     answered, seen = store.answered_ids() | store.dropped_ids(), set()
     todo, rejected, rows, done = [], [], 0, 0
-    tool_calls = renders_tool_calls(tokenizer)
+    renders = template_renders(tokenizer)
     for i, row in read_rows(Path(source), rows=only):
         try:
             if isinstance(row, Rejected):
                 raise ValueError(row.reason)
-            messages = to_messages(row, tool_calls=tool_calls)
+            messages = to_messages(row, renders=renders)
             answer_points(messages, cfg.turns)
         except ValueError as e:
             rejected.append(Rejected(i, str(e)))

@@ -42,16 +42,25 @@ def row_id(messages: list[dict], settings: dict) -> str:
     return h.hexdigest()[:32]
 
 
+def calls_tools(message: dict) -> bool:
+    """An assistant turn that calls tools. It stays as the dataset has it
+    with turns "all": the tool results after it answer those calls, and no
+    tool runs here to answer the target's own."""
+    return message["role"] == "assistant" and bool(message.get("tool_calls"))
+
+
 def answer_points(messages: list[dict], turns: str) -> list[int]:
-    """Indices of the user turns the target answers: with "all" each one an
-    assistant turn follows or that ends the conversation; with "last" the
-    last user turn. ValueError when there is none."""
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
+    """Indices of the turns the target answers, a user's or a tool's result:
+    with "all" each one a plain assistant turn follows (not one that calls
+    tools) or that ends the conversation; with "last" the last one.
+    ValueError when there is none."""
+    if not any(m["role"] == "user" for m in messages):
         raise ValueError("no user turn to answer")
+    asks = [i for i, m in enumerate(messages) if m["role"] in ("user", "tool")]
     if turns == "last":
-        return [users[-1]]
-    points = [i for i in users if i + 1 == len(messages) or messages[i + 1]["role"] == "assistant"]
+        return [asks[-1]]
+    points = [i for i in asks if i + 1 == len(messages) or
+              (messages[i + 1]["role"] == "assistant" and not calls_tools(messages[i + 1]))]
     if not points:
         raise ValueError("no user turn is followed by an answer or ends the conversation, so none is answered "
                          "with turns 'all' (use turns 'last')")
