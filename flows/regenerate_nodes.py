@@ -95,7 +95,7 @@ def regenerate_across_nodes(
         answered = store.answered_ids() | store.dropped_ids()
         quarantined = {r[0] for r in store.quarantined()}
         lost = [c.source_row for c in plan.todo if c.row_id not in answered and c.row_id not in quarantined]
-        # Files of killed children (every child has ended: nobody writes one).
+        # Files of killed children; one taken for dead that goes on is refused at its commit.
         leaked = store.remove_unindexed()
         if leaked:
             log.warning("removed %d answer files no commit names (children killed mid-batch)", len(leaked))

@@ -189,6 +189,72 @@ def test_two_writers_of_one_conversation_commit_it_once(ledger_url, tmp_path):
         assert PASSWORD not in (out / "index.json").read_text() and not (out / "index.sqlite").exists()
 
 
+# A writer taken for dead that is not: it stops after its file is written
+# ("file") or inside its commit's transaction ("transaction") until told to go.
+WRITER = r"""
+import sys, time
+from pathlib import Path
+import tasks.regeneration.answer_store as answer_store
+out, flags, pause = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+
+def wait():
+    (flags / "paused").touch()
+    while not (flags / "go").exists():
+        time.sleep(0.05)
+
+store = answer_store.AnswerStore(out)
+if pause == "file":
+    real = answer_store.replace_durably
+    answer_store.replace_durably = lambda path, write: (real(path, write), wait())
+else:
+    hold = store.index.hold_sweeps
+    store.index.hold_sweeps = lambda db: (hold(db), wait())
+print(store.commit([{"row_id": "z", "source_row": 9, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
+                     "answer_tokens": 2}]))
+"""
+
+
+@pytest.mark.parametrize("pause", ["file", "transaction"])
+def test_a_writer_taken_for_dead_never_commits_a_file_the_sweep_removed(ledger_url, tmp_path, pause):
+    """A node's child taken for dead goes on (its host cut off): the parent
+    sweeps the files no commit names, then the child commits. Before, the
+    index then named a removed file (verify failed for good, the rows
+    counted as answered). Now the late commit is refused and its file gone;
+    a commit already under way when the sweep comes is waited for and kept."""
+    import threading
+
+    out, flags = tmp_path / "answers", tmp_path / "flags"
+    flags.mkdir()
+    store = AnswerStore(out, {"source": "x"}, index_url="env" if ledger_url else None)
+    errors = tmp_path / "writer.err"
+    with errors.open("w") as err:
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(flags), pause], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+    wait_for(lambda: (flags / "paused").exists(), writer, errors, timeout_s=120)
+    written = sorted(p.name for p in out.glob("answers-*"))
+    assert len(written) == 1
+    swept = []
+    sweep = threading.Thread(target=lambda: swept.append(store.remove_unindexed()))
+    sweep.start()
+    if pause == "transaction":
+        sweep.join(3)
+        assert sweep.is_alive()  # waiting for the commit under way
+    else:
+        sweep.join(120)
+        assert swept == [written] and not list(out.glob("answers-*"))
+    (flags / "go").touch()
+    stdout, _ = writer.communicate(timeout=120)
+    stderr = errors.read_text()
+    sweep.join(120)
+    if pause == "file":
+        assert writer.returncode != 0 and "were swept of files no commit names after this batch wrote" in stderr
+        assert not list(out.glob("answers-*")) and not list(store.read())
+    else:
+        assert writer.returncode == 0, stderr
+        assert swept == [[]] and stdout.split() == written and [r for r, _ in store.read()] == [9]
+    assert all(r["ok"] for r in store.verify())
+
+
 THINKING_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"

@@ -46,6 +46,12 @@ class Index:
         """`error` is a unique key taken by another writer's commit."""
         raise NotImplementedError
 
+    def hold_sweeps(self, db) -> None:
+        """At the start of a commit's transaction: a sweep of unindexed
+        files (answer_store.py remove_unindexed) waits for this commit to
+        end, or this commit sees the sweep."""
+        raise NotImplementedError
+
 
 class SqliteIndex(Index):
     def __init__(self, root: Path):
@@ -58,6 +64,10 @@ class SqliteIndex(Index):
 
     def is_duplicate(self, error: Exception) -> bool:
         return isinstance(error, sqlite3.IntegrityError)
+
+    def hold_sweeps(self, db) -> None:
+        # The write lock at once (sqlite3 would begin only at the first write).
+        db.execute("BEGIN IMMEDIATE")
 
 
 class PostgresIndex(Index):
@@ -106,6 +116,10 @@ class PostgresIndex(Index):
 
         return isinstance(error, psycopg.errors.UniqueViolation)
 
+    def hold_sweeps(self, db) -> None:
+        # Commits share it; a sweep's INSERT (ROW EXCLUSIVE) waits for them all.
+        db.execute("LOCK TABLE sweeps IN SHARE MODE")
+
 
 class _Marks:
     """A psycopg cursor that takes sqlite3's `?` marks."""
@@ -145,6 +159,7 @@ def open_index(root: Path, ddl: str, index_url: str | None = None, *, new: bool)
         if not index.exists():
             raise StoreError(f"the answers index of {root} ({index.where}) is gone: its schema was dropped, or the "
                              f"URL names another database; point ${URL_ENV} at the one it was made on")
+        index.create(ddl)  # tables added since it was made (each IF NOT EXISTS)
         return index
     if (root / SQLITE).is_file() or (new and index_url is None):
         if index_url is not None:

@@ -55,12 +55,17 @@ CREATE TABLE IF NOT EXISTS quarantine(
     row_id TEXT PRIMARY KEY, source_row BIGINT NOT NULL, reason TEXT NOT NULL, attempts BIGINT NOT NULL,
     at DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS crashes(row_id TEXT PRIMARY KEY, count BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS sweeps(n BIGINT PRIMARY KEY, at DOUBLE PRECISION NOT NULL);
 CREATE INDEX IF NOT EXISTS rows_by_shard ON rows(shard);
 """
 
 
 class AnswersMismatch(Permanent, ValueError):
     """An answers directory made from another dataset, target or settings."""
+
+
+class Swept(Permanent, RuntimeError):
+    """A commit whose file a sweep of unindexed files may have removed."""
 
 
 def is_answers_dir(path: Path) -> bool:
@@ -147,6 +152,8 @@ class AnswerStore:
         digest = hashlib.sha256("".join(r["row_id"] for r in records).encode()).hexdigest()[:20]
         name = f"answers-{digest}-{secrets.token_hex(4)}.jsonl"
         body = b"".join(lines)
+        # Read before the file exists: a sweep after this may have removed it.
+        swept = self._sweeps()
         replace_durably(self.root / name, lambda tmp: tmp.write_bytes(body))
         offsets, at = [], 0
         for line in lines:
@@ -155,6 +162,13 @@ class AnswerStore:
         answer_tokens = sum(r["answer_tokens"] for r in records)
         try:
             with self.index.transaction() as db:
+                self.index.hold_sweeps(db)
+                db.execute("SELECT COALESCE(MAX(n), 0) FROM sweeps")
+                if db.fetchall()[0][0] != swept:
+                    raise Swept(f"the answers in {self.root} were swept of files no commit names after this batch "
+                                f"wrote {name} (this writer was taken for dead, and the run that owns the directory "
+                                f"went on without it): the batch is not committed; rerun that run to answer any "
+                                f"conversation it reports missing")
                 db.execute("INSERT INTO shards VALUES (?,?,?,?,?,?)",
                            (name, hashlib.sha256(body).hexdigest(), len(body), len(records), answer_tokens,
                             time.time()))
@@ -163,6 +177,9 @@ class AnswerStore:
                                  r["answer_tokens"], int(r.get("cut", False)))
                                 for r, o, line in zip(records, offsets, lines)])
                 db.executemany("DELETE FROM quarantine WHERE row_id = ?", [(r["row_id"],) for r in records])
+        except Swept:
+            (self.root / name).unlink(missing_ok=True)
+            raise
         except Exception as e:
             if not self.index.is_duplicate(e):
                 raise
@@ -253,11 +270,18 @@ class AnswerStore:
         replace_durably(Path(path), write)
         return written
 
+    def _sweeps(self) -> int:
+        return self._rows("SELECT COALESCE(MAX(n), 0) FROM sweeps")[0][0]
+
     def remove_unindexed(self) -> list[str]:
         """Delete shard files the index does not name, and their temps: a
-        writer killed between its file and its commit (a node taken for
-        dead) left them. Call only when no writer is left (every node's
-        child has ended, under the directory's lock)."""
+        writer killed between its file and its commit left them. A writer
+        taken for dead that is not (a node cut off) and commits a file
+        written before this sweep is refused (Swept), so the index never
+        names a removed file. Call under the directory's lock, when every
+        node's child has ended."""
+        with self.index.transaction() as db:  # waits for the commits under way
+            db.execute("INSERT INTO sweeps VALUES ((SELECT COALESCE(MAX(n), 0) + 1 FROM sweeps), ?)", (time.time(),))
         named = {r[0] for r in self._rows("SELECT name FROM shards")}
         removed = []
         for path in self.root.iterdir():
