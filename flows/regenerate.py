@@ -30,7 +30,7 @@ from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.pool import AnswerPool
-from tasks.regeneration.provenance import provenance, sampled_without_determinism
+from tasks.regeneration.provenance import provenance, sampled_without_determinism, served_flags
 from tasks.regeneration.stage import (
     Progress, answer_batch, answer_server, batch_workers, plan_regeneration, served_ranks,
 )
@@ -133,6 +133,7 @@ def regenerate_answers(
             stack.callback(supervisor.stop)
             log.info("SGLang server for the answers at %s%s", supervisor.start(), f" (node {node})" if node else "")
             check_serves(supervisor.url, model_path, api_key=supervisor.api_key)
+            store.check_served(served_flags(supervisor.url, supervisor.api_key), supervisor.url)
             # A prefix of this run's own: a request a killed run left on the
             # server never shares a rid with this one's.
             asker = Asker(supervisor.url, tokenizer, regenerate, api_key=supervisor.api_key,

@@ -74,11 +74,23 @@ def server_says(url: str, endpoint: str, key: str, what: str, *, api_key: str | 
     """The `key` field of a server's GET `endpoint` (/model_info,
     /server_info), or ServerError saying the server did not tell `what`."""
     try:
+        return server_json(url, endpoint, what, api_key=api_key)[key]
+    except KeyError as e:
+        raise ServerError(f"{url}{endpoint} did not say {what} ({e!r}): is it an SGLang server?") from None
+
+
+def server_json(url: str, endpoint: str, what: str, *, api_key: str | None = None) -> dict:
+    """A server's GET `endpoint` (/model_info, /server_info) as a dict, or
+    ServerError saying the server did not tell `what`."""
+    try:
         with httpx.Client(timeout=30.0, **client_options(api_key)) as client:
             response = client.get(f"{url}{endpoint}")
         if response.status_code in (401, 403):
             raise ServerError(f"{url}{endpoint} refused the request ({response.status_code}): the server wants "
                               f"{'another' if api_key else 'an'} API key, the --api-key it was started with")
-        return response.json()[key]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        body = response.json()
+        if not isinstance(body, dict):
+            raise TypeError(f"a {type(body).__name__}, not an object")
+        return body
+    except (httpx.HTTPError, ValueError, TypeError) as e:
         raise ServerError(f"{url}{endpoint} did not say {what} ({e!r}): is it an SGLang server?") from None

@@ -330,3 +330,25 @@ def test_an_agentic_rows_tool_calls_stay_the_datasets_and_the_target_answers_aft
     # "last": the one answer after the last user turn, the dataset's turns before it as they are.
     row, sent = ask(ends_server, tok, Conversation("b", 0, conversation), max_new_tokens=24, turns="last")
     assert [b["input_ids"] for b in sent] == [render_prompt(tok, list(conversation[:5]), {})]
+
+
+def test_a_server_whose_settings_differ_from_the_first_answering_one_is_refused(ends_server, tmp_path):
+    """Nodes' servers (and one attached by URL) are not described by the
+    run's server section: the first server that answers into a directory
+    records its own settings from /server_info, and a server whose differ
+    (a node started in bfloat16 beside float32 ones) is refused, naming them."""
+    from tasks.regeneration.answer_store import SERVED, AnswersMismatch
+    from tasks.regeneration.provenance import served_flags
+
+    flags = served_flags(ends_server.url, ends_server.api_key)
+    assert flags["dtype"] == "float32" and flags["tp_size"] == 1 and flags["quantization"] is None
+    assert flags["enable_deterministic_inference"] is False
+    store = AnswerStore(tmp_path / "a", {"source": "x"})
+    store.check_served(flags, ends_server.url)
+    store.check_served(served_flags(ends_server.url, ends_server.api_key), ends_server.url)  # the same server again
+    assert json.loads((tmp_path / "a" / SERVED).read_text()) == flags
+    other = AnswerStore(tmp_path / "b", {"source": "x"})
+    other.check_served({**flags, "dtype": "bfloat16"}, "http://node-1")  # the first node's
+    with pytest.raises(AnswersMismatch, match=r"made by a server with \{'dtype': 'bfloat16'\}; the one at "
+                                              r"http.* runs with \{'dtype': 'float32'\}"):
+        other.check_served(served_flags(ends_server.url, ends_server.api_key), ends_server.url)

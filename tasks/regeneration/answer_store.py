@@ -34,6 +34,7 @@ from typing import Collection, Iterator, Sequence
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.regeneration.answer_index import has_index, open_index
+from tasks.store.manifest import write_json_once
 
 # /2: rows marked cut, conversations dropped for a cut answer (their kind
 # in the quarantine table), the template and weights in the provenance.
@@ -42,6 +43,7 @@ FORMAT = "eagle3-answers/2"
 # thousands; the usual limit is 1,024 descriptors).
 OPEN_SHARDS = 8
 PROVENANCE = "provenance.json"
+SERVED = "served.json"  # the first answering server's settings (provenance.py served_flags)
 # Types both backends take ("offset" is a keyword in PostgreSQL: quoted).
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS shards(
@@ -122,6 +124,23 @@ class AnswerStore:
         # Paths are the node's own (a checkpoint mounted elsewhere): the
         # fingerprints say whether it is the same target.
         _refuse_changes(self.root, self.provenance, record, set(record) & set(self.provenance) - {"target", "source"})
+
+    def check_served(self, flags: dict, url: str) -> None:
+        """Record the settings of the first server that answers into this
+        directory (served_flags); refuse a server whose settings differ
+        (AnswersMismatch naming them): a node's server started with another
+        dtype or quantization, or a resume on another server, would mix
+        two servers' answers in one dataset."""
+        path = self.root / SERVED
+        if write_json_once(path, flags):
+            return
+        kept = json.loads(path.read_text())
+        changed = sorted(k for k in set(kept) | set(flags) if kept.get(k) != flags.get(k))
+        if changed:
+            raise AnswersMismatch(
+                f"the answers in {self.root} were made by a server with {({k: kept.get(k) for k in changed})}; "
+                f"the one at {url} runs with {({k: flags.get(k) for k in changed})} (its /server_info): start it "
+                f"with the same settings, or give another regenerate.out")
 
     def _rows(self, sql: str, args=()) -> list[tuple]:
         return self.index.rows(sql, args)

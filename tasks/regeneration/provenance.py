@@ -86,6 +86,16 @@ def answer_flags(server) -> dict:
     return {"dtype": server.dtype, "tp_size": server.tp_size, **given}
 
 
+def served_flags(url: str, api_key: str | None = None) -> dict:
+    """The settings that change answers of the server at `url` as it runs,
+    from its /server_info: a node's own server, or one attached by URL, is
+    not described by the run's server section."""
+    from tasks.sglang_api import server_json
+
+    info = server_json(url, "/server_info", "its settings", api_key=api_key)
+    return {k: info.get(k) for k in ("dtype", "tp_size", *(f[2:].replace("-", "_") for f in ANSWER_FLAGS))}
+
+
 def provenance(source: Path | None, model_path: Path, cfg: RegenerateConfig, tokenizer=None, server=None) -> dict:
     """The record kept with the answers (`source` None: a node's child,
     which does not hash its parent's dataset again)."""

@@ -17,7 +17,7 @@ from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker, Cut, NoAnswer
 from tasks.regeneration.pool import AnswerPool, PoolClosed
-from tasks.regeneration.provenance import provenance
+from tasks.regeneration.provenance import provenance, served_flags
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.turns import Conversation, answer_points, check_template, row_id
 from tasks.server.config import ServerConfig
@@ -265,6 +265,8 @@ def regenerate(url: str, source: Path, out: Path, tokenizer, model_path: Path, c
 
     store = AnswerStore(out, provenance(source, model_path, cfg, tokenizer))
     plan = plan_regeneration(source, store, cfg, tokenizer)
+    if plan.todo:  # a rerun with nothing to answer asks no server
+        store.check_served(served_flags(url, api_key), url)
     asker = Asker(url, tokenizer, cfg, api_key=api_key, rid_prefix=rid_prefix)
     progress = Progress(store, plan)
     width = cfg.concurrency * ranks
