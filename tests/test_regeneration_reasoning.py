@@ -352,3 +352,47 @@ def test_a_server_whose_settings_differ_from_the_first_answering_one_is_refused(
     with pytest.raises(AnswersMismatch, match=r"made by a server with \{'dtype': 'bfloat16'\}; the one at "
                                               r"http.* runs with \{'dtype': 'float32'\}"):
         other.check_served(served_flags(ends_server.url, ends_server.api_key), ends_server.url)
+
+
+def test_a_reasoning_end_the_target_writes_in_other_tokens_is_kept_as_it_wrote_them(ends_server, tokenizer):
+    """With a reasoning budget, the reasoning is asked to stop at
+    reasoning_end. SGLang matches that string on the text, so the target
+    can write it in other tokens than encode(reasoning_end): the answer then
+    follows the target's own tokens, with no second marker appended."""
+    server, tok = ends_server, tokenizer
+
+    def inside(free: list[int]) -> str | None:
+        """A stop string of plain text that starts inside one of the
+        target's tokens, whose own encoding the target does not write."""
+        for k in range(2, len(free) - 3):
+            if tok.eos_token_id in free[:k + 3]:
+                return None
+            end = tok.decode(free[k:k + 3])[1:]
+            marker = tok.encode(end, add_special_tokens=False)
+            if len(end) >= 3 and end not in tok.decode(free[:k + 2]) and \
+                    not any(free[i:i + len(marker)] == marker for i in range(len(free))):
+                return end
+        return None
+
+    for n in range(12):
+        conversation = (turn(USER, f"Think about {n}, then answer."),)
+        prompt = render_prompt(tok, list(conversation), {})
+        free = generate(server, prompt, 16)
+        end = inside(free)
+        if end:
+            break
+    else:
+        pytest.fail("no stop string inside the tiny model's tokens")
+    marker = tok.encode(end, add_special_tokens=False)
+    row, sent = ask(server, tok, Conversation("m", 0, conversation), max_reasoning_tokens=16, max_new_tokens=8,
+                    reasoning_end=end, turns="last")
+    assert not isinstance(row, Exception), row
+    first, second = sent
+    assert first["sampling_params"]["stop"] == [end] and first["input_ids"] == prompt
+    reasoning = second["input_ids"][len(prompt):]
+    # The target's own tokens up to the one that completes the stop string (ids are not trimmed).
+    assert reasoning == free[:len(reasoning)] and tok.decode(reasoning).endswith(end)
+    assert tok.eos_token_id not in reasoning
+    assert not any(reasoning[i:i + len(marker)] == marker for i in range(len(reasoning)))
+    answer = generate(server, prompt + reasoning, 8)
+    assert row["input_ids"] == prompt + reasoning + answer
