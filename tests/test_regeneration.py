@@ -183,6 +183,10 @@ def test_two_writers_of_one_conversation_commit_it_once(ledger_url, tmp_path):
             (0, first), (1, first), (2, second)]
         assert db.execute("SELECT name, rows FROM shards ORDER BY rows DESC").fetchall() == [(first, 2), (second, 1)]
     assert all(r["ok"] for r in store.verify())
+    # Crash counts: one more each crash, or straight to a floor (a suspect that crashed the server alone).
+    assert store.record_crash(["r7", "r8"]) == {"r7": 1, "r8": 1}
+    assert store.record_crash(["r8"], at_least=3) == {"r8": 3} and store.record_crash(["r8"]) == {"r8": 4}
+    assert store.crash_counts() == {"r7": 1, "r8": 4}
     if ledger_url:
         from tests.pg_server import PASSWORD
 

@@ -226,11 +226,13 @@ class AnswerStore:
     def dropped_ids(self) -> set[str]:
         return {r[0] for r in self._rows("SELECT row_id FROM quarantine WHERE kind = 'cut'")}
 
-    def record_crash(self, row_ids: list[str]) -> dict[str, int]:
-        """One more server crash with these conversations in flight; their counts."""
+    def record_crash(self, row_ids: list[str], at_least: int = 0) -> dict[str, int]:
+        """One more server crash with these conversations in flight (each
+        count then at least `at_least`); their counts."""
         with self.index.transaction() as db:
-            db.executemany("INSERT INTO crashes VALUES (?, 1) ON CONFLICT(row_id) DO UPDATE SET "
-                           "count = crashes.count + 1", [(r,) for r in row_ids])
+            db.executemany("INSERT INTO crashes VALUES (?, ?) ON CONFLICT(row_id) DO UPDATE SET count = CASE WHEN "
+                           "crashes.count + 1 > excluded.count THEN crashes.count + 1 ELSE excluded.count END",
+                           [(r, max(1, at_least)) for r in row_ids])
         counts = self.crash_counts()
         return {r: counts[r] for r in row_ids}
 

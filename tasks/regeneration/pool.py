@@ -11,9 +11,10 @@ answer: with long-tailed reasoning the server idled behind the tails.
 
 A batch is admitted only while fewer than `width` conversations wait or
 run, so the pool holds at most width + one batch, however many batch tasks
-Prefect starts. A conversation sent `alone` (in flight at a server crash:
-a suspect) waits until nothing else is in flight and holds every slot, so a
-second crash names it, whichever batch task sent the others.
+Prefect starts. Conversations sent `alone` (in flight at a server crash:
+suspects) wait until nothing else is in flight and hold every slot while
+they run together, so a crash then names them, whichever batch task sent
+the others.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class AnswerPool:
     def answer_many(self, asker: Asker, conversations: Sequence[Conversation], attempt: int = 1, *,
                     alone: bool = False) -> list[dict | Exception]:
         """Each conversation's answers row, or the exception that stopped
-        it, in order, once all have ended; blocks while the pool is full."""
+        it, in order, once all have ended; blocks while the pool is full.
+        With `alone`, they run together with nothing else in flight."""
         # Built here, in the caller's thread: not on the loop every answer in flight waits on.
         _ = (asker.template, asker.marker)
         with self._room:
@@ -73,33 +75,53 @@ class AnswerPool:
                 raise PoolClosed("the run's answer pool is closed: the run is stopping")
             self._admitted += len(conversations)
             # Scheduled under the lock close() takes: it cancels every one of them.
-            futures = [self._call(self._one(asker, c, attempt, alone)) for c in conversations]
+            if alone:
+                futures = [self._call(self._alone(asker, list(conversations), attempt))]
+            else:
+                futures = [self._call(self._one(asker, c, attempt)) for c in conversations]
         try:
-            return [f.result() for f in futures]
+            results = [f.result() for f in futures]
         except (CancelledError, RuntimeError) as e:  # the loop went while one was scheduled
             raise PoolClosed(f"the run's answer pool closed: {e!r}") from e
+        return results[0] if alone else results
 
-    async def _one(self, asker: Asker, conv: Conversation, attempt: int, alone: bool):
+    async def _one(self, asker: Asker, conv: Conversation, attempt: int):
         try:
-            if alone:
-                async with self._solo:
-                    for _ in range(self.width):
-                        await self._slots.acquire()
-                    try:
-                        return await self._run(asker, conv, attempt)
-                    finally:
-                        for _ in range(self.width):
-                            self._slots.release()
             async with self._slots:
-                return await self._run(asker, conv, attempt)
+                return await self._settled(asker, conv, attempt)
+        except asyncio.CancelledError:  # close() while it waited for a slot
+            return PoolClosed("the run's answer pool closed while the conversation waited")
+        finally:
+            self._leave(1)
+
+    async def _alone(self, asker: Asker, conversations: list[Conversation], attempt: int) -> list:
+        taken = 0
+        try:
+            async with self._solo:
+                for _ in range(self.width):
+                    await self._slots.acquire()
+                    taken += 1
+                return list(await asyncio.gather(*(self._settled(asker, c, attempt) for c in conversations)))
+        except asyncio.CancelledError:  # close(): the run is stopping
+            return [PoolClosed("the run's answer pool closed while the conversation waited")] * len(conversations)
+        finally:
+            for _ in range(taken):
+                self._slots.release()
+            self._leave(len(conversations))
+
+    async def _settled(self, asker: Asker, conv: Conversation, attempt: int):
+        """The answers row, or the exception that stopped it."""
+        try:
+            return await self._run(asker, conv, attempt)
         except asyncio.CancelledError:  # close(): the run is stopping
             return PoolClosed("the run's answer pool closed while the conversation was in flight")
         except Exception as e:  # noqa: BLE001 - the batch decides: retried, quarantined, or the server's
             return e
-        finally:
-            with self._room:
-                self._admitted -= 1
-                self._room.notify_all()
+
+    def _leave(self, n: int) -> None:
+        with self._room:
+            self._admitted -= n
+            self._room.notify_all()
 
     async def _run(self, asker: Asker, conv: Conversation, attempt: int) -> dict:
         self._count(+1)

@@ -2,7 +2,8 @@
 answered and committed, with the capture's guarantees: a rerun answers only
 what is missing (conversations are keyed by row_id, turns.py), a
 conversation that keeps failing is quarantined with its reason, one in
-flight at CRASH_LIMIT server crashes is taken for their cause, and nothing
+flight at CRASH_LIMIT server crashes (the last while sent alone) is taken
+for their cause, and nothing
 is answered until its shard is committed (answer_store.py)."""
 from __future__ import annotations
 
@@ -26,9 +27,14 @@ from tasks.sglang_api import server_down, server_healthy, server_says, was_in_fl
 
 logger = logging.getLogger("eagle3.regeneration")
 
-# As the capture's (tasks/capture/extraction.py): in flight at two crashes,
-# the second while sent alone, a conversation is taken to crash the server.
-CRASH_LIMIT = 2
+# A conversation in flight at a crash is a suspect. The suspects are then
+# sent together, alone: most crashes are no conversation's doing, and one
+# round answers them all where one at a time would hold a whole server for
+# each. Crashed together, each is sent alone, and one that crashes the
+# server then is taken for its cause. So: 1 in the crowd, 2 in its group, 3
+# alone; a group of one that crashes is already alone (the capture's
+# extraction.py sends each suspect alone at once: its limit is 2).
+CRASH_LIMIT = 3
 
 
 class ServerDown(RuntimeError):
@@ -129,8 +135,8 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
     pending = [c for c in batch if c.row_id not in answered]
     crashes = store.crash_counts()
     culprits = [c for c in pending if crashes.get(c.row_id, 0) >= CRASH_LIMIT]
-    store.quarantine([(c.row_id, c.source_row, f"in flight at {crashes[c.row_id]} SGLang server crashes, the last "
-                       f"while sent alone: taken to crash the server (see its log)", crashes[c.row_id])
+    store.quarantine([(c.row_id, c.source_row, "in flight at an SGLang server crash, then sent alone, it crashed the "
+                       "server again: taken for the cause (see the server's log)", crashes[c.row_id])
                       for c in culprits])
     pending = [c for c in pending if c not in culprits]
     done: dict[str, dict] = {}
@@ -152,11 +158,15 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
         down = [o for o in outs if isinstance(o, Exception) and server_down(o)]
         if down and not server_healthy(asker.url, api_key=asker.api_key):
             suspects = store.record_crash([c.row_id for c, o in zip(group, outs)
-                                           if isinstance(o, Exception) and was_in_flight(o)])
+                                           if isinstance(o, Exception) and was_in_flight(o)],
+                                          at_least=CRASH_LIMIT if alone and len(group) == 1 else 0)
+            # What was answered before the crash is kept: alone, each held a whole server.
+            store.commit([done.pop(c.row_id) for c in batch if c.row_id in done] +
+                         [o for o in outs if isinstance(o, dict)])
             if on_down is not None:
                 on_down()
             raise ServerDown(f"SGLang server at {asker.url} stopped answering mid-batch ({down[0]!r}); the batch "
-                             f"is retried. In flight, sent alone from now on: "
+                             f"is retried. In flight, sent alone from now on (together, then one by one): "
                              f"{', '.join(f'{r} (crash {n})' for r, n in suspects.items()) or 'none'}")
         failed = []
         for c, out in zip(group, outs):
@@ -175,9 +185,12 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
         return failed
 
     given_up: list[Conversation] = []
-    # In flight at an earlier crash: alone first, so a second crash names the one.
-    for c in [c for c in pending if crashes.get(c.row_id, 0) >= 1]:
+    # In flight at an earlier crash: alone first (CRASH_LIMIT's ladder), so a crash then names them.
+    for c in [c for c in pending if crashes.get(c.row_id, 0) >= 2]:
         send([c], 1, alone=True)
+    together = [c for c in pending if crashes.get(c.row_id, 0) == 1]
+    for i in range(0, len(together), pool.width):
+        send(together[i:i + pool.width], 1, alone=True)
     pending = [c for c in pending if c.row_id not in done and c not in given_up and c not in dropped]
     for attempt in range(1, asker.cfg.attempts + 1):
         if not pending:
