@@ -138,8 +138,10 @@ def main(argv: list[str] | None = None) -> None:
         ("held-out tau", f"{held_out} samples: {result['heldout_tau']:.2f} over {train.ttt_steps} "
                          f"TTT steps, tau@{steps} {result[f'heldout_tau@{steps}']:.2f}, exact (chained) "
                          f"{result[f'heldout_tau_exact@{steps}']:.2f} (untrained {result['untrained_tau']:.2f})"),
-        ("SGLang accept length", f"{result['prompt_set']}: {result['sglang_accept_length']:.2f} tokens per verify "
-                                 f"step pooled, {result['sglang_accept_length_mean_of_means']:.2f} mean of "
+        ("SGLang accept length", f"{result['prompt_set']} ({result['sglang_prompts']} prompts): "
+                                 f"{result['sglang_accept_length']:.3f} ± {result['sglang_accept_length_se']:.3f} "
+                                 f"tokens per verify step pooled (± its standard error, requests as clusters), "
+                                 f"{result['sglang_accept_length_mean_of_means']:.2f} mean of "
                                  f"per-request means, at {steps} steps (accept rate "
                                  f"{result['sglang_accept_rate']:.2f}); greedy output identical: "
                                  f"{result['outputs_equal']}"),

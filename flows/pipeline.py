@@ -121,6 +121,7 @@ def eagle3_pipeline(
     simulated = next((r for r in report["served_text"] if r["prompt_set"] == served["prompt_set"]), None)
     summary.update({
         "prompt_set": served["prompt_set"], "sglang_accept_length": served["pooled"],
+        "sglang_accept_length_se": served["pooled_se"], "sglang_prompts": served["requests"],
         "sglang_accept_length_mean_of_means": served["mean_of_means"], "sglang_accept_rate": served["accept_rate"],
         "streams": fewest["concurrency"], "speedup": fewest["per_user_speedup"],
         "plain_tokens_per_s": fewest["plain_per_user_tokens_per_s"],

@@ -133,7 +133,9 @@ def regenerate_answers(
             stack.callback(supervisor.stop)
             log.info("SGLang server for the answers at %s%s", supervisor.start(), f" (node {node})" if node else "")
             check_serves(supervisor.url, model_path, api_key=supervisor.api_key)
-            store.check_served(served_flags(supervisor.url, supervisor.api_key), supervisor.url)
+            differs = store.check_served(served_flags(supervisor.url, supervisor.api_key), supervisor.url)
+            if differs:
+                log.warning(differs)
             # A prefix of this run's own: a request a killed run left on the
             # server never shares a rid with this one's.
             asker = Asker(supervisor.url, tokenizer, regenerate, api_key=supervisor.api_key,

@@ -140,7 +140,8 @@ def regenerate_on_a_crashing_server(server: ServerSupervisor, model, tmp_path, d
     source = write_jsonl(tmp_path / "conversations.jsonl", [
         {"messages": [{"role": "user", "content": f"Say something about {text if k == 2 else k}."}]}
         for k in range(6)])
-    cfg = RegenerateConfig(max_new_tokens=4, concurrency=6)
+    # Long enough that the others are still in flight when the poison's forward crashes the server.
+    cfg = RegenerateConfig(max_new_tokens=24, concurrency=6)
     answers = AnswerStore(tmp_path / "answers", provenance(source, model, cfg))
     asker = Asker(server.url, tokenizer, cfg, api_key=server.api_key)
     batch = plan_regeneration(source, answers, cfg, tokenizer).todo

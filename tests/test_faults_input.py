@@ -152,10 +152,11 @@ def test_tool_calls_are_rendered_or_the_row_refused(tokenizer, tmp_path):
 def test_tool_results_and_developer_turns_are_kept_where_the_template_renders_them_else_the_row_refused(
         tokenizer, tmp_path):
     """Agentic rows: a tool's result and a developer turn were refused as
-    unknown roles. They are kept where a dry render of the target's
-    template shows them, out of the loss; a template that drops a role
-    (Qwen3's drops "developer") refuses the row, naming the role."""
-    from tasks.data.dataset import template_renders
+    unknown roles. They are kept where the target's template renders them in
+    the row, out of the loss; a row whose template leaves one out (Qwen3's
+    drops "developer" turns) is refused naming it. Tool-call arguments are
+    parsed as SGLang's chat endpoint parses them before rendering."""
+    from tasks.data.dataset import to_messages
     from tests.reasoning_templates import QWEN3_TOOLS
 
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
@@ -165,22 +166,27 @@ def test_tool_results_and_developer_turns_are_kept_where_the_template_renders_th
                             {"role": "assistant", "content": "It is 18C and sunny."}]}
     developer = {"conversations": [{"from": "developer", "value": "Answer in French."},
                                    {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Bonjour"}]}
-    path = write_jsonl(tmp_path / "d.jsonl", [agentic, developer])
+    unparsable = {"messages": [agentic["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": "{city: Paris"}}]}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [agentic, developer, unparsable])
     qwen = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     qwen.chat_template = QWEN3_TOOLS
-    assert template_renders(qwen).roles == {"system", "user", "assistant", "tool"}
     samples, rejected = prepare_samples(path, qwen, max_length=256)
     assert [s.source_row for s in samples] == [0]
-    assert reasons(rejected)[1].startswith("turn 0 is a 'developer' turn, which this tokenizer's chat template does "
-                                           "not render")
+    assert reasons(rejected)[1] == ("turn 0's developer turn is not in the chat template's render of this row (the "
+                                    "template leaves it out here); use a template that renders it, or drop the row")
+    assert "arguments that are not JSON (SGLang refuses them too)" in reasons(rejected)[2]
     text = qwen.decode(samples[0].input_ids)
     masked = qwen.decode([i for i, m in zip(samples[0].input_ids, samples[0].loss_mask) if m])
     assert "<tool_response>\n18C, sunny\n</tool_response>" in text and "18C, sunny" not in masked
-    assert '"city": "Paris"' in masked and "It is 18C and sunny." in masked
+    # The arguments rendered once, as a JSON object (a string would be quoted again by `tojson`).
+    assert '"arguments": {"city": "Paris"}}' in masked and "It is 18C and sunny." in masked
     # A template that renders every role (the tiny model's ChatML) keeps the developer turn.
     samples, rejected = prepare_samples(path, tokenizer, max_length=256)
     assert [s.source_row for s in samples] == [1] and "tool_calls" in reasons(rejected)[0]
     assert "<|im_start|>developer\nAnswer in French.<|im_end|>" in tokenizer.decode(samples[0].input_ids)
+    # Llama 3.1's name for a tool's result.
+    assert to_messages({"messages": [{"role": "ipython", "content": "4"}]})[0]["role"] == "tool"
 
 
 @pytest.mark.parametrize("content", [b"", b"\n\n", b"{broken json\n" + json.dumps({"messages": []}).encode() + b"\n"])

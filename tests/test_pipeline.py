@@ -32,6 +32,9 @@ def test_pipeline_trains_a_drafter_sglang_accepts(tiny_pipeline, tiny_store, flo
     # here: the tiny target's greedy continuations are unlike the text it was
     # trained on (see the README; regenerated data closes that gap).
     assert summary["sglang_accept_length"] > 1.1, summary
+    # Its standard error (requests as clusters), which the demo's report prints beside it.
+    served = next(r for r in evaluation["acceptance"] if r["prompt_set"] == "heldout" and r["mode"] == "greedy")
+    assert summary["sglang_accept_length_se"] == served["pooled_se"] > 0 and summary["sglang_prompts"] == 4
     config = json.loads((Path(summary["drafter_dir"]) / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["eagle3_training"]["store"] == str(tiny_store)

@@ -259,6 +259,42 @@ def test_a_writer_taken_for_dead_never_commits_a_file_the_sweep_removed(ledger_u
     assert all(r["ok"] for r in store.verify())
 
 
+def test_a_file_written_while_the_sweep_runs_is_neither_removed_nor_refused(ledger_url, tmp_path):
+    """A writer that reads the sweeps after a sweep began and writes its file
+    before that sweep lists the directory: the file carries the sweep it
+    saw, so the sweep leaves it, and its commit is taken (before, the sweep
+    removed it and the commit passed the fence: the index named a removed
+    file)."""
+    import threading
+
+    out, flags = tmp_path / "answers", tmp_path / "flags"
+    flags.mkdir()
+    store = AnswerStore(out, {"source": "x"}, index_url="env" if ledger_url else None)
+    errors = tmp_path / "writer.err"
+    writer = []
+    rows = store._rows
+
+    def listing_after_the_writers_file(sql, args=()):
+        if sql.startswith("SELECT name FROM shards"):  # the sweep's own number is committed by now
+            with errors.open("w") as err:
+                writer.append(subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(flags), "file"],
+                                               cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True))
+            wait_for(lambda: (flags / "paused").exists(), writer[0], errors, timeout_s=120)
+        return rows(sql, args)
+
+    store._rows = listing_after_the_writers_file
+    swept = store.remove_unindexed()
+    written = sorted(p.name for p in out.glob("answers-*"))
+    assert swept == [] and len(written) == 1 and written[0].endswith("-s1.jsonl")
+    (flags / "go").touch()
+    stdout, _ = writer[0].communicate(timeout=120)
+    assert writer[0].returncode == 0, errors.read_text()
+    assert stdout.split() == written and [r for r, _ in AnswerStore(out).read()] == [9]
+    assert all(r["ok"] for r in AnswerStore(out).verify())
+    # The next sweep leaves it too: it is committed.
+    assert AnswerStore(out).remove_unindexed() == [] and sorted(p.name for p in out.glob("answers-*")) == written
+
+
 THINKING_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"

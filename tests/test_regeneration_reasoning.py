@@ -336,22 +336,30 @@ def test_a_server_whose_settings_differ_from_the_first_answering_one_is_refused(
     """Nodes' servers (and one attached by URL) are not described by the
     run's server section: the first server that answers into a directory
     records its own settings from /server_info, and a server whose differ
-    (a node started in bfloat16 beside float32 ones) is refused, naming them."""
+    where a command line set them (a node started in bfloat16 beside float32
+    ones) is refused, naming them. A value neither command line set (SGLang
+    chose it for the node's GPU) is reported, not refused."""
     from tasks.regeneration.answer_store import SERVED, AnswersMismatch
     from tasks.regeneration.provenance import served_flags
 
     flags = served_flags(ends_server.url, ends_server.api_key)
-    assert flags["dtype"] == "float32" and flags["tp_size"] == 1 and flags["quantization"] is None
-    assert flags["enable_deterministic_inference"] is False
+    settings = flags["settings"]
+    assert settings["dtype"] == "float32" and settings["tp_size"] == 1 and settings["quantization"] is None
+    assert settings["enable_deterministic_inference"] is False
+    assert "dtype" in flags["given"] and "attention_backend" not in flags["given"]  # the launcher's --dtype
     store = AnswerStore(tmp_path / "a", {"source": "x"})
-    store.check_served(flags, ends_server.url)
-    store.check_served(served_flags(ends_server.url, ends_server.api_key), ends_server.url)  # the same server again
-    assert json.loads((tmp_path / "a" / SERVED).read_text()) == flags
+    assert store.check_served(flags, ends_server.url) is None
+    assert store.check_served(served_flags(ends_server.url, ends_server.api_key), ends_server.url) is None
+    recorded = (tmp_path / "a" / SERVED).read_text()
+    assert json.loads(recorded) == flags and ends_server.api_key not in recorded
     other = AnswerStore(tmp_path / "b", {"source": "x"})
-    other.check_served({**flags, "dtype": "bfloat16"}, "http://node-1")  # the first node's
+    other.check_served({**flags, "settings": {**settings, "dtype": "bfloat16"}}, "http://node-1")  # the first node's
     with pytest.raises(AnswersMismatch, match=r"made by a server with \{'dtype': 'bfloat16'\}; the one at "
                                               r"http.* runs with \{'dtype': 'float32'\}"):
-        other.check_served(served_flags(ends_server.url, ends_server.api_key), ends_server.url)
+        other.check_served(flags, ends_server.url)
+    chose = AnswerStore(tmp_path / "c", {"source": "x"})
+    chose.check_served({**flags, "settings": {**settings, "attention_backend": "fa3"}}, "http://node-1")
+    assert "neither command line set them" in chose.check_served(flags, ends_server.url)
 
 
 def test_a_reasoning_end_the_target_writes_in_other_tokens_is_kept_as_it_wrote_them(ends_server, tokenizer):

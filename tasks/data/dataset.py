@@ -28,12 +28,13 @@ from tasks.failures import Permanent
 from tasks.paths import DATA_DIR
 
 DEMO_DATASET = DATA_DIR / "demo_conversations.jsonl"
-# "tool" (a tool's result) and "developer" (gpt-oss's and OpenAI's system
-# role) reach a row only where the target's chat template renders them.
-ROLES = {"system", "user", "assistant", "tool", "developer"}
-PLAIN_ROLES = frozenset({"system", "user", "assistant"})
+# A tool's result ("tool"; Llama 3.1's "ipython") and "developer" (gpt-oss's
+# and OpenAI's system role) are kept where the chat template renders them in
+# the row (check_rendered).
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "ipython": "tool",
+         "developer": "developer"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "tool": "tool", "observation": "tool", "developer": "developer"}
+                  "tool": "tool", "ipython": "tool", "observation": "tool", "developer": "developer"}
 MAX_LENGTH_POLICIES = ("truncate", "skip")
 
 
@@ -227,48 +228,15 @@ def _json_array_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, dict
                 raise ValueError(f"{path}: expected ',' or ']' after row {i - 1}, found {sep or 'the end'!r}")
 
 
-@dataclass(frozen=True)
-class Renders:
-    """What the target's chat template renders beyond plain turns: an
-    assistant turn's tool_calls, and which roles (a template that drops a
-    "developer" turn, as Qwen3's does, or raises on it, does not render it)."""
-    tool_calls: bool = False
-    roles: frozenset = PLAIN_ROLES
-
-
-_MARK = "ZQX-ROLE-PROBE"
-
-
-def template_renders(tokenizer) -> Renders:
-    """The Renders of `tokenizer`'s chat template, found by dry renders of a
-    placeholder turn of each role (never sent anywhere)."""
-    tool_calls = "tool_calls" in (tokenizer.chat_template or "")
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": "{}"}}]}
-    probes = {"developer": [{"role": "developer", "content": _MARK}, {"role": "user", "content": "u"}],
-              "tool": [{"role": "user", "content": "u"},
-                       call if tool_calls else {"role": "assistant", "content": "a"},
-                       {"role": "tool", "content": _MARK, "tool_call_id": "call_0", "name": "probe"}]}
-    roles = set(PLAIN_ROLES)
-    for role, messages in probes.items():
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False)
-        except Exception:  # a template that refuses the role: raise_exception, an unknown key, ...
-            continue
-        if _MARK in text:
-            roles.add(role)
-    return Renders(tool_calls, frozenset(roles))
-
-
-def to_messages(row: dict, *, renders: Renders = Renders()) -> list[dict]:
+def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
     """OpenAI-style messages of a conversation row; ValueError says why not.
-    An assistant turn's `tool_calls`, a tool's result and a developer turn
-    are kept where the chat template renders them (`renders`), else the row
-    is refused: dropping them would train on a conversation that never
-    happened."""
+    An assistant turn's `tool_calls` are kept when `tool_calls` (the chat
+    template renders them), their arguments parsed as SGLang's chat endpoint
+    parses them before it renders; else the row is refused: dropping them
+    would train on a conversation that never happened."""
     if "messages" in row:
         raw = row["messages"]
-        key_role, key_text, roles = "role", "content", {r: r for r in ROLES}
+        key_role, key_text, roles = "role", "content", ROLES
     elif "conversations" in row:
         raw = row["conversations"]
         key_role, key_text, roles = "from", "value", SHAREGPT_ROLES
@@ -284,14 +252,12 @@ def to_messages(row: dict, *, renders: Renders = Renders()) -> list[dict]:
         role = roles.get(turn[key_role])
         if role is None:
             raise ValueError(f"unknown role {turn[key_role]!r} (known: {sorted(roles)})")
-        if role not in renders.roles:
-            raise ValueError(f"turn {k} is a {role!r} turn, which this tokenizer's chat template does not render "
-                             f"(a dry render drops or refuses it); use a template that renders it, or drop the row")
         text = turn.get(key_text)
         if calls:
-            if not renders.tool_calls:
+            if not tool_calls:
                 raise ValueError(f"{role} turn {k} has tool_calls, which this tokenizer's chat template does "
                                  f"not render; use a template that renders tool calls, or drop the row")
+            calls = [_parsed_call(call, k) for call in calls]
             if text is None:
                 text = ""
         if not isinstance(text, str):
@@ -304,6 +270,46 @@ def to_messages(row: dict, *, renders: Renders = Renders()) -> list[dict]:
                 message[key] = turn[key]
         messages.append(message)
     return messages
+
+
+def _parsed_call(call, turn: int) -> dict:
+    """A tool call with its arguments a JSON object, as SGLang's chat
+    endpoint hands them to the template (serving_chat.py
+    normalize_assistant_tool_call_arguments): templates render a dict
+    (GLM-4.5's iterates its items), and a string would render quoted twice."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"assistant turn {turn} has a tool call without a function name: {call!r:.80}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ValueError(f"assistant turn {turn}'s call of {function['name']} has arguments that are not JSON "
+                             f"(SGLang refuses them too): {function.get('arguments')!r:.80}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"assistant turn {turn}'s call of {function['name']} has arguments that are not a JSON "
+                         f"object (SGLang refuses them too)")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def check_rendered(tokenizer, messages: list[dict], **template_kwargs) -> None:
+    """ValueError for a row whose tool results, developer turns or tool
+    calls the chat template leaves out of its render (Qwen3's drops
+    developer turns, gpt-oss's renders one only first, DeepSeek-V3's drops
+    calls beside text): the row would train on a conversation that never
+    happened. Rows without them are not rendered here."""
+    wanted = [(k, f"{m['role']} turn", m["content"].strip()) for k, m in enumerate(messages)
+              if m["role"] in ("tool", "developer") and m["content"].strip()]
+    wanted += [(k, f"call of {c['function']['name']}", c["function"]["name"]) for k, m in enumerate(messages)
+               for c in m.get("tool_calls") or ()]
+    if not wanted:
+        return
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    for k, what, piece in wanted:
+        if piece not in text:
+            raise ValueError(f"turn {k}'s {what} is not in the chat template's render of this row (the template "
+                             f"leaves it out here); use a template that renders it, or drop the row")
 
 
 def render_template(tokenizer, messages, **kw) -> list[int]:
@@ -338,9 +344,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], **template_kwargs) ->
     return ids, mask
 
 
-def tokenize_row(tokenizer, row: dict, renders: Renders | None = None) -> tuple[list[int], list[int]]:
-    """A row's token ids and loss mask; `renders` (template_renders) saves
-    its dry renders per row."""
+def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None) -> tuple[list[int], list[int]]:
+    """A row's token ids and loss mask; `tool_calls`: renders_tool_calls(tokenizer), found once."""
     if not isinstance(row, dict):
         raise ValueError(f"row is a {type(row).__name__}, not an object")
     if "input_ids" in row:
@@ -363,7 +368,14 @@ def tokenize_row(tokenizer, row: dict, renders: Renders | None = None) -> tuple[
             raise ValueError("text is not a string")
         ids = list(tokenizer(row["text"])["input_ids"])
         return ids, [1] * len(ids)
-    return tokenize_conversation(tokenizer, to_messages(row, renders=renders or template_renders(tokenizer)))
+    messages = to_messages(row, tool_calls=renders_tool_calls(tokenizer) if tool_calls is None else tool_calls)
+    check_rendered(tokenizer, messages)
+    return tokenize_conversation(tokenizer, messages)
+
+
+def renders_tool_calls(tokenizer) -> bool:
+    """Whether the chat template looks at an assistant turn's tool_calls."""
+    return "tool_calls" in (tokenizer.chat_template or "")
 
 
 class NoUsableRows(Permanent, ValueError):
@@ -388,13 +400,13 @@ def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "tr
     the rest is not tokenised)."""
     if policy not in MAX_LENGTH_POLICIES:
         raise ValueError(f"max-length policy must be one of {MAX_LENGTH_POLICIES}, got {policy!r}")
-    samples, rejected, renders = [], [], template_renders(tokenizer)
+    samples, rejected, tool_calls = [], [], renders_tool_calls(tokenizer)
     for i, row in read_rows(path, rows=rows):
         if isinstance(row, Rejected):
             rejected.append(row)
             continue
         try:
-            ids, mask = tokenize_row(tokenizer, row, renders)
+            ids, mask = tokenize_row(tokenizer, row, tool_calls)
         except Exception as e:  # a template can raise anything on odd input
             rejected.append(Rejected(i, str(e) or type(e).__name__))
             continue

@@ -107,9 +107,9 @@ class PostgresIndex(Index):
             for statement in filter(str.strip, ddl.split(";")):
                 db.execute(statement)
 
-    def exists(self) -> bool:
+    def exists(self, table: str = "shards") -> bool:
         with self._connect(search_path=False) as db:
-            return db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{self.schema}.shards",)).fetchone()[0]
+            return db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{self.schema}.{table}",)).fetchone()[0]
 
     def is_duplicate(self, error: Exception) -> bool:
         import psycopg
@@ -159,7 +159,8 @@ def open_index(root: Path, ddl: str, index_url: str | None = None, *, new: bool)
         if not index.exists():
             raise StoreError(f"the answers index of {root} ({index.where}) is gone: its schema was dropped, or the "
                              f"URL names another database; point ${URL_ENV} at the one it was made on")
-        index.create(ddl)  # tables added since it was made (each IF NOT EXISTS)
+        if not index.exists("sweeps"):  # made before sweeps fenced commits (the DDL is IF NOT EXISTS)
+            index.create(ddl)
         return index
     if (root / SQLITE).is_file() or (new and index_url is None):
         if index_url is not None:

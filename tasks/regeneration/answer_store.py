@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import time
 from pathlib import Path
@@ -125,22 +126,32 @@ class AnswerStore:
         # fingerprints say whether it is the same target.
         _refuse_changes(self.root, self.provenance, record, set(record) & set(self.provenance) - {"target", "source"})
 
-    def check_served(self, flags: dict, url: str) -> None:
+    def check_served(self, flags: dict, url: str) -> str | None:
         """Record the settings of the first server that answers into this
-        directory (served_flags); refuse a server whose settings differ
+        directory (provenance.py served_flags); refuse a server whose
+        settings differ where either one's command line set them
         (AnswersMismatch naming them): a node's server started with another
-        dtype or quantization, or a resume on another server, would mix
-        two servers' answers in one dataset."""
+        dtype or quantization, or a resume on another server, would mix two
+        servers' answers in one dataset. Values both servers' SGLang chose
+        itself (per GPU type) are only reported: the warning, or None."""
         path = self.root / SERVED
         if write_json_once(path, flags):
-            return
+            return None
         kept = json.loads(path.read_text())
-        changed = sorted(k for k in set(kept) | set(flags) if kept.get(k) != flags.get(k))
-        if changed:
+        was, now = kept["settings"], flags["settings"]
+        changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        set_by_hand = [k for k in changed if k in kept["given"] or k in flags["given"]]
+        if set_by_hand:
             raise AnswersMismatch(
-                f"the answers in {self.root} were made by a server with {({k: kept.get(k) for k in changed})}; "
-                f"the one at {url} runs with {({k: flags.get(k) for k in changed})} (its /server_info): start it "
-                f"with the same settings, or give another regenerate.out")
+                f"the answers in {self.root} were made by a server with "
+                f"{({k: was.get(k) for k in set_by_hand})}; the one at {url} runs with "
+                f"{({k: now.get(k) for k in set_by_hand})} (its /server_info): start it with the same settings, "
+                f"or give another regenerate.out")
+        if changed:
+            return (f"the server at {url} resolved {({k: now.get(k) for k in changed})} where the first server "
+                    f"that answered into {self.root} had {({k: was.get(k) for k in changed})}; neither command line "
+                    f"set them (SGLang chose them for its hardware), so its answers are kept: numerics may differ")
+        return None
 
     def _rows(self, sql: str, args=()) -> list[tuple]:
         return self.index.rows(sql, args)
@@ -169,10 +180,11 @@ class AnswerStore:
         # writers of the same rows (a node taken for dead, and the one given
         # its share) off one file.
         digest = hashlib.sha256("".join(r["row_id"] for r in records).encode()).hexdigest()[:20]
-        name = f"answers-{digest}-{secrets.token_hex(4)}.jsonl"
         body = b"".join(lines)
-        # Read before the file exists: a sweep after this may have removed it.
+        # Read before the file exists, and named in it: a sweep removes only
+        # files written before it began, and a commit of one of those is refused.
         swept = self._sweeps()
+        name = f"answers-{digest}-{secrets.token_hex(4)}-s{swept}.jsonl"
         replace_durably(self.root / name, lambda tmp: tmp.write_bytes(body))
         offsets, at = [], 0
         for line in lines:
@@ -296,18 +308,23 @@ class AnswerStore:
 
     def remove_unindexed(self) -> list[str]:
         """Delete shard files the index does not name, and their temps: a
-        writer killed between its file and its commit left them. A writer
-        taken for dead that is not (a node cut off) and commits a file
-        written before this sweep is refused (Swept), so the index never
-        names a removed file. Call under the directory's lock, when every
-        node's child has ended."""
+        writer killed between its file and its commit left them. Only files
+        written before this sweep began (their names carry the sweeps a
+        writer saw): one written since may be committed yet. A writer taken
+        for dead that is not (a node cut off) and commits a file this sweep
+        may remove is refused (Swept), so the index never names a removed
+        file. Call under the directory's lock, when every node's child has
+        ended."""
         with self.index.transaction() as db:  # waits for the commits under way
             db.execute("INSERT INTO sweeps VALUES ((SELECT COALESCE(MAX(n), 0) + 1 FROM sweeps), ?)", (time.time(),))
+            db.execute("SELECT MAX(n) FROM sweeps")
+            sweep = db.fetchall()[0][0]
         named = {r[0] for r in self._rows("SELECT name FROM shards")}
         removed = []
         for path in self.root.iterdir():
             shard = path.name.lstrip(".").split(".jsonl")[0] + ".jsonl"
-            if path.is_file() and path.name.lstrip(".").startswith("answers-") and (
+            written = re.fullmatch(r"answers-[0-9a-f]+-[0-9a-f]+(?:-s(\d+))?\.jsonl", shard)
+            if path.is_file() and written and int(written.group(1) or 0) < sweep and (
                     path.name.startswith(".") or shard not in named):
                 path.unlink(missing_ok=True)
                 removed.append(path.name)

@@ -54,8 +54,9 @@ class RegenerateConfig(Section):
         "conversations in flight per data-parallel rank of the server (server.dp_size), across batches: the "
         "next starts as soon as one ends (tasks/regeneration/pool.py)"))
     attempts: int = Field(3, ge=1, description="tries per conversation before it is quarantined with its error")
-    batch_retries: int = Field(3, ge=0, description=(
-        "retries of a batch task that failed as a whole (the server went down), with growing delays"))
+    batch_retries: int = Field(5, ge=0, description=(
+        "retries of a batch task that failed as a whole (the server went down), with growing delays; a "
+        "conversation that crashes the server takes three (in flight, with its fellow suspects, alone)"))
     request_timeout_s: float = Field(3600.0, gt=0, description="one request's limit (a long answer on a slow server)")
     max_quarantine_ratio: float = Field(0.05, ge=0, le=1, description=(
         "stop the run when more than this share of the conversations tried fail (judged once 100 were tried)"))

@@ -86,14 +86,31 @@ def answer_flags(server) -> dict:
     return {"dtype": server.dtype, "tp_size": server.tp_size, **given}
 
 
+SERVED_KEYS = ("dtype", "tp_size", *(f[2:].replace("-", "_") for f in ANSWER_FLAGS))
+
+
 def served_flags(url: str, api_key: str | None = None) -> dict:
     """The settings that change answers of the server at `url` as it runs,
-    from its /server_info: a node's own server, or one attached by URL, is
-    not described by the run's server section."""
+    from its /server_info (a node's own server, or one attached by URL, is
+    not described by the run's server section): `settings`, the values SGLang
+    resolved, and `given`, those its command line set (a value SGLang chose
+    itself, an attention backend per GPU type, may differ between nodes that
+    were started alike)."""
+    import shlex
+
     from tasks.sglang_api import server_json
 
     info = server_json(url, "/server_info", "its settings", api_key=api_key)
-    return {k: info.get(k) for k in ("dtype", "tp_size", *(f[2:].replace("-", "_") for f in ANSWER_FLAGS))}
+    given = set()
+    # Only flag names are read from the command line: it also holds the server's API key.
+    for word in shlex.split(info.get("launch_command") or ""):
+        name = word.partition("=")[0][2:].replace("-", "_") if word.startswith("--") else ""
+        name = "tp_size" if name == "tp" else name
+        # argparse takes a flag's unique prefix (--kv-cache for --kv-cache-dtype).
+        matches = [k for k in SERVED_KEYS if k == name] or [k for k in SERVED_KEYS if name and k.startswith(name)]
+        if len(matches) == 1:
+            given.add(matches[0])
+    return {"settings": {k: info.get(k) for k in SERVED_KEYS}, "given": sorted(given)}
 
 
 def provenance(source: Path | None, model_path: Path, cfg: RegenerateConfig, tokenizer=None, server=None) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tasks.data.dataset import Rejected, read_rows, template_renders, to_messages
+from tasks.data.dataset import Rejected, check_rendered, read_rows, renders_tool_calls, to_messages
 from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker, Cut, NoAnswer
@@ -81,12 +81,13 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
     settings = {k: store.provenance[k] for k in ("target_config_sha256", "settings")}
     answered, seen = store.answered_ids() | store.dropped_ids(), set()
     todo, rejected, rows, done = [], [], 0, 0
-    renders = template_renders(tokenizer)
+    tool_calls = renders_tool_calls(tokenizer)
     for i, row in read_rows(Path(source), rows=only):
         try:
             if isinstance(row, Rejected):
                 raise ValueError(row.reason)
-            messages = to_messages(row, renders=renders)
+            messages = to_messages(row, tool_calls=tool_calls)
+            check_rendered(tokenizer, messages)
             answer_points(messages, cfg.turns)
         except ValueError as e:
             rejected.append(Rejected(i, str(e)))
@@ -157,9 +158,9 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
             raise stop
         down = [o for o in outs if isinstance(o, Exception) and server_down(o)]
         if down and not server_healthy(asker.url, api_key=asker.api_key):
-            suspects = store.record_crash([c.row_id for c, o in zip(group, outs)
-                                           if isinstance(o, Exception) and was_in_flight(o)],
-                                          at_least=CRASH_LIMIT if alone and len(group) == 1 else 0)
+            in_flight = [c.row_id for c, o in zip(group, outs) if isinstance(o, Exception) and was_in_flight(o)]
+            # Alone and the only one left in flight: nothing else can have crashed it.
+            suspects = store.record_crash(in_flight, at_least=CRASH_LIMIT if alone and len(in_flight) == 1 else 0)
             # What was answered before the crash is kept: alone, each held a whole server.
             store.commit([done.pop(c.row_id) for c in batch if c.row_id in done] +
                          [o for o in outs if isinstance(o, dict)])
@@ -184,21 +185,25 @@ def answer_batch(asker: Asker, store: AnswerStore, batch: Sequence[Conversation]
                 done[c.row_id] = out
         return failed
 
+    def ask(group: list[Conversation], attempt: int) -> list[Conversation]:
+        # In flight at an earlier crash: alone (CRASH_LIMIT's ladder), on every try, so a crash then names them.
+        failed = []
+        for c in [c for c in group if crashes.get(c.row_id, 0) >= 2]:
+            failed += send([c], attempt, alone=True)
+        together = [c for c in group if crashes.get(c.row_id, 0) == 1]
+        for i in range(0, len(together), pool.width):
+            failed += send(together[i:i + pool.width], attempt, alone=True)
+        crowd = [c for c in group if not crashes.get(c.row_id, 0)]
+        return failed + (send(crowd, attempt) if crowd else [])
+
     given_up: list[Conversation] = []
-    # In flight at an earlier crash: alone first (CRASH_LIMIT's ladder), so a crash then names them.
-    for c in [c for c in pending if crashes.get(c.row_id, 0) >= 2]:
-        send([c], 1, alone=True)
-    together = [c for c in pending if crashes.get(c.row_id, 0) == 1]
-    for i in range(0, len(together), pool.width):
-        send(together[i:i + pool.width], 1, alone=True)
-    pending = [c for c in pending if c.row_id not in done and c not in given_up and c not in dropped]
     for attempt in range(1, asker.cfg.attempts + 1):
         if not pending:
             break
         if attempt > 1:
             logger.warning("asking again for %d conversations (attempt %d of %d); last error: %s", len(pending),
                            attempt, asker.cfg.attempts, errors[pending[-1].row_id])
-        pending = send(pending, attempt)
+        pending = ask(pending, attempt)
     shard = store.commit([done[c.row_id] for c in batch if c.row_id in done])
     quarantined = given_up + pending
     store.quarantine([(c.row_id, c.source_row, errors[c.row_id], tries[c.row_id]) for c in quarantined])
@@ -279,7 +284,9 @@ def regenerate(url: str, source: Path, out: Path, tokenizer, model_path: Path, c
     store = AnswerStore(out, provenance(source, model_path, cfg, tokenizer))
     plan = plan_regeneration(source, store, cfg, tokenizer)
     if plan.todo:  # a rerun with nothing to answer asks no server
-        store.check_served(served_flags(url, api_key), url)
+        differs = store.check_served(served_flags(url, api_key), url)
+        if differs:
+            logger.warning(differs)
     asker = Asker(url, tokenizer, cfg, api_key=api_key, rid_prefix=rid_prefix)
     progress = Progress(store, plan)
     width = cfg.concurrency * ranks
