@@ -230,7 +230,7 @@ def test_reset_removes_this_pipelines_dumps_under_any_prefix_and_nothing_else(tm
 
 
 class FakeSGLangHTTP:
-    """SGLang's HTTP side for every client of ours: /health, /generate as a
+    """SGLang's HTTP side for every client of ours: /health, /server_info, /generate as a
     capture (max_new_tokens 0: writes the rid's dump as the hook would, if the
     rid carries the server's prefix) or as generation. Refuses a request
     without the key (401, as SGLang does) and records every request."""
@@ -246,6 +246,8 @@ class FakeSGLangHTTP:
             return httpx.Response(401, json={"error": "Unauthorized"})
         if request.url.path == "/health":
             return httpx.Response(200)
+        if request.url.path == "/server_info":  # what regeneration records its answers under
+            return httpx.Response(200, json={"dtype": "bfloat16", "tp_size": 1, "launch_command": "sglang serve --tp 1"})
         body = json.loads(request.content)
         ids, max_new = body["input_ids"], body["sampling_params"]["max_new_tokens"]
         if max_new == 0:
@@ -323,7 +325,7 @@ def regenerate_answers(fake, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     result = regenerate("http://fake", source, tmp_path / "answers", tokenizer, tmp_path,
                         RegenerateConfig(max_new_tokens=2), api_key=fake.key)
-    assert result["rows"] == 1 and len(fake.requests) == 1
+    assert result["rows"] == 1 and [r.url.path for r in fake.requests] == ["/server_info", "/generate"]
 
 
 @pytest.mark.parametrize("calls", [capture_a_batch, check_health, serve, regenerate_answers],
