@@ -26,6 +26,7 @@ from flows.verify import verify_store
 from tasks.capture.config import CaptureConfig
 from tasks.regeneration.config import RegenerateConfig
 from tasks.evaluation.config import EvaluateConfig
+from tasks.evaluation.prompts import check_prompt_files
 from tasks.server.config import ServerConfig
 from tasks.store.config import StoreConfig
 from tasks.store.lock import hold_lock
@@ -59,9 +60,10 @@ def eagle3_pipeline(
         "PostgreSQL (store.ledger_url)"), max_length=64)] = [],
 ) -> dict:
     """From a dataset to a drafter SGLang serves: capture, verify, train, export, evaluate."""
-    log = get_run_logger()
     if evaluate.enabled:  # refused now, not after the training
         baseline_server(server, evaluate)
+        check_prompt_files(evaluate.prompt_sets)
+    log = get_run_logger()
     check_mode(mode, train, capture_nodes)  # as the command line does (a run from the UI is not resolved there)
     store_dir, train_dir = Path(store.path).resolve(), Path(train.out_dir).resolve()
     store = store.model_copy(update={"path": str(store_dir)})

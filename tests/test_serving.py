@@ -21,7 +21,9 @@ from tasks.evaluation.prompts import humaneval_problems, prompt_set, render
 from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import CaptureSpec, LaunchSpec, SpeculativeSpec, build_command
+from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
+from tasks.train.config import TrainConfig
 from tests.conftest import ARTIFACTS, FIVE_LAYER_IDS
 from tests.random_drafter import export_random_drafter
 
@@ -168,6 +170,17 @@ def test_prompt_sets_render_through_the_chat_template_and_bad_rows_are_refused(t
         prompt_set(str(rows), count=8, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
     with pytest.raises(FileNotFoundError, match="neither one of heldout, humaneval nor a file"):
         prompt_set("gsm9k", count=8, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
+
+
+def test_a_pipeline_with_a_missing_prompt_file_is_refused_before_it_captures(tmp_path):
+    from flows.pipeline import eagle3_pipeline
+
+    store = tmp_path / "store"
+    with pytest.raises(FileNotFoundError, match="'heldout_prompts.jsonl' is neither .* nor a file"):
+        eagle3_pipeline.fn(server=ServerConfig(model="smollm2-135m-instruct"), store=StoreConfig(path=str(store)),
+                           train=TrainConfig(out_dir=str(tmp_path / "train")),
+                           evaluate=EvaluateConfig(prompt_sets=["humaneval", "heldout_prompts.jsonl"]))
+    assert not store.exists() and not (tmp_path / "train").exists()
 
 
 @pytest.mark.server

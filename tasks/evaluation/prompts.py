@@ -74,6 +74,16 @@ def file_prompts(path: Path, tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
+def check_prompt_files(names: list[str]) -> None:
+    """Each set that names a file names one that exists: a pipeline checks
+    this at its start, not after capture and training (a relative path is
+    the flow's working directory's)."""
+    for name in names:
+        if name not in STANDARD_SETS and not Path(name).is_file():
+            raise FileNotFoundError(f"prompt set {name!r} is neither one of {', '.join(STANDARD_SETS)} nor a file "
+                                    f"(from {Path.cwd()}): give its path, or run from the directory it is relative to")
+
+
 def prompt_set(name: str, *, count: int, tokenizer, store: Path | None, heldout_fraction: float) -> PromptSet:
     """The named set, at most `count` prompts of it, each non-empty."""
     if name == "heldout":
@@ -84,11 +94,8 @@ def prompt_set(name: str, *, count: int, tokenizer, store: Path | None, heldout_
         prompts = [render(tokenizer, [{"role": "user", "content": p["prompt"]}])
                    for p in humaneval_problems()[:count]]
     else:
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt set {name!r} is neither one of {', '.join(STANDARD_SETS)} nor a "
-                                    f"file")
-        prompts = file_prompts(path, tokenizer, count)
+        check_prompt_files([name])
+        prompts = file_prompts(Path(name), tokenizer, count)
     prompts = [p for p in prompts if p]
     if not prompts:
         raise ValueError(f"prompt set {name!r} gave no prompt")
