@@ -14,6 +14,7 @@ lm_head rows are those tokens.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,15 @@ from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers, default_aux_layer_ids
 from tasks.train.config import DrafterRefused, TrainConfig
 from tasks.train.drafter import Eagle3Drafter
-from tasks.train.export import attention_of, export_weights, variant_of
+from tasks.train.export import SIZE_KEYS, attention_of, export_weights, variant_of
+from tasks.train.rope import rope_parameters
 from tasks.train.vocab import DraftVocab
 
 # Recorded by the export (tasks/train/loop.py _export) from the store's
 # manifest: the target's weights fingerprint the drafter was trained on.
 TARGET_WEIGHTS = "target_weights_sha256"
+
+logger = logging.getLogger("eagle3.training")
 
 
 class InitRefused(DrafterRefused):
@@ -66,6 +70,12 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
     if recorded and store_weights and recorded != store_weights:
         raise _refuse(path, f"trained on a target whose weights fingerprint is {recorded[:12]}..., where the store "
                             f"was captured from {store_weights[:12]}... (other weights of the same shapes)")
+    if not (recorded and store_weights):
+        # A published drafter records none: a base model and its fine-tune have the same sizes.
+        logger.warning("train.init_from %s: %s no target weights fingerprint, so only the target's sizes are "
+                       "checked: make sure it was trained for %s", path,
+                       "the drafter records" if not recorded else "the store records", manifest.get("target", {})
+                       .get("name", "this target"))
     eagle = config.get("eagle_config", {})
     # Ours also write the layers in a convention no target class changes
     # (layer_output_ids); a published one has SGLang's list, or none: the
@@ -108,6 +118,14 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
 def load_init(model: Eagle3Drafter, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     """Copy the exported tensors into `model` (built with their vocabulary,
     whose maps it keeps): every trained tensor must be there with its shape."""
+    # Tensors of the same shapes can split into other heads (8 of 64 or 16 of 32) or turn by another rope.
+    config = json.loads((Path(path) / "config.json").read_text())
+    ours = {k: getattr(model.cfg, k) for k in SIZE_KEYS if hasattr(model.cfg, k)}
+    ours["rope_theta"] = rope_parameters(model.target_config)["rope_theta"]  # as the export writes it
+    differ = [f"{k} {config[k]} (this run's {v})" for k, v in ours.items()
+              if k in config and v is not None and config[k] != v]
+    if differ:
+        raise _refuse(Path(path), f"other attention sizes: {', '.join(differ)}")
     names = {k: p for k, p in export_weights(model).items() if k not in ("d2t", "t2d")}
     missing = sorted(set(names) - set(tensors))
     shapes = [f"{k} {tuple(tensors[k].shape)} (this run's {tuple(p.shape)})" for k, p in names.items()
