@@ -43,10 +43,11 @@ def test_the_card_holds_the_target_data_recipe_heldout_and_served_figures(drafte
                          "plain_per_user_tokens_per_s": 2},
                         {"drafter": "d", "concurrency": 1, "per_user_speedup": 0.8, "spec_per_user_tokens_per_s": 8,
                          "plain_per_user_tokens_per_s": 10}],
-              "prompt_sets": {"/x/heldout_prompts.jsonl": 3}, "settings": {"device": "cpu"}}
+              "prompt_sets": {"/x/heldout_prompts.jsonl": 3}, "settings": {"device": "cpu", "dtype": "float32"}}
     card = add_served(path, report, "d", num_steps=2).read_text()
     assert "| heldout_prompts.jsonl (3) | 3 | 1.457 | 0.032 | 1.440 | 0.300 / 0.100 / 0.050 | True |" in card
     assert "9.000" not in card  # another drafter's row
+    assert "Greedy, 2 drafts a verify step, served in float32 on cpu." in card  # not the command's dtype
     assert "Speed-up at 1 stream(s): 0.80x" in card  # the fewest streams
     assert "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3" in card
 

@@ -66,8 +66,11 @@ def _data(store: Path) -> list[str]:
 
 
 def _served(rows: list[dict], speedups: list[dict], prompts: dict[str, int], device: str,
-            num_steps: int) -> list[str]:
-    lines = [f"Greedy, {num_steps} drafts a verify step, as the command below serves it.", "",
+            num_steps: int, dtype: str | None) -> list[str]:
+    # The evaluation's servers, not necessarily the command below's: a CPU
+    # evaluation serves float32, a deployment the target's own dtype.
+    served_in = f" in {dtype}" if dtype else ""
+    lines = [f"Greedy, {num_steps} drafts a verify step, served{served_in} on {device}.", "",
              "| prompts | requests | accept length (pooled) | standard error | mean of means | per position | "
              "greedy output unchanged |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -115,7 +118,7 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
     if served:
         steps = served.get("num_steps", steps)
         lines += _served(served["rows"], served.get("sweep", []), served.get("prompts", {}),
-                         served.get("device", "cpu"), steps)
+                         served.get("device", "cpu"), steps, served.get("dtype"))
     else:
         lines.append(f"Not measured yet: `python -m flows.evaluate --drafter-dirs {drafter_dir.resolve()} "
                      f"--server.model {target} --store {store}` serves it and fills this section in.")
@@ -138,7 +141,8 @@ def add_served(drafter_dir: str | Path, report: dict, name: str, num_steps: int)
     rows = [r for r in report["acceptance"] if r["drafter"] == name and r["mode"] == "greedy"]
     sweep = sorted((r for r in report["sweep"] if r["drafter"] == name), key=lambda r: r["concurrency"])
     return card_or_warning(drafter_dir, {"rows": rows, "sweep": sweep[:1], "prompts": report["prompt_sets"],
-                                         "device": report["settings"]["device"], "num_steps": num_steps})
+                                         "device": report["settings"]["device"], "num_steps": num_steps,
+                                         "dtype": report["settings"].get("dtype")})
 
 
 def card_or_warning(drafter_dir: str | Path, served: dict | None = None) -> Path | None:
