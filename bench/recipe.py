@@ -89,7 +89,8 @@ def trained(cfg: TrainConfig, store: Path) -> dict:
         _, changed = identity_changes(made, cfg, store) if made else (None, {"config": 0})
         if set(changed) <= {"out_dir"}:
             print(f"  {out}: trained before with these settings, served again", flush=True)
-            return json.loads((out / "result.json").read_text())
+            # Its tokens/s are that run's, on that run's code and machine load.
+            return {**json.loads((out / "result.json").read_text()), "reused": True}
     t0 = time.perf_counter()
     train(cfg, store)
     print(f"  {out}: trained in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -150,9 +151,12 @@ def main(argv: list[str] | None = None) -> None:
         rate = r["tokens"] / r["compute_s"]
         diff, se = paired_difference(s["per_request"], served[first]["per_request"])
         positions = " ".join(f"{p:.3f}" for p in s["per_position"])
-        print(f"{arm:34s} {rate:7.0f} {rate / base_rate:5.2f} {held.get(f'tau@{steps}', float('nan')):7.3f} "
+        mark = "*" if r.get("reused") else " "
+        print(f"{arm:33s}{mark} {rate:7.0f} {rate / base_rate:5.2f} {held.get(f'tau@{steps}', float('nan')):7.3f} "
               f"{held.get('unproposable', 0):6.3f} {s['pooled']:6.3f} {s['pooled_se']:5.3f} {diff:+7.3f} "
               f"{se:5.3f}  {positions:18s}  {s['outputs_equal']}")
+    if any(r.get("reused") for r in results.values()):
+        print("\n* trained by an earlier run: its tokens/s are that run's (other code or machine load)")
     print(f"\naccept length of each against {first}: "
           + ", ".join(f"{a} {served[a]['pooled'] / served[first]['pooled']:.3f}x" for a in arms[1:]))
     if not gpu_present():
