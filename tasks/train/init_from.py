@@ -120,7 +120,8 @@ def load_init(model: Eagle3Drafter, tensors: dict[str, torch.Tensor], path: str 
     whose maps it keeps): every trained tensor must be there with its shape."""
     # Tensors of the same shapes can split into other heads (8 of 64 or 16 of 32) or turn by another rope.
     config = json.loads((Path(path) / "config.json").read_text())
-    ours = {k: getattr(model.cfg, k) for k in SIZE_KEYS if hasattr(model.cfg, k)}
+    # Not rms_norm_eps: a published drafter may round it otherwise, and it changes no weight's meaning.
+    ours = {k: getattr(model.cfg, k) for k in SIZE_KEYS if hasattr(model.cfg, k) and k != "rms_norm_eps"}
     ours["rope_theta"] = rope_parameters(model.target_config)["rope_theta"]  # as the export writes it
     differ = [f"{k} {config[k]} (this run's {v})" for k, v in ours.items()
               if k in config and v is not None and config[k] != v]
