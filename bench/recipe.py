@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         diff, se = paired_difference(s["per_request"], served[first]["per_request"])
         positions = " ".join(f"{p:.3f}" for p in s["per_position"])
         mark = "*" if r.get("reused") else " "
-        print(f"{arm:33s}{mark} {rate:7.0f} {rate / base_rate:5.2f} {held.get(f'tau@{steps}', float('nan')):7.3f} "
+        # A ratio across runs is not one measured in this run.
+        ratio = "    -" if r.get("reused") or results[first].get("reused") else f"{rate / base_rate:5.2f}"
+        print(f"{arm:33s}{mark} {rate:7.0f} {ratio} {held.get(f'tau@{steps}', float('nan')):7.3f} "
               f"{held.get('unproposable', 0):6.3f} {s['pooled']:6.3f} {s['pooled_se']:5.3f} {diff:+7.3f} "
               f"{se:5.3f}  {positions:18s}  {s['outputs_equal']}")
     if any(r.get("reused") for r in results.values()):

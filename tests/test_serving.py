@@ -172,9 +172,14 @@ def test_prompt_sets_render_through_the_chat_template_and_bad_rows_are_refused(t
         prompt_set("gsm9k", count=8, tokenizer=tokenizer, store=None, heldout_fraction=0.1)
 
 
-def test_a_pipeline_with_a_missing_prompt_file_is_refused_before_it_captures(tmp_path):
+def test_a_pipeline_with_a_missing_prompt_file_is_refused_before_it_captures(tmp_path, monkeypatch):
+    import flows.pipeline
     from flows.pipeline import eagle3_pipeline
 
+    def captured(*a, **kw):
+        raise AssertionError("the capture started")
+
+    monkeypatch.setattr(flows.pipeline, "extract_hidden_states", captured)
     store = tmp_path / "store"
     with pytest.raises(FileNotFoundError, match="'heldout_prompts.jsonl' is neither .* nor a file"):
         eagle3_pipeline.fn(server=ServerConfig(model="smollm2-135m-instruct"), store=StoreConfig(path=str(store)),

@@ -6,7 +6,7 @@ What the drafter was trained against must be what this run trains it
 against, or the starting weights mean nothing here (and SGLang, serving the
 result, would feed it other states than it learned on): the same target
 (its sizes and vocabulary; the weights' fingerprint where the export
-recorded it), the same aux layers, the same layout, variant and draft
+recorded it, a warning where not), the same split into heads, the same aux layers, the same layout, variant and draft
 vocabulary size. Each is checked before anything is trained and refused
 naming what differs. The run keeps the drafter's vocabulary map (d2t): its
 lm_head rows are those tokens.
@@ -24,8 +24,8 @@ from safetensors import safe_open
 from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers, default_aux_layer_ids
 from tasks.train.config import DrafterRefused, TrainConfig
-from tasks.train.drafter import Eagle3Drafter
-from tasks.train.export import SIZE_KEYS, attention_of, export_weights, variant_of
+from tasks.train.drafter import DrafterConfig, Eagle3Drafter
+from tasks.train.export import attention_of, export_weights, variant_of
 from tasks.train.rope import rope_parameters
 from tasks.train.vocab import DraftVocab
 
@@ -43,6 +43,31 @@ class InitRefused(DrafterRefused):
 def _refuse(path: Path, what: str) -> InitRefused:
     return InitRefused(f"train.init_from {path}: {what}; give a drafter exported for this target and store, or "
                        f"leave init_from unset to start from random weights")
+
+
+def _check_heads(path: Path, config: dict, cfg: TrainConfig, target_config: dict, num_aux: int) -> None:
+    """Refused: tensors of the same shapes split into other heads (8 of 64
+    or 16 of 32), which would load and mean nothing. Warned: another rope,
+    a worse start but no wrong weights (training turns by the target's, and
+    the export writes it)."""
+    try:
+        ours = DrafterConfig.from_target(target_config, cfg.draft_vocab_size, num_aux, cfg.variant, cfg.attention,
+                                         cfg.mla_dims, cfg.head_dim)
+    except ValueError:
+        return  # build_drafter refuses this run's own settings, naming why
+    # SGLang's MLA layer reads neither head_dim nor num_key_value_heads
+    # (transformers' DeepseekV3Config writes qk_rope_head_dim as head_dim).
+    keys = ("num_attention_heads",) if ours.attention == "mla" else (
+        "num_attention_heads", "num_key_value_heads", "head_dim")
+    differ = [f"{k} {config[k]} (this run's {getattr(ours, k)})" for k in keys
+              if k in config and config[k] != getattr(ours, k)]
+    if differ:
+        raise _refuse(path, f"its attention splits into other heads: {', '.join(differ)}")
+    if any(k in config for k in ("rope_theta", "rope_scaling", "rope_parameters")):
+        theirs, mine = rope_parameters(config), rope_parameters(target_config)
+        if theirs != mine:
+            logger.warning("train.init_from %s: trained with the rope %s, where this run turns by the target's %s: "
+                           "a worse start, trained to the target's rope from here", path, theirs, mine)
 
 
 def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: AuxLayers,
@@ -65,6 +90,7 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
         if config.get(key) != target_config.get(key):
             raise _refuse(path, f"made for a target with {key} {config.get(key)}, where this target has "
                                 f"{target_config.get(key)}")
+    _check_heads(path, config, cfg, target_config, len(layers.sglang_ids))
     recorded = config.get("eagle3_training", {}).get(TARGET_WEIGHTS)
     store_weights = manifest.get("target", {}).get("weights_sha256")
     if recorded and store_weights and recorded != store_weights:
@@ -118,15 +144,6 @@ def read_init(path: str | Path, cfg: TrainConfig, target_config: dict, layers: A
 def load_init(model: Eagle3Drafter, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     """Copy the exported tensors into `model` (built with their vocabulary,
     whose maps it keeps): every trained tensor must be there with its shape."""
-    # Tensors of the same shapes can split into other heads (8 of 64 or 16 of 32) or turn by another rope.
-    config = json.loads((Path(path) / "config.json").read_text())
-    # Not rms_norm_eps: a published drafter may round it otherwise, and it changes no weight's meaning.
-    ours = {k: getattr(model.cfg, k) for k in SIZE_KEYS if hasattr(model.cfg, k) and k != "rms_norm_eps"}
-    ours["rope_theta"] = rope_parameters(model.target_config)["rope_theta"]  # as the export writes it
-    differ = [f"{k} {config[k]} (this run's {v})" for k, v in ours.items()
-              if k in config and v is not None and config[k] != v]
-    if differ:
-        raise _refuse(Path(path), f"other attention sizes: {', '.join(differ)}")
     names = {k: p for k, p in export_weights(model).items() if k not in ("d2t", "t2d")}
     missing = sorted(set(names) - set(tensors))
     shapes = [f"{k} {tuple(tensors[k].shape)} (this run's {tuple(p.shape)})" for k, p in names.items()
