@@ -230,9 +230,9 @@ def test_reset_removes_this_pipelines_dumps_under_any_prefix_and_nothing_else(tm
 
 
 class FakeSGLangHTTP:
-    """SGLang's HTTP side for every client of ours: /health, /server_info, /generate as a
-    capture (max_new_tokens 0: writes the rid's dump as the hook would, if the
-    rid carries the server's prefix) or as generation. Refuses a request
+    """SGLang's HTTP side for every client of ours: /health, /server_info,
+    /generate as a capture (max_new_tokens 0: writes the rid's dump as the
+    hook would, if the rid carries the server's prefix) or as generation. Refuses a request
     without the key (401, as SGLang does) and records every request."""
 
     def __init__(self, dump_dir: Path, key: str, prefix: str, drop_first_capture: bool = False):
@@ -247,7 +247,8 @@ class FakeSGLangHTTP:
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/server_info":  # what regeneration records its answers under
-            return httpx.Response(200, json={"dtype": "bfloat16", "tp_size": 1, "launch_command": "sglang serve --tp 1"})
+            return httpx.Response(200, json={"dtype": "bfloat16", "tp_size": 1,
+                                             "launch_command": "sglang serve --tp 1"})
         body = json.loads(request.content)
         ids, max_new = body["input_ids"], body["sampling_params"]["max_new_tokens"]
         if max_new == 0:

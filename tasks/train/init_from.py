@@ -6,9 +6,10 @@ What the drafter was trained against must be what this run trains it
 against, or the starting weights mean nothing here (and SGLang, serving the
 result, would feed it other states than it learned on): the same target
 (its sizes and vocabulary; the weights' fingerprint where the export
-recorded it, a warning where not), the same split into heads, the same aux layers, the same layout, variant and draft
-vocabulary size. Each is checked before anything is trained and refused
-naming what differs. The run keeps the drafter's vocabulary map (d2t): its
+recorded it, a warning where not), the same split into heads, the same aux
+layers, the same layout, variant and draft vocabulary size. Each is checked
+before anything is trained and refused naming what differs (another rope
+is a warning: a worse start, not wrong weights). The run keeps the drafter's vocabulary map (d2t): its
 lm_head rows are those tokens.
 """
 from __future__ import annotations
