@@ -29,6 +29,7 @@ from flows.verify import VerifyAtEnd, verify_task
 from tasks.capture import bookkeeping, extraction, nodes, planning
 from tasks.capture.canary import refuse_unchecked_logits
 from tasks.capture.config import CaptureConfig
+from tasks.data.chat import ChatRender
 from tasks.paths import default_dump_root, ensure_private_dir
 from tasks.regeneration.answer_store import sources_provenance
 from tasks.server.config import ServerConfig
@@ -55,9 +56,10 @@ def create_store(target: Target, tokenizer, capture: CaptureConfig, store: Store
     """The store this capture writes: created, or checked to have been made
     the same way (tasks/store/manifest.py)."""
     source = Path(capture.dataset).resolve()
+    chat = planning.capture_chat(capture, tokenizer, target.path, Path(store.path))
     manifest = build_manifest(target.path, tokenizer, target.layers, target.arch, max_length=capture.max_length,
                               policy=capture.max_length_policy, sources=[str(source)], dtype=store.dtype,
-                              regenerated=sources_provenance([source]))
+                              regenerated=sources_provenance([source]), chat=chat.record())
     return Store.create(Path(store.path), manifest, store.ledger_url)
 
 
@@ -74,10 +76,11 @@ def plan_task(model: str, capture: CaptureConfig, store: StoreConfig, rows: Opti
         if leaked:
             log.warning("removed %d unfinished shard temp files of a killed run: %s", len(leaked),
                         ", ".join(leaked[:5]))
-    plan = planning.plan_extraction(capture, tokenizer, opened.ledger, rows)
-    log.info("plan: %d rows -> %d to capture (%s tokens), %d already stored, %d rejected; %s, aux layers: %s",
-             plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
-             len(plan.rejected), target.arch.name, target.layers.describe())
+    chat = ChatRender.from_record(opened.manifest["chat"])
+    plan = planning.plan_extraction(capture, tokenizer, opened.ledger, rows, chat)
+    log.info("plan: %d samples -> %d to capture (%s tokens), %d already stored, %d rows rejected; %s, aux layers: "
+             "%s; conversations: %s", plan.total_samples, len(plan.todo), f"{plan.todo_tokens:,}", plan.already_stored,
+             len(plan.rejected), target.arch.name, target.layers.describe(), chat.describe())
     for r in plan.rejected[:20]:
         log.warning("rejected row %d: %s", r.source_row, r.reason)
     return Planned(plan, target, opened)

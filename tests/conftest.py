@@ -271,6 +271,8 @@ def random_store(d: Path, model: Path, rows: int, max_length: int = 256, aux_lay
     import torch
     from transformers import AutoTokenizer
 
+    from tasks.capture.config import CaptureConfig
+    from tasks.capture.planning import capture_chat
     from tasks.data.dataset import prepare_samples
     from tasks.store.ledger.open import open_store
     from tasks.store.reader import StoreReader
@@ -283,14 +285,16 @@ def random_store(d: Path, model: Path, rows: int, max_length: int = 256, aux_lay
     store = d / "store"
     dataset = write_jsonl(d / "data.jsonl", demo_rows(rows))
     layers = AuxLayers.for_model(config["num_hidden_layers"], aux_layer_ids)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    chat = capture_chat(CaptureConfig(dataset=str(dataset)), tokenizer, model)  # what a capture records
     manifest = {"format": FORMAT, "target": {"name": "tiny"}, "tokenizer": {"sha256": "t"},
                 "aux_layers": layers.as_record(),
                 "hidden_size": hidden,
                 "dtype": "bfloat16", "max_length": max_length, "max_length_policy": "truncate",
-                "target_path": str(model), "sources": [str(dataset)]}
+                "chat": chat.record(), "target_path": str(model), "sources": [str(dataset)]}
     ledger = open_store(store, manifest)
     have = set(StoreReader(store).sample_ids) if ledger.shards().shape[0] else set()
-    samples, _ = prepare_samples(dataset, AutoTokenizer.from_pretrained(model), max_length=max_length)
+    samples, _ = prepare_samples(dataset, tokenizer, max_length=max_length, chat=chat)
     g = torch.Generator().manual_seed(len(have))
     items = [{"sample_id": s.sample_id, "source_row": s.source_row, "input_ids": s.input_ids,
               "loss_mask": s.loss_mask, "aux_hidden_states": torch.randn(s.num_tokens, len(layers.sglang_ids), hidden, generator=g),

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from tasks.data.dataset import prepare_samples, read_rows, sample_id, tokenize_conversation
+from tasks.data.dataset import prepare_samples, read_rows, sample_id, tokenize_row
 from tests.conftest import write_jsonl
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
@@ -25,20 +25,25 @@ def masked_text(tokenizer, ids, mask):
 
 
 def test_loss_mask_covers_assistant_turns_only(tokenizer):
-    ids, mask = tokenize_conversation(tokenizer, CHAT)
-    assert len(ids) == len(mask) and ids == tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
+    (ids, mask), = tokenize_row(tokenizer, {"messages": CHAT})
+    full = tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
+    # The template's render up to the last turn's stop token: its "\n" is the next turn's, never generated.
+    assert len(ids) == len(mask) and ids == full[:len(ids)] and tokenizer.decode(full[len(ids):]) == "\n"
     assert masked_text(tokenizer, ids, mask) == "It is 4.<|im_end|>Six.<|im_end|>"
 
 
 def test_loss_mask_without_generation_markers(tokenizer):
+    """SmolLM2's kind of template: the same mask, from the template's own
+    renders (it renders "\n" after <|im_end|>, which the target never
+    generates: out of the loss)."""
     plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     plain.chat_template = PLAIN_CHATML
-    ids, mask = tokenize_conversation(plain, CHAT)
-    assert masked_text(plain, ids, mask) == "It is 4.<|im_end|>\nSix.<|im_end|>\n"
+    (ids, mask), = tokenize_row(plain, {"messages": CHAT})
+    assert masked_text(plain, ids, mask) == "It is 4.<|im_end|>Six.<|im_end|>"
 
 
 def test_all_formats_give_the_same_sample(tokenizer, tmp_path):
-    ids, mask = tokenize_conversation(tokenizer, CHAT)
+    (ids, mask), = tokenize_row(tokenizer, {"messages": CHAT})
     sharegpt = [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CHAT]
     rows = [{"messages": CHAT}, {"conversations": sharegpt}, {"input_ids": ids, "loss_mask": mask}]
     for path in (write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "d.json", tmp_path / "d.parquet"):
@@ -70,7 +75,7 @@ def test_bad_rows_are_rejected_with_reasons_and_the_rest_kept(tokenizer, tmp_pat
     assert reasons[2] == "empty conversation"
     assert "unknown role 'wizard'" in reasons[3]
     assert "> max_length 128 (policy: skip)" in reasons[4]
-    assert "no loss tokens" in reasons[5]
+    assert reasons[5] == "no assistant turn to train on"
     assert "none of: messages" in reasons[6]
     assert "input_ids must be" in reasons[7]
     # Truncating the long row cuts its answer off, so it has nothing to learn from.

@@ -321,7 +321,7 @@ def serve(fake, tmp_path):
 def regenerate_answers(fake, tmp_path):
     source = tmp_path / "data.jsonl"
     source.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    tokenizer = SimpleNamespace(apply_chat_template=lambda messages, **kw: {"input_ids": [1, 2, 3]},
+    tokenizer = SimpleNamespace(apply_chat_template=lambda messages, tokenize=True, **kw: "prompt",
                                 decode=lambda ids, **kw: "ok", encode=lambda text, **kw: [9, 9], chat_template="")
     (tmp_path / "config.json").write_text("{}")
     result = regenerate("http://fake", source, tmp_path / "answers", tokenizer, tmp_path,

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from tasks.data.dataset import prepare_samples, read_rows, sample_id, tokenize_conversation
+from tasks.data.dataset import prepare_samples, read_rows, sample_id, tokenize_row
 from tests.conftest import write_jsonl
 
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]
@@ -145,7 +145,8 @@ def test_tool_calls_are_rendered_or_the_row_refused(tokenizer, tmp_path):
     assert not rejected and [s.source_row for s in samples] == [0, 1]
     masked = tools.decode([i for i, m in zip(samples[1].input_ids, samples[1].loss_mask) if m])
     assert "add" in masked  # the call is what the drafter learns
-    ids, _ = tokenize_conversation(tools, [CHAT[0], {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}])
+    (ids, _), = tokenize_row(tools, {"messages": [CHAT[0], {"role": "assistant", "content": "",
+                                                             "tool_calls": [TOOL_CALL]}]})
     assert samples[1].input_ids.tolist() == ids
 
 
@@ -157,7 +158,7 @@ def test_tool_results_and_developer_turns_are_kept_where_the_template_renders_th
     drops "developer" turns) is refused naming it. Tool-call arguments are
     parsed as SGLang's chat endpoint parses them before rendering."""
     from tasks.data.dataset import to_messages
-    from tests.reasoning_templates import QWEN3_TOOLS
+    from tests.published_templates import QWEN3, template
 
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
     agentic = {"messages": [{"role": "user", "content": "Weather in Paris?"},
@@ -170,17 +171,21 @@ def test_tool_results_and_developer_turns_are_kept_where_the_template_renders_th
         {"type": "function", "function": {"name": "weather", "arguments": "{city: Paris"}}]}]}
     path = write_jsonl(tmp_path / "d.jsonl", [agentic, developer, unparsable])
     qwen = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    qwen.chat_template = QWEN3_TOOLS
+    qwen.chat_template = template(QWEN3)
     samples, rejected = prepare_samples(path, qwen, max_length=256)
-    assert [s.source_row for s in samples] == [0]
+    # Without reasoning, each turn as Qwen3 answers with thinking off: the
+    # history renders the call without that prompt's empty reasoning part,
+    # so the call and the answer are two samples.
+    assert [s.source_row for s in samples] == [0, 0]
     assert reasons(rejected)[1] == ("turn 0's developer turn is not in the chat template's render of this row (the "
                                     "template leaves it out here); use a template that renders it, or drop the row")
     assert "arguments that are not JSON (SGLang refuses them too)" in reasons(rejected)[2]
-    text = qwen.decode(samples[0].input_ids)
-    masked = qwen.decode([i for i, m in zip(samples[0].input_ids, samples[0].loss_mask) if m])
-    assert "<tool_response>\n18C, sunny\n</tool_response>" in text and "18C, sunny" not in masked
+    text = qwen.decode(samples[1].input_ids)
+    masked = [qwen.decode([i for i, m in zip(s.input_ids, s.loss_mask) if m]) for s in samples]
+    assert "<tool_response>\n18C, sunny\n</tool_response>" in text and "18C, sunny" not in "".join(masked)
     # The arguments rendered once, as a JSON object (a string would be quoted again by `tojson`).
-    assert '"arguments": {"city": "Paris"}}' in masked and "It is 18C and sunny." in masked
+    assert masked == ['<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                      "It is 18C and sunny.<|im_end|>"]
     # A template that renders every role (the tiny model's ChatML) keeps the developer turn.
     samples, rejected = prepare_samples(path, tokenizer, max_length=256)
     assert [s.source_row for s in samples] == [1] and "tool_calls" in reasons(rejected)[0]

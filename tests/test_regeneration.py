@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tasks.data.dataset import prepare_samples
-from tasks.regeneration.answer_store import AnswerStore, AnswersMismatch
+from tasks.regeneration.answer_store import FORMAT as ANSWERS_FORMAT, AnswerStore, AnswersMismatch
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.provenance import provenance
 from tasks.regeneration.stage import regenerate
@@ -143,7 +143,7 @@ def test_a_killed_regeneration_resumes_and_answers_each_conversation_once(tiny_m
 
     served = ServerConfig(model=str(tiny_model), url=float32_server.url)
     settings = RegenerateConfig(turns="last", max_new_tokens=24, concurrency=1, batch_size=2)
-    assert made.manifest["regenerated"] == {str(out.resolve()): {"format": "eagle3-answers/2", **provenance(
+    assert made.manifest["regenerated"] == {str(out.resolve()): {"format": ANSWERS_FORMAT, **provenance(
         source, tiny_model, settings, tokenizer, served)}}
     # A corrupt byte is found, naming its shard; the answers, opened for other settings, are refused.
     name = sorted(indexed)[0]

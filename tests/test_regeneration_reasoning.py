@@ -19,7 +19,7 @@ from tasks.regeneration.pool import AnswerPool
 from tasks.regeneration.stage import answer_batch, regenerate
 from tasks.regeneration.turns import Conversation, render_prompt
 from tests.conftest import write_jsonl
-from tests.reasoning_templates import KIMI_K25, QWEN3, QWEN3_TOOLS
+from tests.published_templates import KIMI_K25, QWEN3, template
 
 pytestmark = pytest.mark.server
 
@@ -98,18 +98,19 @@ def ask(server, tok, conv: Conversation, **settings) -> tuple[dict | Exception, 
     return row, transport.bodies
 
 
-@pytest.mark.parametrize("name, template, switch", [("kimi-k2.5", KIMI_K25, "thinking"),
-                                                    ("qwen3", QWEN3, "enable_thinking")])
+@pytest.mark.parametrize("name, published, switch", [("kimi-k2.5", KIMI_K25, "thinking"),
+                                                     ("qwen3", QWEN3, "enable_thinking")])
 @pytest.mark.parametrize("thinking", [True, False])
 def test_a_reasoning_targets_two_turns_follow_its_own_switch_token_for_token(
-        ends_server, tokenizer, name, template, switch, thinking):
+        ends_server, tokenizer, name, published, switch, thinking):
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
+    tok.chat_template = template(published)
     server, n = ends_server, 24
     # The first of a few conversations whose two answers both end within n
     # tokens (the same one on every run: greedy, a fixed model).
     for k in range(12):
-        conversation = (*TWO_TURNS[:2], {"role": USER, "content": f"And a fruit, number {k}?"})
+        conversation = ({"role": USER, "content": f"Name a colour, number {k}."}, TWO_TURNS[1],
+                        {"role": USER, "content": f"And a fruit, number {k}?"})
         row, sent = ask(server, tok, Conversation("c", 0, conversation), thinking=thinking, max_new_tokens=n)
         assert not isinstance(row, Exception), row
         if row["turns"] == 2 and not row["cut"]:
@@ -132,9 +133,18 @@ def test_a_reasoning_targets_two_turns_follow_its_own_switch_token_for_token(
     # The row: the last turn's context and the target's answer, token for token, ended by the target.
     answer2 = generate(server, context, n)
     assert row["input_ids"] == context + answer2 and answer2[-1] == tok.eos_token_id
-    # Qwen3 renders the earlier answer otherwise than the target wrote it: context, not trained on.
-    earlier = sum(row["loss_mask"][:len(context)])
-    assert (earlier > 0) == (name == "kimi-k2.5") and row["loss_mask"][len(context):] == [1] * len(answer2)
+    assert row["loss_mask"][len(context):] == [1] * len(answer2)
+    # The first answer is trained once, as the ids the target gave after its
+    # own prompt: in the row where the context holds exactly those, else
+    # (Qwen3's thinking-off prompt closes a reasoning part its history does
+    # not render; an answer whose text reads back to other ids) in a sample of its own.
+    first_piece = first["input_ids"] + answer1
+    samples = [(e["input_ids"], e["loss_mask"]) for e in row.get("earlier_samples", ())]
+    inside = row["input_ids"][:len(first_piece)] == first_piece
+    assert sum(row["loss_mask"][:len(context)]) == (len(answer1) if inside else 0)
+    assert samples == ([] if inside else [(first_piece, [0] * len(first["input_ids"]) + [1] * len(answer1))])
+    if name == "qwen3" and not thinking:
+        assert not inside
 
 
 def cut_conversations(tok, server) -> list[Conversation]:
@@ -293,12 +303,23 @@ def test_every_turn_is_answered_with_the_targets_own_earlier_answers(ends_server
         context = render_prompt(tokenizer, messages[:k], {})
         answer = generate(ends_server, context, 24)
         assert tokenizer.decode(answer, skip_special_tokens=True).strip() == messages[k]["content"]
-    # The row is the last turn's context and answer, token for token; the
-    # earlier answers (the target's) are loss tokens, the rest not.
+    # The row is the last turn's context and answer, token for token. Each
+    # earlier answer (the target's) is trained once, as the ids the server
+    # gave after its context: inside the row where its history holds those
+    # ids, else as a sample of its own (earlier_samples); the rest is not.
     context = render_prompt(tokenizer, messages[:6], {})
     assert row["input_ids"] == context + generate(ends_server, context, 24)
-    masked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
-    assert all(messages[k]["content"] in masked for k in (2, 4, 6))
+    samples = [(s["input_ids"], s["loss_mask"]) for s in row.get("earlier_samples", ())]
+    samples.append((row["input_ids"], row["loss_mask"]))
+    answers = 0
+    for k in (2, 4, 6):
+        context = render_prompt(tokenizer, messages[:k], {})
+        answer = generate(ends_server, context, 24)
+        answers += len(answer)
+        assert [ids[len(context):len(context) + len(answer)] == answer and mask[len(context):][:len(answer)] ==
+                [1] * len(answer) for ids, mask in samples if ids[:len(context)] == context].count(True) >= 1, k
+    assert sum(sum(mask) for _, mask in samples) == answers
+    masked = tokenizer.decode([t for ids, mask in samples for t, m in zip(ids, mask) if m])
     assert "Name a colour" not in masked and "Be brief" not in masked
 
 
@@ -309,7 +330,7 @@ def test_an_agentic_rows_tool_calls_stay_the_datasets_and_the_target_answers_aft
     runs here to answer calls of its own); nothing but its last answer is
     trained on, as the calls in the context are not its words."""
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = QWEN3_TOOLS
+    tok.chat_template = template(QWEN3)
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
     head = (turn(USER, "Weather in Paris?"), {"role": ASSISTANT, "content": "", "tool_calls": [call]},
             {"role": "tool", "content": "18C, sunny", "tool_call_id": "c1"})

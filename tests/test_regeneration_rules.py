@@ -49,20 +49,20 @@ def templated(tokenizer, template: str):
 def test_each_reasoning_template_is_driven_by_the_switch_sglang_reads(tokenizer):
     from tasks.regeneration.config import RegenerateConfig
     from tasks.regeneration.turns import check_template, render_prompt
-    from tests.reasoning_templates import KIMI_K25, QWEN3
+    from tests.published_templates import KIMI_K25, QWEN3, template
 
-    kimi, qwen = templated(tokenizer, KIMI_K25), templated(tokenizer, QWEN3)
+    kimi, qwen = templated(tokenizer, template(KIMI_K25)), templated(tokenizer, template(QWEN3))
     off = RegenerateConfig(thinking=False)
     kimi_use, qwen_use = check_template(kimi, off), check_template(qwen, off)
     assert (kimi_use.switch, qwen_use.switch) == ("thinking", "enable_thinking")
-    # Qwen3 renders an earlier answer without the reasoning block it gives the last one.
-    assert (kimi_use.history_stable, qwen_use.history_stable) == (True, False)
     user = [{"role": "user", "content": "Hi."}]
-    assert kimi.decode(render_prompt(kimi, user, kimi_use.kwargs(False))).endswith(
+    assert kimi.decode(render_prompt(kimi, user, kimi_use.template_kwargs(False))).endswith(
         "<|im_assistant|>assistant<|im_middle|><think></think>")
-    assert kimi.decode(render_prompt(kimi, user, kimi_use.kwargs(True))).endswith("assistant<|im_middle|>")
+    # On, its generation prompt opens the reasoning part.
+    assert kimi.decode(render_prompt(kimi, user, kimi_use.template_kwargs(True))).endswith(
+        "assistant<|im_middle|><think>")
     # Unset, nothing is passed: the template's own default.
-    assert check_template(kimi, RegenerateConfig()).kwargs(None) == {}
+    assert check_template(kimi, RegenerateConfig()).template_kwargs(None) == {}
 
 
 def test_a_template_that_never_reads_the_switch_is_refused_at_the_plan(tokenizer, tmp_path):
@@ -70,23 +70,23 @@ def test_a_template_that_never_reads_the_switch_is_refused_at_the_plan(tokenizer
     from tasks.regeneration.config import RegenerateConfig
     from tasks.regeneration.provenance import provenance
     from tasks.regeneration.stage import plan_regeneration
-    from tasks.regeneration.turns import TemplateRefused
+    from tasks.data.chat import ChatRefused
     from tests.conftest import demo_rows, write_jsonl
-    from tests.reasoning_templates import KIMI_K25, NO_SWITCH
+    from tests.published_templates import KIMI_K25, LLAMA31, template
 
     source = write_jsonl(tmp_path / "data.jsonl", demo_rows(2))
-    plain = templated(tokenizer, NO_SWITCH)
+    plain = templated(tokenizer, template(LLAMA31))  # no reasoning, no switch
     for cfg, why in [(RegenerateConfig(thinking=True), "finds no reasoning switch"),
                      (RegenerateConfig(thinking=False, thinking_switch="enable_thinking"),
                       "does not read 'enable_thinking'")]:
         store = AnswerStore(tmp_path / f"out-{why[:4]}", provenance(source, Path(tokenizer.name_or_path), cfg))
-        with pytest.raises(TemplateRefused, match=why):
+        with pytest.raises(ChatRefused, match=why):
             plan_regeneration(source, store, cfg, plain)
     # Kimi's template named the Qwen3 way: refused, not silently left thinking.
-    with pytest.raises(TemplateRefused, match="does not read 'enable_thinking'"):
+    with pytest.raises(ChatRefused, match="does not read 'enable_thinking'"):
         from tasks.regeneration.turns import check_template
 
-        check_template(templated(tokenizer, KIMI_K25), RegenerateConfig(thinking=False,
+        check_template(templated(tokenizer, template(KIMI_K25)), RegenerateConfig(thinking=False,
                                                                           thinking_switch="enable_thinking"))
 
 
@@ -147,7 +147,7 @@ def test_a_resume_or_a_child_with_another_template_weights_flags_or_settings_is_
     from tasks.regeneration.config import RegenerateConfig
     from tasks.regeneration.provenance import provenance, sampled_without_determinism
     from tests.conftest import demo_rows, write_jsonl
-    from tests.reasoning_templates import NO_SWITCH
+    from tests.published_templates import LLAMA31, template
 
     source = write_jsonl(tmp_path / "data.jsonl", demo_rows(2))
     model = tmp_path / "model"
@@ -156,7 +156,7 @@ def test_a_resume_or_a_child_with_another_template_weights_flags_or_settings_is_
     AnswerStore(out, provenance(source, model, cfg, tokenizer, server))
     AnswerStore(out, provenance(source, model, cfg, tokenizer, server))  # the same: resumed
     with pytest.raises(AnswersMismatch, match="made from another chat_template_sha256"):
-        AnswerStore(out, provenance(source, model, cfg, templated(tokenizer, NO_SWITCH), server))
+        AnswerStore(out, provenance(source, model, cfg, templated(tokenizer, template(LLAMA31)), server))
     with pytest.raises(AnswersMismatch, match=r"made from another server .*'--quantization': 'fp8'"):
         AnswerStore(out, provenance(source, model, cfg, tokenizer,
                                     ServerConfig(model=str(model), extra_args=["--quantization", "fp8"])))

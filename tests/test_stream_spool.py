@@ -48,7 +48,9 @@ def test_a_resumed_spool_keeps_what_the_trainer_reads_first_and_room_for_what_it
     order = [(e, r) for e in (0, 1) for b in plan.epochs[e][2 if e == 0 else 0:] for r in b]
     chunks = [order[k:k + 4] for k in range(0, len(order), 4)]  # the capture's batches, each a shard
     shards = {}
-    for k, chunk in enumerate(chunks[:8]):
+    # Up to the first batch that reaches into epoch 1 (how many, the samples' lengths say).
+    reach = next(k for k, chunk in enumerate(chunks) if any(e == 1 for e, _ in chunk))
+    for k, chunk in enumerate(chunks[:reach + 1]):
         if k == 1:
             continue  # in flight when the run stopped
         for epoch in sorted({e for e, _ in chunk}):  # a batch across the epochs' border: a shard in each

@@ -38,6 +38,13 @@ TINY_GPT_OSS = "tiny-gpt-oss"
 # so greedy answers stop after some tokens, as a chat model's do (the
 # random model's never do); regeneration's multi-turn tests need that.
 TINY_ENDS = "tiny-llama-ends"
+# A tiny Llama that reads back whatever it writes: one token a character
+# (no merges, no whitespace), Kimi-K2.5's published template, answers of
+# printable characters that end (its special tokens never win but its end
+# of turn): decoding its answers and rendering them again gives its very
+# ids, so a regenerated row and a capture of the same answers can be
+# compared token for token.
+TINY_CHARS = "tiny-llama-chars"
 
 # ChatML, with `generation` markers so transformers can return the assistant
 # token mask (the loss mask) straight from the template.
@@ -54,7 +61,7 @@ CHATML_TEMPLATE = (
 # Bumped when a builder changes, so a cached model built by an older one is
 # rebuilt (a folder without a stamp counts as version 1).
 BUILD_VERSIONS = {TINY: 3, TINY_QWEN3: 1, TINY_QWEN3_MOE: 1, TINY_DEEPSEEK_V3: 1, TINY_KIMI_K25: 1, TINY_GLM4_MOE: 1,
-                  TINY_GPT_OSS: 1, TINY_ENDS: 1}
+                  TINY_GPT_OSS: 1, TINY_ENDS: 1, TINY_CHARS: 1}
 
 
 def ensure_model(name: str) -> Path:
@@ -303,6 +310,33 @@ def build_tiny_llama_ends(out: Path, eos_lean: float = 3.5) -> None:
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
+def build_tiny_llama_chars(out: Path, eos_lean: float = 2.5, seed: int = 0) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
+    chars = [chr(c) for c in range(33, 127)]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[],
+                               unk_token="<|endoftext|>"))
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token="<|endoftext|>", additional_special_tokens=specials[2:])
+    tokenizer.chat_template = (Path(__file__).with_name("chat_templates") / "kimi-k2.5.jinja").read_text()
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(seed)
+    sizes = _tiny_sizes(tokenizer, 128, 8)
+    model = LlamaForCausalLM(LlamaConfig(**{**sizes, "bos_token_id": None}))
+    with torch.no_grad():  # continues the seeded RNG
+        model.lm_head.weight.normal_(std=0.3)
+        model.model.embed_tokens.weight.normal_(std=0.1)
+        # A zero row's logit is 0, below the best of ~94 random ones but with odds 2^-94.
+        model.lm_head.weight[[i for i, t in enumerate(specials) if t != "<|im_end|>"]] = 0
+        model.lm_head.weight[tokenizer.eos_token_id] *= eos_lean
+    model.to(torch.bfloat16).save_pretrained(out)
+
+
 BUILDERS = {TINY: build_tiny_llama, TINY_QWEN3: build_tiny_qwen3, TINY_ENDS: build_tiny_llama_ends,
             TINY_QWEN3_MOE: lambda out: build_tiny_qwen3(out, moe=True), TINY_DEEPSEEK_V3: build_tiny_deepseek_v3,
-            TINY_KIMI_K25: build_tiny_kimi_k25, TINY_GLM4_MOE: build_tiny_glm4_moe, TINY_GPT_OSS: build_tiny_gpt_oss}
+            TINY_KIMI_K25: build_tiny_kimi_k25, TINY_GLM4_MOE: build_tiny_glm4_moe, TINY_GPT_OSS: build_tiny_gpt_oss,
+            TINY_CHARS: build_tiny_llama_chars}

@@ -2,7 +2,7 @@
 (tasks/config.py)."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import Field
 
@@ -16,6 +16,31 @@ class CaptureConfig(Section):
     dataset: str = Field(str(DEMO_DATASET), description=(
         "JSONL/JSON/Parquet: messages, conversations, text or input_ids rows (best: answered by the target "
         "itself)"))
+    thinking: Optional[bool] = Field(None, description=(
+        "reasoning targets: render conversations with reasoning on or off through the chat template's switch, as "
+        "the target is served (none: the template's default, as SGLang serves it: Qwen3, GLM-4.5, Kimi-K2.5 on, "
+        "DeepSeek-V3.1 off; gpt-oss always reasons)"))
+    thinking_switch: Optional[str] = Field(None, description=(
+        "the chat-template kwarg that turns reasoning on or off (none: the one SGLang's template detection finds)"))
+    chat_template_kwargs: dict[str, Union[bool, int, float, str]] = Field(default_factory=dict, description=(
+        "further chat-template arguments the target is served with (gpt-oss's reasoning_effort)"))
+    template_date: Optional[str] = Field(None, description=(
+        "YYYY-MM-DD: the date a template that reads today's date renders (gpt-oss's strftime_now), so a row "
+        "renders the same on every day (none: the day the store was created, kept in its manifest)"))
+    turns: Literal["auto", "each", "last"] = Field("auto", description=(
+        "the assistant turns a conversation trains on: auto, every turn, in one sample where the template renders "
+        "the earlier turns as the target wrote them, else in as few as it allows; each, every turn a sample of its "
+        "own with its history; last, only the last turn"))
+    missing_reasoning: Literal["off", "empty", "refuse"] = Field("off", description=(
+        "a trained turn without reasoning while thinking is on: off, the turn as the target answers with thinking "
+        "switched off (a template without a switch: its render without reasoning); empty, thinking on with an "
+        "empty reasoning part under the loss; refuse the row"))
+    unwanted_reasoning: Literal["refuse", "drop"] = Field("refuse", description=(
+        "a trained turn with reasoning while thinking is off (or the template has none): refuse the row, or drop "
+        "the reasoning and train on the answer as the target writes it without"))
+    reasoning_start: str = Field("<think>", description="the text that opens a reasoning part (inline reasoning)")
+    reasoning_end: str = Field("</think>", description=(
+        "the text that ends a reasoning part (the target's reasoning parser's end marker)"))
     max_length: int = Field(2048, ge=1, description="longest sample in tokens")
     max_length_policy: Literal["truncate", "skip"] = Field("truncate", description="what to do with a longer sample")
     aux_layer_ids: AuxLayerIds = Field(None, description=(

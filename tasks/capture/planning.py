@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Sequence
 
 from tasks.capture.config import CaptureConfig
+from tasks.data.chat import ChatRender, reads_date, resolve, stop_texts, today
 from tasks.data.dataset import Rejected, Sample, prepare_samples, require_usable
 from tasks.failures import Permanent
 from tasks.store.ledger.index import Ledger
+from tasks.store.manifest import manifest_path, read_manifest
 from tasks.store.shards import BF16, bytes_per_token
 
 
@@ -35,15 +37,34 @@ class Plan:
         return [self.todo[i: i + batch_size] for i in range(0, len(self.todo), batch_size)]
 
 
-def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Sequence[int] | None = None) -> Plan:
+def capture_chat(capture: CaptureConfig, tokenizer, model_path: Path, store: Path | None = None) -> ChatRender:
+    """How the capture renders conversations (tasks/data/chat.py): its
+    settings, the target's stop tokens, and for a template that reads
+    today's date the date it renders: capture.template_date, else the one
+    the store at `store` was created with, else today's (then kept in the
+    new store's manifest). ChatRefused names the setting to change."""
+    date = capture.template_date
+    if date is None and reads_date(tokenizer.chat_template):
+        kept = None
+        if store is not None and manifest_path(store).exists():
+            kept = (read_manifest(store).get("chat") or {}).get("date")
+        date = kept or today()
+    return resolve(tokenizer, thinking=capture.thinking, switch=capture.thinking_switch,
+                   kwargs=dict(capture.chat_template_kwargs), date=date, start=capture.reasoning_start,
+                   end=capture.reasoning_end, stop=stop_texts(tokenizer, model_path), turns=capture.turns,
+                   missing_reasoning=capture.missing_reasoning, unwanted_reasoning=capture.unwanted_reasoning)
+
+
+def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Sequence[int] | None = None,
+                    chat: ChatRender | None = None) -> Plan:
     """Tokenise the capture's dataset (or only its `rows`, captured in the
-    order given: a stream run's training order) and keep only what the
-    ledger does not hold yet. Rows that cannot be used go to the quarantine
-    table with their reason."""
+    order given: a stream run's training order) as `chat` renders it (the
+    store's) and keep only what the ledger does not hold yet. Rows that
+    cannot be used go to the quarantine table with their reason."""
     source = str(Path(capture.dataset).resolve())
     samples, rejected = prepare_samples(Path(capture.dataset), tokenizer, max_length=capture.max_length,
                                         policy=capture.max_length_policy,
-                                        rows=None if rows is None else frozenset(rows))
+                                        rows=None if rows is None else frozenset(rows), chat=chat)
     if rows is None:
         require_usable(Path(capture.dataset), samples, rejected)
     stored = ledger.captured_ids()

@@ -9,8 +9,11 @@ Accepted rows:
 - pre-tokenised `input_ids`, with an optional `loss_mask` of 0/1
   (absent or null: every token; anything else must be one 0/1 per id)
 
-Conversations go through the target tokenizer's own chat template; the loss
-mask covers assistant tokens only. A row that cannot be used is returned as a
+Conversations go through the target tokenizer's own chat template as the
+target generates them (tasks/data/chat.py): the loss mask covers what the
+target emits in each assistant turn (reasoning, answer, tool calls, its
+stop token), and a row whose turns its renders cannot keep together gives
+several samples. A row that cannot be used is returned as a
 `Rejected` with its reason, never dropped silently and never fatal to the
 rest of the file.
 """
@@ -24,6 +27,7 @@ from typing import Collection, Iterator
 
 import numpy as np
 
+from tasks.data.chat import REASONING_FIELDS, ChatRender, Renderer, renderer, resolve, split_inline
 from tasks.failures import Permanent
 from tasks.paths import DATA_DIR
 
@@ -228,12 +232,16 @@ def _json_array_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, dict
                 raise ValueError(f"{path}: expected ',' or ']' after row {i - 1}, found {sep or 'the end'!r}")
 
 
-def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
+def to_messages(row: dict, *, tool_calls: bool = False, markers: tuple[str, str] = ("<think>", "</think>")) -> list[dict]:
     """OpenAI-style messages of a conversation row; ValueError says why not.
-    An assistant turn's `tool_calls` are kept when `tool_calls` (the chat
-    template renders them), their arguments parsed as SGLang's chat endpoint
-    parses them before it renders; else the row is refused: dropping them
-    would train on a conversation that never happened."""
+    An assistant turn's reasoning, from its `reasoning_content`,
+    `reasoning` or `thinking` field or inline in its content between the
+    target's `markers`, is kept as its `reasoning_content` (tasks/data/chat.py
+    hands it to the template). An assistant turn's `tool_calls` are kept
+    when `tool_calls` (the chat template renders them), their arguments
+    parsed as SGLang's chat endpoint parses them before it renders; else the
+    row is refused: dropping them would train on a conversation that never
+    happened."""
     if "messages" in row:
         raw = row["messages"]
         key_role, key_text, roles = "role", "content", ROLES
@@ -246,30 +254,52 @@ def to_messages(row: dict, *, tool_calls: bool = False) -> list[dict]:
         raise ValueError("empty conversation")
     messages = []
     for k, turn in enumerate(raw):
-        calls = turn.get("tool_calls") if isinstance(turn, dict) else None
-        if not isinstance(turn, dict) or key_role not in turn or (key_text not in turn and not calls):
-            raise ValueError(f"turn {turn!r:.80} lacks '{key_role}' or '{key_text}'")
+        if not isinstance(turn, dict) or key_role not in turn:
+            raise ValueError(f"turn {k} ({turn!r:.80}) lacks '{key_role}'")
         role = roles.get(turn[key_role])
         if role is None:
-            raise ValueError(f"unknown role {turn[key_role]!r} (known: {sorted(roles)})")
+            raise ValueError(f"turn {k}: unknown role {turn[key_role]!r} (known: {sorted(roles)})")
+        calls = turn.get("tool_calls")
+        reasoning = _reasoning_field(turn, k) if role == "assistant" else None
         text = turn.get(key_text)
+        if text is None and (calls or reasoning) and role == "assistant":
+            text = ""
+        if key_text not in turn and not text == "":
+            raise ValueError(f"turn {k} ({role}) lacks '{key_text}'")
+        if not isinstance(text, str):
+            raise ValueError(f"turn {k} ({role}): '{key_text}' is not a string")
+        if role == "assistant":
+            inline, answer = split_inline(text, *markers)
+            if inline is not None:
+                if reasoning is not None:
+                    raise ValueError(f"assistant turn {k} has reasoning twice: in a field and inline "
+                                     f"({markers[1]!r} in its content); keep one")
+                reasoning, text = inline, answer
+        message = {"role": role, "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             if not tool_calls:
                 raise ValueError(f"{role} turn {k} has tool_calls, which this tokenizer's chat template does "
                                  f"not render; use a template that renders tool calls, or drop the row")
-            calls = [_parsed_call(call, k) for call in calls]
-            if text is None:
-                text = ""
-        if not isinstance(text, str):
-            raise ValueError(f"{role} turn content is not a string")
-        message = {"role": role, "content": text}
-        if calls:
-            message["tool_calls"] = calls
+            message["tool_calls"] = [_parsed_call(call, k) for call in calls]
         for key in ("tool_call_id", "name") if role == "tool" else ():  # which call a result answers
             if key in turn:
                 message[key] = turn[key]
         messages.append(message)
     return messages
+
+
+def _reasoning_field(turn: dict, k: int) -> str | None:
+    """An assistant turn's reasoning from the one field that holds it."""
+    given = {f: turn[f] for f in REASONING_FIELDS if turn.get(f) not in (None, "")}
+    if len(set(map(str, given.values()))) > 1:
+        raise ValueError(f"assistant turn {k} has different reasoning in {' and '.join(given)}; keep one")
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise ValueError(f"assistant turn {k}: '{name}' is not a string")
+        return value
+    return None
 
 
 def _parsed_call(call, turn: int) -> dict:
@@ -293,59 +323,38 @@ def _parsed_call(call, turn: int) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def check_rendered(tokenizer, messages: list[dict], **template_kwargs) -> None:
+def check_rendered(render: Renderer, messages: list[dict]) -> None:
     """ValueError for a row whose tool results, developer turns or tool
     calls the chat template leaves out of its render (Qwen3's drops
     developer turns, gpt-oss's renders one only first, DeepSeek-V3's drops
     calls beside text): the row would train on a conversation that never
-    happened. Rows without them are not rendered here."""
+    happened. A tool result counts in the form the template quotes it in
+    (gpt-oss's renders it as a JSON string). Rows without them are not
+    rendered here."""
     wanted = [(k, f"{m['role']} turn", m["content"].strip()) for k, m in enumerate(messages)
               if m["role"] in ("tool", "developer") and m["content"].strip()]
     wanted += [(k, f"call of {c['function']['name']}", c["function"]["name"]) for k, m in enumerate(messages)
                for c in m.get("tool_calls") or ()]
     if not wanted:
         return
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    try:
+        text = render.text(messages, generation_prompt=False, thinking=render.chat.thinking)
+    except Exception as e:  # a template can raise anything on odd input: name the turn
+        raise ValueError(render.failure(messages, e)) from None
     for k, what, piece in wanted:
-        if piece not in text:
+        quoted = json.dumps(piece, ensure_ascii=False)[1:-1]
+        if piece not in text and quoted not in text:
             raise ValueError(f"turn {k}'s {what} is not in the chat template's render of this row (the template "
                              f"leaves it out here); use a template that renders it, or drop the row")
 
 
-def render_template(tokenizer, messages, **kw) -> list[int]:
-    """The chat template's token ids for `messages` (`kw`: its options)."""
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"])
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], **template_kwargs) -> tuple[list[int], list[int]]:
-    """Token ids through the target's chat template, and the assistant mask.
-
-    Uses the template's own `{% generation %}` markers where it has them;
-    otherwise each assistant turn's span is the difference between the
-    conversation rendered up to its generation prompt and up to its end.
-    `template_kwargs` go to the template (a reasoning target's switch).
-    """
-    template = tokenizer.chat_template or ""
-    if "{% generation %}" in template or "{%- generation %}" in template:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **template_kwargs)
-        return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
-    ids = render_template(tokenizer, messages, **template_kwargs)
-    mask = [0] * len(ids)
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = render_template(tokenizer, messages[:k], add_generation_prompt=True, **template_kwargs) if k else []
-        end = render_template(tokenizer, messages[: k + 1], **template_kwargs)
-        if ids[: len(start)] != start or ids[: len(end)] != end:
-            raise ValueError("the chat template does not render conversations prefix-stably; "
-                             "add {% generation %} markers to it to define the loss mask")
-        mask[len(start): len(end)] = [1] * (len(end) - len(start))
-    return ids, mask
-
-
-def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None) -> tuple[list[int], list[int]]:
-    """A row's token ids and loss mask; `tool_calls`: renders_tool_calls(tokenizer), found once."""
+def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None,
+                 chat: ChatRender | None = None) -> list[tuple[list[int], list[int]]]:
+    """A row's samples: (token ids, loss mask) each. A conversation gives
+    one per group of assistant turns its renders keep together
+    (tasks/data/chat.py); `tool_calls`: renders_tool_calls(tokenizer),
+    found once; `chat`: how the template renders it (default: its own
+    defaults)."""
     if not isinstance(row, dict):
         raise ValueError(f"row is a {type(row).__name__}, not an object")
     if "input_ids" in row:
@@ -362,15 +371,19 @@ def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None) -> tuple[
             raise ValueError(f"loss_mask has {len(mask)} values for {len(ids)} input ids")
         if not all(type(m) is int and m in (0, 1) for m in mask):
             raise ValueError("loss_mask values must be the integers 0 or 1")
-        return list(ids), list(mask)
+        # A regenerated answers row's turns its last sample does not hold (answers.py).
+        earlier = [s for e in row.get("earlier_samples") or () for s in tokenize_row(tokenizer, e, tool_calls, chat)]
+        return earlier + [(list(ids), list(mask))]
     if "text" in row and "messages" not in row and "conversations" not in row:
         if not isinstance(row["text"], str):
             raise ValueError("text is not a string")
         ids = list(tokenizer(row["text"])["input_ids"])
-        return ids, [1] * len(ids)
-    messages = to_messages(row, tool_calls=renders_tool_calls(tokenizer) if tool_calls is None else tool_calls)
-    check_rendered(tokenizer, messages)
-    return tokenize_conversation(tokenizer, messages)
+        return [(ids, [1] * len(ids))]
+    render = renderer(tokenizer, chat or resolve(tokenizer))
+    messages = to_messages(row, tool_calls=renders_tool_calls(tokenizer) if tool_calls is None else tool_calls,
+                           markers=(render.chat.start, render.chat.end))
+    check_rendered(render, messages)
+    return [(ids, mask) for ids, mask, _ in render.samples(messages)]
 
 
 def renders_tool_calls(tokenizer) -> bool:
@@ -394,33 +407,41 @@ def require_usable(path: Path, samples: list, rejected: list[Rejected]) -> None:
 
 
 def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "truncate",
-                    rows: Collection[int] | None = None) -> tuple[list[Sample], list[Rejected]]:
-    """Every usable row as a Sample, every other row as Rejected (with why).
+                    rows: Collection[int] | None = None,
+                    chat: ChatRender | None = None) -> tuple[list[Sample], list[Rejected]]:
+    """Every usable row's samples, every other row as Rejected (with why).
     With `rows`, only those row indices (a node's share of a fanned-out run:
-    the rest is not tokenised)."""
+    the rest is not tokenised). `chat`: how conversations are rendered (the
+    store's, tasks/data/chat.py; default: the template's own defaults)."""
     if policy not in MAX_LENGTH_POLICIES:
         raise ValueError(f"max-length policy must be one of {MAX_LENGTH_POLICIES}, got {policy!r}")
     samples, rejected, tool_calls = [], [], renders_tool_calls(tokenizer)
+    chat = chat or resolve(tokenizer)  # once: it reads the template and the checkpoint's files
     for i, row in read_rows(path, rows=rows):
         if isinstance(row, Rejected):
             rejected.append(row)
             continue
         try:
-            ids, mask = tokenize_row(tokenizer, row, tool_calls)
+            pieces = tokenize_row(tokenizer, row, tool_calls, chat)
         except Exception as e:  # a template can raise anything on odd input
             rejected.append(Rejected(i, str(e) or type(e).__name__))
             continue
-        if not ids:
-            rejected.append(Rejected(i, "no tokens"))
-            continue
-        if len(ids) > max_length:
-            if policy == "skip":
-                rejected.append(Rejected(i, f"{len(ids)} tokens > max_length {max_length} (policy: skip)"))
+        kept, why = 0, []
+        for ids, mask in pieces:
+            if not ids:
+                why.append("no tokens")
                 continue
-            ids, mask = ids[:max_length], mask[:max_length]
-        if not any(mask):
-            rejected.append(Rejected(i, "no loss tokens (no assistant turn within max_length)"))
-            continue
-        samples.append(Sample(sample_id(ids, mask), i, np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
+            if len(ids) > max_length:
+                if policy == "skip":
+                    why.append(f"{len(ids)} tokens > max_length {max_length} (policy: skip)")
+                    continue
+                ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask):
+                why.append("no loss tokens (no assistant turn within max_length)")
+                continue
+            samples.append(Sample(sample_id(ids, mask), i, np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
+            kept += 1
+        if why:  # a row's sample left out is said, even beside its kept ones
+            rejected.append(Rejected(i, why[0] if not kept and len(why) == 1 else
+                                     f"{len(why)} of its {len(pieces)} samples left out: {'; '.join(why)}"))
     return samples, rejected
-

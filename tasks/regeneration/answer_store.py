@@ -39,7 +39,9 @@ from tasks.store.manifest import write_json_once
 
 # /2: rows marked cut, conversations dropped for a cut answer (their kind
 # in the quarantine table), the template and weights in the provenance.
-FORMAT = "eagle3-answers/2"
+# /3: the turns grouped as capture groups them (earlier_samples), answers
+# with their reasoning_content, no loss after a turn's stop token.
+FORMAT = "eagle3-answers/3"
 # Answer shards open at once while reading (a 600k-conversation run has
 # thousands; the usual limit is 1,024 descriptors).
 OPEN_SHARDS = 8
@@ -69,6 +71,11 @@ class AnswersMismatch(Permanent, ValueError):
 
 class Swept(Permanent, RuntimeError):
     """A commit whose file a sweep of unindexed files may have removed."""
+
+
+def row_tokens(row: dict) -> int:
+    """The tokens an answers row's samples hold (its own and its earlier_samples)."""
+    return len(row["input_ids"]) + sum(len(s["input_ids"]) for s in row.get("earlier_samples", ()))
 
 
 def is_answers_dir(path: Path) -> bool:
@@ -111,8 +118,8 @@ class AnswerStore:
         self.provenance = json.loads(kept.read_text())
         if self.provenance.get("format") != FORMAT:
             raise AnswersMismatch(
-                f"the answers in {self.root} are in format {self.provenance.get('format')!r}, made before cut "
-                f"answers were marked and the template and weights recorded; this version reads {FORMAT!r}: "
+                f"the answers in {self.root} are in format {self.provenance.get('format')!r}, made before its "
+                f"rows were rendered as capture renders them (tasks/data/chat.py); this version reads {FORMAT!r}: "
                 f"answer again into a new regenerate.out")
         if provenance is not None:
             new = {"format": FORMAT, **provenance}
@@ -204,7 +211,7 @@ class AnswerStore:
                            (name, hashlib.sha256(body).hexdigest(), len(body), len(records), answer_tokens,
                             time.time()))
                 db.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?,?)",
-                               [(r["row_id"], r["source_row"], name, o, len(line), len(r["input_ids"]),
+                               [(r["row_id"], r["source_row"], name, o, len(line), row_tokens(r),
                                  r["answer_tokens"], int(r.get("cut", False)))
                                 for r, o, line in zip(records, offsets, lines)])
                 db.executemany("DELETE FROM quarantine WHERE row_id = ?", [(r["row_id"],) for r in records])
@@ -355,13 +362,14 @@ class AnswerStore:
                 got = 0
                 for row_id, source_row, offset, length, tokens, answered in indexed:
                     record = json.loads(body[offset:offset + length])
-                    ids, mask = record.get("input_ids"), record.get("loss_mask")
+                    pieces = [(s.get("input_ids"), s.get("loss_mask")) for s in [record, *record.get("earlier_samples", ())]]
+                    ids = sum((len(i or ()) for i, _ in pieces), 0)
                     if (record.get("row_id"), record.get("source_row")) != (row_id, source_row):
                         problems.append(f"row at {offset} is {record.get('row_id')}, not {row_id}")
-                    elif not ids or len(ids) != tokens or len(mask or ()) != tokens:
-                        problems.append(f"row {source_row}: {len(ids or ())} ids, {len(mask or ())} mask values, "
-                                        f"{tokens} indexed")
-                    elif record.get("answer_tokens") != answered or not any(mask):
+                    elif ids != tokens or any(not i or len(i) != len(m or ()) for i, m in pieces):
+                        problems.append(f"row {source_row}: {ids} ids in {len(pieces)} samples, mask values "
+                                        f"{[len(m or ()) for _, m in pieces]}, {tokens} indexed")
+                    elif record.get("answer_tokens") != answered or not all(any(m) for _, m in pieces):
                         problems.append(f"row {source_row}: no answer, or not the {answered} answer tokens indexed")
                     got += answered
                 if got != answer_tokens:

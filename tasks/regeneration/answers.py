@@ -6,9 +6,14 @@ One conversation becomes one answers row (answer_store.FORMAT):
 
     row_id, source_row, [id]    the conversation (and the dataset's own id)
     messages                    the conversation as answered: the target's
-                                answers in place of the dataset's
+                                answers in place of the dataset's, each
+                                with its reasoning_content when kept
     input_ids, loss_mask        the last turn's context and answer, token
-                                for token (turns.py)
+                                for token, with every earlier answer the
+                                context holds as the target wrote it
+    earlier_samples             [{input_ids, loss_mask}] for each earlier
+                                answer it does not (Qwen3's history drops
+                                reasoning): its own context and answer
     answer_tokens, turns        tokens the target generated, turns answered
     cut                         the last answer was stopped at max_new_tokens
                                 (regenerate.on_truncated "keep"): no end of
@@ -26,9 +31,9 @@ import httpx
 
 from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.config import RegenerateConfig
+from tasks.data.chat import ChatRender, group, split_inline
 from tasks.regeneration.turns import (
-    Conversation, Template, after_closed_reasoning, answer_points, calls_tools, check_template, context_mask,
-    render_prompt, split_reasoning,
+    Conversation, after_closed_reasoning, answer_points, calls_tools, check_template, render_prompt, split_reasoning,
 )
 
 
@@ -78,7 +83,7 @@ class Asker:
         return list(self.tokenizer.encode(self.cfg.reasoning_end, add_special_tokens=False))
 
     @functools.cached_property
-    def template(self) -> Template:
+    def template(self) -> ChatRender:
         return check_template(self.tokenizer, self.cfg)
 
 
@@ -178,46 +183,53 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
         points = [sum(kept[:p + 1]) - 1 for p in points]
     else:
         history = original
-    answers, generated, prompt, kept, cut, reasoned = {}, 0, [], [], False, False
+    answers, generated, cut, rows = {}, 0, False, []
+    row_thinking = False if not cfg.keep_reasoning else cfg.thinking
     for turn, point in enumerate(points):
         context = _replayed(history[:point + 1], answers)
         # Templates render off the pool's event loop: every answer in flight waits while it is busy.
-        prompt = await asyncio.to_thread(render_prompt, tok, context, template.kwargs(cfg.thinking))
+        prompt = await asyncio.to_thread(render_prompt, tok, context, template.template_kwargs(cfg.thinking))
         out, answer_ids, cut = await _answer_turn(client, asker, prompt, f"{conv.row_id}-{turn}", attempt)
         kept = out if cfg.keep_reasoning else answer_ids
         if not kept:
             raise NoAnswer(f"the target answered turn {turn} with no token")
         generated += len(out)
-        reasoned = reasoned or len(answer_ids) < len(out)
-        # A later turn sees the answer as a serving stack's history holds it:
-        # without its reasoning (a reasoning parser returns that apart).
-        answers[point] = {"role": "assistant", "content": tok.decode(answer_ids, skip_special_tokens=True).strip()}
+        answers[point] = _answered(tok, template, out, answer_ids, cfg.keep_reasoning)
+        # An answer without its reasoning follows the context a request
+        # without thinking gets (the template's empty reasoning part, if it has one).
+        if row_thinking != cfg.thinking:
+            prompt = await asyncio.to_thread(render_prompt, tok, context, template.template_kwargs(row_thinking))
+            kept = after_closed_reasoning(prompt, kept, asker.marker)
+            if not kept:
+                raise NoAnswer(f"the target's answer to turn {turn} is only what the template already puts after a "
+                               f"closed reasoning part")
+        rows.append((prompt, kept))
         if cut:
             if cfg.on_truncated != "keep":
                 raise Cut(f"turn {turn}'s answer reached max_new_tokens ({cfg.max_new_tokens}) "
                           f"(regenerate.on_truncated: {cfg.on_truncated})", turn)
             points = points[:turn + 1]  # a cut answer is no later turn's history
             break
-    # An answer without its reasoning follows the context a request without
-    # thinking gets (the template's empty reasoning part, if it has one).
-    row_thinking = False if not cfg.keep_reasoning else cfg.thinking
-    if row_thinking != cfg.thinking:
-        prompt = await asyncio.to_thread(render_prompt, tok, context, template.kwargs(row_thinking))
-        kept = after_closed_reasoning(prompt, kept, asker.marker)
-        if not kept:
-            raise NoAnswer(f"the target's answer to turn {len(points) - 1} is only what the template already "
-                           f"puts after a closed reasoning part")
-    # An earlier answer is a loss token only where the context holds it as
-    # the target wrote it: not when its reasoning was left out of the
-    # history, nor beside the dataset's tool calls (their turns are no answers of its).
-    mine = cfg.turns == "all" and template.history_stable and not reasoned and not any(map(calls_tools, context))
-    try:
-        mask = await asyncio.to_thread(context_mask, tok, context, prompt, template.kwargs(row_thinking), mine)
-    except ValueError:  # this row takes a branch of the template the plan's dry render did not
-        mask = await asyncio.to_thread(context_mask, tok, context, prompt, template.kwargs(row_thinking), False)
+    # As capture groups a conversation's turns (tasks/data/chat.py group), on
+    # the exact ids: an earlier answer the later context holds as the target
+    # wrote it is a loss span there, any other (its reasoning left out of the
+    # history) a sample of its own.
+    *earlier, (ids, mask, _) = group(rows, merge=cfg.turns == "all")
     return {"row_id": conv.row_id, "source_row": conv.source_row, **dict(conv.extra),
-            "messages": _replayed(history[:points[-1] + 1], answers), "input_ids": prompt + kept,
-            "loss_mask": mask + [1] * len(kept), "answer_tokens": generated, "turns": len(points), "cut": cut}
+            "messages": _replayed(history[:points[-1] + 1], answers), "input_ids": ids, "loss_mask": mask,
+            **({"earlier_samples": [{"input_ids": i, "loss_mask": m} for i, m, _ in earlier]} if earlier else {}),
+            "answer_tokens": generated, "turns": len(points), "cut": cut}
+
+
+def _answered(tok, template: ChatRender, out: list[int], answer_ids: list[int], keep_reasoning: bool) -> dict:
+    """The answer as a serving stack's history holds it: its text, and its
+    reasoning apart (a reasoning parser returns that apart), when kept."""
+    message = {"role": "assistant", "content": tok.decode(answer_ids, skip_special_tokens=True).strip()}
+    if keep_reasoning and len(answer_ids) < len(out):
+        text = tok.decode(out[:len(out) - len(answer_ids)], skip_special_tokens=False)
+        reasoning, _ = split_inline(text, template.start, template.end)
+        message["reasoning_content"] = reasoning if reasoning is not None else text.strip("\n")
+    return message
 
 
 def _replayed(history: list[dict], answers: dict[int, dict]) -> list[dict]:

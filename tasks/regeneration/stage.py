@@ -73,11 +73,7 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
     those rows: a node's share), less those answered under the store's
     provenance; a row that is no conversation is Rejected with its reason
     (and not answered)."""
-    template = check_template(tokenizer, cfg)  # refused here, before any request
-    if cfg.turns == "all" and not template.history_stable:
-        logger.warning("the chat template renders an earlier answer in a later turn's context otherwise than as "
-                       "the last turn (Qwen3's drops its reasoning part): the earlier answers are context in the "
-                       "rows, only each row's last answer is trained on")
+    check_template(tokenizer, cfg)  # refused here, before any request
     settings = {k: store.provenance[k] for k in ("target_config_sha256", "settings")}
     answered, seen = store.answered_ids() | store.dropped_ids(), set()
     todo, rejected, rows, done = [], [], 0, 0

@@ -22,7 +22,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from tasks.data.dataset import render_template, to_messages, tokenize_conversation
+from tasks.data.chat import ChatRender, prompt_ids, resolve, today
+from tasks.data.dataset import to_messages
 
 
 @dataclass(frozen=True)
@@ -74,90 +75,25 @@ def prompt_messages(row: dict) -> list[dict]:
     return messages[:answer_points(messages, "last")[0] + 1]
 
 
-class TemplateRefused(ValueError):
-    """The chat template cannot do what the regenerate section asks."""
-
-
-# A conversation only the dry renders see: placeholders, never sent.
-_PROBE = [{"role": "user", "content": "Question one?"}, {"role": "assistant", "content": "Answer one."},
-          {"role": "user", "content": "Question two?"}]
-
-
-@dataclass(frozen=True)
-class Template:
-    """How this run drives the target's chat template, found once at the
-    plan by dry renders: the switch that turns reasoning on or off, and
-    whether an earlier answer renders in a later turn's context as it did
-    when it was the last (Qwen3's template drops the earlier turns'
-    reasoning blocks: their tokens are then context, not the target's own)."""
-    switch: str | None = None
-    history_stable: bool = True
-
-    def kwargs(self, thinking: bool | None) -> dict:
-        return {} if thinking is None or self.switch is None else {self.switch: thinking}
-
-
-def sglang_thinking_switch(chat_template: str | None) -> str | None:
-    """The kwarg SGLang's chat endpoint sets to turn this template's
-    reasoning on or off (its template detection, serving_chat.py
-    _get_reasoning_toggle_param), or None."""
-    from sglang.srt.parser.template_detection import detect_reasoning_pattern
-
-    _, config = detect_reasoning_pattern(chat_template)
-    return config.toggle_param if config is not None else None
-
-
-def check_template(tokenizer, cfg) -> Template:
-    """The Template for the regenerate section `cfg`, or TemplateRefused
-    naming the setting to change: before any request is sent."""
-    switch = None
-    # Rows without their reasoning are rendered with it switched off.
-    row_thinking = False if not cfg.keep_reasoning else cfg.thinking
-    if cfg.thinking is not None or row_thinking is not None:
-        switch = cfg.thinking_switch or sglang_thinking_switch(tokenizer.chat_template)
-        if switch is None:
-            asked = ("regenerate.keep_reasoning is false (rows are rendered with reasoning off)" if
-                     cfg.thinking is None else f"regenerate.thinking is {str(cfg.thinking).lower()}")
-            raise TemplateRefused(
-                f"{asked} but SGLang finds no reasoning switch in the target's chat template: set "
-                f"regenerate.thinking_switch to the template's kwarg, or leave regenerate.thinking unset and "
-                f"keep_reasoning true")
-        on, off = (render_template(tokenizer, _PROBE[:1], add_generation_prompt=True, **{switch: v})
-                   for v in (True, False))
-        if on == off:
-            raise TemplateRefused(
-                f"the target's chat template renders the same prompt with {switch}=true and false: it does not read "
-                f"{switch!r}, so regenerate.thinking would change nothing. Set regenerate.thinking_switch to the "
-                f"kwarg it reads, or leave regenerate.thinking unset")
-    template = Template(switch)
-    if cfg.turns != "all":  # no earlier answer of the target's in any row
-        return template
-    try:
-        context_mask(tokenizer, _PROBE, render_prompt(tokenizer, _PROBE, template.kwargs(row_thinking)),
-                     template.kwargs(row_thinking), answers_are_targets=True)
-    except ValueError:
-        return Template(switch, history_stable=False)
-    return template
+def check_template(tokenizer, cfg) -> ChatRender:
+    """How this run drives the target's chat template (tasks/data/chat.py,
+    as capture does): the switch that turns reasoning on or off, found as
+    SGLang's chat endpoint finds it; ChatRefused naming the setting to
+    change, before any request is sent. Rows without their reasoning
+    (keep_reasoning false) are rendered with it switched off, so they need
+    a switch too."""
+    if not cfg.keep_reasoning and cfg.thinking is None:
+        resolve(tokenizer, thinking=False, switch=cfg.thinking_switch, date=today(),
+                what="regenerate (keep_reasoning false renders rows with reasoning off)")
+    # The target's stop tokens are its own output here: none to find.
+    return resolve(tokenizer, thinking=cfg.thinking, switch=cfg.thinking_switch, end=cfg.reasoning_end, date=today(),
+                   stop=(), what="regenerate")
 
 
 def render_prompt(tokenizer, messages: list[dict], kwargs: dict) -> list[int]:
     """The ids the target is sent for the next answer: the chat template
     (its `kwargs`: a reasoning switch) with its generation prompt."""
-    return render_template(tokenizer, messages, add_generation_prompt=True, **kwargs)
-
-
-def context_mask(tokenizer, messages: list[dict], prompt: list[int], kwargs: dict,
-                 answers_are_targets: bool) -> list[int]:
-    """The loss mask over `prompt` (messages rendered with the generation
-    prompt): the earlier assistant answers when they are the target's own
-    as rendered (answers_are_targets), nothing else."""
-    if not answers_are_targets or not any(m["role"] == "assistant" for m in messages):
-        return [0] * len(prompt)
-    ids, mask = tokenize_conversation(tokenizer, messages, **kwargs)
-    if prompt[:len(ids)] != ids:
-        raise ValueError("the chat template renders a history differently with its generation prompt; the "
-                         "earlier answers' loss tokens cannot be placed")
-    return mask + [0] * (len(prompt) - len(ids))
+    return prompt_ids(tokenizer, messages, kwargs)
 
 
 def after_closed_reasoning(prompt: list[int], answer: list[int], marker: list[int]) -> list[int]:

@@ -6,7 +6,9 @@
                               hidden size, dtype (the storage dtype of the hidden
                               states: bfloat16, or float8_e4m3fn with per-token
                               scales; see tasks/store/shards.py), max length and
-                              policy, SGLang version, sources, and for a
+                              policy, how conversations were rendered
+                              (`chat`: tasks/data/chat.py ChatRender), SGLang
+                              version, sources, and for a
                               source of regenerated answers what they were
                               made from (`regenerated`: source -> its
                               provenance.json, tasks/regeneration/answer_store.py)
@@ -32,7 +34,7 @@ from tasks.target.fingerprint import weights_fingerprint
 
 # What must be equal for two runs to write into the same store.
 IDENTITY_KEYS = ("format", "target", "architecture", "tokenizer", "aux_layers", "hidden_size", "dtype",
-                 "max_length", "max_length_policy")
+                 "max_length", "max_length_policy", "chat")
 
 
 class StoreError(RuntimeError):
@@ -47,17 +49,21 @@ class StoreMismatch(Permanent, StoreError):
 # The run settings each identity key comes from, named in a refusal.
 IDENTITY_SETTINGS = {"target": "server.model", "architecture": "server.model", "tokenizer": "server.model",
                      "hidden_size": "server.model", "aux_layers": "capture.aux_layer_ids", "dtype": "store.dtype",
-                     "max_length": "capture.max_length", "max_length_policy": "capture.max_length_policy"}
+                     "max_length": "capture.max_length", "max_length_policy": "capture.max_length_policy",
+                     "chat": "capture.thinking, turns, missing_reasoning, unwanted_reasoning, template_date, "
+                             "chat_template_kwargs, reasoning_start/end"}
 
 
 def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Architecture, *, max_length: int,
                    policy: str, sources: Sequence[str], dtype: str = BF16,
-                   regenerated: dict[str, dict] | None = None) -> dict:
+                   regenerated: dict[str, dict] | None = None, chat: dict | None = None) -> dict:
     """What produced the data. The keys in IDENTITY_KEYS must match for a run
     to add to an existing store. `dtype`, the storage dtype of the hidden
     states: bfloat16 (default) or float8_e4m3fn (half the bytes;
     tasks/store/fp8.py). `regenerated`: the provenance of each source that
-    is a directory of the target's own answers."""
+    is a directory of the target's own answers. `chat`: how its
+    conversations are rendered (ChatRender.record()), which a later run
+    and the verification render them with again."""
     from importlib.metadata import version
 
     if dtype not in STORAGE_DTYPES:
@@ -80,6 +86,7 @@ def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Archit
         "dtype": dtype,
         "max_length": max_length,
         "max_length_policy": policy,
+        "chat": chat,
         "sglang_version": version("sglang"),
         "sources": sorted(str(s) for s in sources),
         "regenerated": dict(regenerated or {}),

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from safetensors import safe_open
 
+from tasks.data.chat import store_chat
 from tasks.data.dataset import prepare_samples, sample_id
 from tasks.failures import Permanent
 from tasks.store.handle import Store
@@ -60,7 +61,7 @@ class FreshSources:
 
     errors: dict[str, str]  # source -> why it could not be read
     by_id: dict[str, tuple[str, int]]  # sample id -> (source, row), first occurrence
-    by_row: dict[tuple[str, int], str]  # (source, row) -> sample id
+    by_row: dict[tuple[str, int], list[str]]  # (source, row) -> its sample ids (one per group of turns)
     fatal: str | None = None  # why no source could be re-tokenised at all
 
 
@@ -76,13 +77,13 @@ def _fresh_samples(manifest: dict, sources: list[str]) -> FreshSources:
     for source in sources:
         try:
             samples, _ = prepare_samples(Path(source), tokenizer, max_length=manifest["max_length"],
-                                         policy=manifest["max_length_policy"])
+                                         policy=manifest["max_length_policy"], chat=store_chat(manifest))
         except (OSError, ValueError) as e:
             fresh.errors[source] = f"source {source} is missing or unreadable (moved?): {e}"
             continue
         for sample in samples:
             fresh.by_id.setdefault(sample.sample_id, (source, sample.source_row))
-            fresh.by_row[(source, sample.source_row)] = sample.sample_id
+            fresh.by_row.setdefault((source, sample.source_row), []).append(sample.sample_id)
     return fresh
 
 
@@ -255,7 +256,7 @@ def _against_source(s, fresh: FreshSources) -> tuple[str, str]:
     if now is None:
         return "GONE", (f"source row {s.source_row} no longer gives a sample and no row of the sources gives "
                         f"this one (removed?); prune it with `python -m flows.verify --prune-gone`")
-    return "GONE", (f"source changed: row {s.source_row} now gives sample {now}, and no row gives this one "
+    return "GONE", (f"source changed: row {s.source_row} now gives sample {', '.join(now)}, and no row gives this one "
                     f"(edited?); prune it with `python -m flows.verify --prune-gone`")
 
 

@@ -16,6 +16,8 @@ import numpy as np
 
 from tasks.capture.canary import refuse_unchecked_logits
 from tasks.capture.config import CaptureConfig
+from tasks.capture.planning import capture_chat
+from tasks.data.chat import ChatRender
 from tasks.data.dataset import Rejected, Sample, prepare_samples, require_usable
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
@@ -39,14 +41,14 @@ PLANNED = "stream-samples.parquet"
 CACHED = "stream-cached.json"
 
 
-def planned_samples(sources: list[str], tokenizer, *, max_length: int,
-                    policy: str) -> tuple[list[Sample], list[Rejected]]:
+def planned_samples(sources: list[str], tokenizer, *, max_length: int, policy: str,
+                    chat: ChatRender | None = None) -> tuple[list[Sample], list[Rejected]]:
     """Every sample the capture of these sources will store (once per id, in
-    row order), from their tokenisation alone, and the rows it will
-    quarantine instead."""
+    row order), from their tokenisation alone (conversations as `chat`
+    renders them), and the rows it will quarantine instead."""
     out, rejected, seen = [], [], set()
     for source in sources:
-        samples, unusable = prepare_samples(Path(source), tokenizer, max_length=max_length, policy=policy)
+        samples, unusable = prepare_samples(Path(source), tokenizer, max_length=max_length, policy=policy, chat=chat)
         require_usable(Path(source), samples, unusable)
         rejected += unusable
         for s in samples:
@@ -92,22 +94,23 @@ def planned_columns(samples: list[Sample]) -> dict[str, list]:
             "num_loss_tokens": [int(s.loss_mask.sum()) for s in samples]}
 
 
-def _planned_key(sources: list[str], target_path: str, max_length: int, policy: str) -> str:
+def _planned_key(sources: list[str], target_path: str, max_length: int, policy: str, chat: dict | None) -> str:
     """What the planned samples depend on: the sources (by path, size and
-    mtime: one changed in place is planned again), the tokenizer's model and
-    the length policy."""
+    mtime: one changed in place is planned again), the tokenizer's model,
+    the length policy and how conversations are rendered."""
     files = sorted(str(Path(s).resolve()) for s in sources)
     return json.dumps({"sources": [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
-                       "target": str(Path(target_path).resolve()), "max_length": max_length, "policy": policy})
+                       "target": str(Path(target_path).resolve()), "max_length": max_length, "policy": policy,
+                       "chat": chat}, sort_keys=True)
 
 
 def write_planned(store: Path, samples: list[Sample], sources: list[str], target_path: str, *, max_length: int,
-                  policy: str) -> None:
+                  policy: str, chat: ChatRender | None = None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.table(planned_columns(samples)).replace_schema_metadata(
-        {"eagle3_key": _planned_key(sources, target_path, max_length, policy)})
+        {"eagle3_key": _planned_key(sources, target_path, max_length, policy, chat and chat.record())})
     Path(store).mkdir(parents=True, exist_ok=True)
     replace_durably(Path(store) / PLANNED, lambda tmp: pq.write_table(table, tmp))
 
@@ -122,7 +125,7 @@ def read_planned(store: Path, manifest: dict):
     try:
         table = pq.read_table(path)
         key = _planned_key(manifest["sources"], manifest["target_path"], manifest["max_length"],
-                           manifest["max_length_policy"])
+                           manifest["max_length_policy"], manifest.get("chat"))
     except FileNotFoundError:
         return None
     if (table.schema.metadata or {}).get(b"eagle3_key", b"").decode() != key:
@@ -212,13 +215,15 @@ def plan_stream(model: str, capture: CaptureConfig, train: TrainConfig, store: P
     target = Target.load(str(resolve_model(model)), capture.aux_layer_ids)
     refuse_unchecked_logits(target.config, capture.canary_fraction)  # before the trainer starts
     dataset = str(Path(capture.dataset).resolve())
-    samples, unusable = planned_samples([dataset], target.tokenizer(), max_length=capture.max_length,
-                                        policy=capture.max_length_policy)
+    tokenizer = target.tokenizer()
+    chat = capture_chat(capture, tokenizer, target.path, None if store is None else Path(store))
+    samples, unusable = planned_samples([dataset], tokenizer, max_length=capture.max_length,
+                                        policy=capture.max_length_policy, chat=chat)
     if store is not None:
         keep_spool_quarantine(Path(store))
         samples = without_quarantined(samples, Path(store))
         write_planned(store, samples, [dataset], target.path, max_length=capture.max_length,
-                      policy=capture.max_length_policy)
+                      policy=capture.max_length_policy, chat=chat)
     return plan_order(planned_columns(samples), [r.source_row for r in unusable],
                       bytes_per_token(target.hidden_size, len(target.layers.sglang_ids), dtype), capture.batch_size,
                       train, store, served_prompts)

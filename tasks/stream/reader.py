@@ -14,6 +14,7 @@ import numpy as np
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path
 from tasks.store.reader import StoreReader
+from tasks.data.chat import store_chat
 from tasks.stream.plan import planned_columns, planned_samples, read_planned, without_quarantined
 from tasks.stream.spool import drop_spooled_shard, epoch_store, write_position
 from tasks.stream.state import capture_state, mark_trainer_started, mark_waiting, record_progress
@@ -49,7 +50,7 @@ class StreamReader:
         if planned is None:
             tokenizer = load_tokenizer(self.manifest["target_path"])
             samples, _ = planned_samples(self.manifest["sources"], tokenizer, max_length=self.manifest["max_length"],
-                                         policy=self.manifest["max_length_policy"])
+                                         policy=self.manifest["max_length_policy"], chat=store_chat(self.manifest))
             planned = planned_columns(without_quarantined(samples, self.store))
         self.sample_ids = list(planned["sample_id"])
         self._rows = dict(zip(self.sample_ids, (int(r) for r in planned["source_row"])))
