@@ -31,6 +31,7 @@ from tasks.regeneration.answers import Asker
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.pool import AnswerPool
 from tasks.regeneration.provenance import provenance, sampled_without_determinism, served_flags
+from tasks.regeneration.turns import pin_date
 from tasks.regeneration.stage import (
     Progress, answer_batch, answer_server, batch_workers, plan_regeneration, served_ranks,
 )
@@ -115,6 +116,7 @@ def regenerate_answers(
         # A node's child opens what its parent made and checked (no hash of
         # a dataset of many GB per share), refused if its own target,
         # template or settings differ (a child rerun from the UI, edited).
+        regenerate = pin_date(regenerate, tokenizer, out)  # a child's: its parent's, in its provenance
         if parent_run:
             store = AnswerStore(out)
             store.check_made_from(provenance(None, model_path, regenerate, tokenizer))

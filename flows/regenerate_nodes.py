@@ -30,6 +30,7 @@ from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.config import RegenerateConfig
 from tasks.regeneration.provenance import provenance
 from tasks.regeneration.stage import Progress, plan_regeneration
+from tasks.regeneration.turns import pin_date
 from tasks.server.config import ServerConfig
 from tasks.server.supervisor import FROM_NODE
 from tasks.store.lock import hold_lock
@@ -69,6 +70,7 @@ def regenerate_across_nodes(
     # The parent holds the answers; its children on other hosts write under it.
     with hold_lock(out, f"regenerate_across_nodes of {dataset}", run=run_id):
         tokenizer = load_tokenizer(model_path)
+        regenerate = pin_date(regenerate, tokenizer, out)
         store = AnswerStore(out, provenance(Path(dataset), model_path, regenerate, tokenizer), regenerate.index_url)
         if isinstance(store.index, SqliteIndex) and len(queues) > 1:
             raise ValueError(f"the answers in {out} keep their index in SQLite, which many hosts must not write (not "

@@ -15,7 +15,7 @@ import pytest
 from tasks.data.chat import ChatRefused, resolve, stop_texts
 from tasks.data.dataset import prepare_samples, tokenize_row
 from tests.conftest import write_jsonl
-from tests.published_templates import ALL, DEEPSEEK_V31, GLM45, GPT_OSS, KIMI_K25, LLAMA31, QWEN3, model_dir_for
+from tests.published_templates import ALL, TEMPLATES as TEMPLATES_DIR, model_dir_for
 
 R, R1, R2, R3 = "Two plus two: count up from two.", "R one.", "R two.", "R three."
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -23,6 +23,10 @@ WEATHER = [{"role": "user", "content": "Weather in Paris?"},
            {"role": "assistant", "content": "", "reasoning_content": "Need the tool.", "tool_calls": [CALL]},
            {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temp": 21}'},
            {"role": "assistant", "content": "It is 21 C.", "reasoning_content": "The tool says 21."}]
+# The function the tool-call case's row declares (its `tools`, as a chat request carries them).
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
 CASES = {
     "field": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is 4.", "reasoning_content": R}],
     "inline": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": f"<think>\n{R}\n</think>\n\nIt is 4."}],
@@ -78,10 +82,11 @@ REFUSED = {
 # earlier turn exactly as the target emitted it. Every reasoning template
 # drops an earlier turn's reasoning from the history once a user asks
 # again; a tool call's reasoning stays in the prompt of the answer after
-# its result.
+# its result (not gpt-oss's: its template reads `thinking`, which SGLang's
+# message model does not carry, so a history never shows an analysis).
 GROUPS = {
     "three turns": {t.name: [[1], [3], [5]] for t in ALL},
-    "tool call": {"qwen3": [[1, 3]], "kimi-k2.5": [[1, 3]], "glm-4.5": [[1, 3]], "gpt-oss-120b": [[1, 3]]},
+    "tool call": {"qwen3": [[1, 3]], "kimi-k2.5": [[1, 3]], "glm-4.5": [[1, 3]], "gpt-oss-120b": [[1], [3]]},
     "plain chat": {"qwen3": [[1], [3]], "kimi-k2.5": [[1, 3]], "glm-4.5": [[1, 3]], "gpt-oss-120b": [[1], [3]],
                    "deepseek-v3.1": [[1, 3]], "llama-3.1": [[1, 3]]},
 }
@@ -108,17 +113,20 @@ def encode(tok, text: str) -> list[int]:
 
 
 def with_fields(target, messages):
-    """The messages as SGLang's chat endpoint hands them to the template:
-    reasoning in the field the template reads, tool-call arguments parsed."""
+    """A history as SGLang's chat endpoint hands it to the template: its
+    message model keeps reasoning_content (no other reasoning field),
+    tool-call arguments parsed."""
     def given(m):
-        out = {k: v for k, v in m.items() if k != "reasoning_content"}
-        if m.get("reasoning_content"):
-            out[FIELD[target.name]] = m["reasoning_content"]
+        out = dict(m)
         if m.get("tool_calls"):
             out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
                                  for c in m["tool_calls"]]
         return out
     return [given(m) for m in messages]
+
+
+def row_of(case: str) -> dict:
+    return {"messages": CASES[case], **({"tools": TOOLS} if case == "tool call" else {})}
 
 
 def expected_samples(tok, target, case: str, messages: list[dict], thinking_on: bool):
@@ -134,12 +142,16 @@ def expected_samples(tok, target, case: str, messages: list[dict], thinking_on: 
             reasoning, answer = R, "It is 4."
         else:
             answer = m["content"]
-        # A turn without reasoning is rendered as the target answers with thinking off (missing_reasoning off).
+        # A turn without reasoning is rendered as the target answers with thinking off (missing_reasoning off);
+        # gpt-oss cannot: an empty analysis.
         thinking = thinking_on and (reasoning is not None or target.switch is None)
+        if thinking and reasoning is None:
+            reasoning = ""
         kwargs = {target.switch: thinking} if target.switch else {}
         if target.name == "gpt-oss-120b":
             kwargs["strftime_now"] = lambda fmt: "2026-12-07"
-        prompts[k] = tok.apply_chat_template(fielded[:k], tokenize=False, add_generation_prompt=True, **kwargs)
+        prompts[k] = tok.apply_chat_template(fielded[:k], tokenize=False, add_generation_prompt=True,
+                                             tools=row_of(case).get("tools"), **kwargs)
         if m.get("tool_calls"):
             emitted[k] = TOOL_EMITS[target.name]
         else:
@@ -167,7 +179,7 @@ REASONING_TARGETS = ["qwen3", "kimi-k2.5", "glm-4.5", "gpt-oss-120b", "deepseek-
 def test_each_case_is_captured_as_the_target_emits_it_or_refused_in_one_line(targets, name, case):
     target, tok, folder = targets[name]
     chat = chat_for(tok, folder, thinking=True)
-    row = {"messages": CASES[case]}
+    row = row_of(case)
     if (name, case) in REFUSED:
         with pytest.raises(ValueError) as refused:
             tokenize_row(tok, row, None, chat)
@@ -199,7 +211,8 @@ def test_a_dataset_with_reasoning_never_trains_on_an_empty_reasoning_part(target
     """Every reasoning template, a reasoning_content dataset: each trained
     turn's loss span holds its reasoning, never an empty reasoning part;
     the one row without reasoning is rendered as the target answers with
-    thinking off (its empty part, where the template has one, is prompt)."""
+    thinking off (its empty part, where the template has one, is prompt),
+    but on gpt-oss, which always reasons: an empty analysis under the loss."""
     rows = [{"messages": CASES["field"]}, {"messages": CASES["three turns"]}, {"messages": CASES["plain chat"]}]
     path = write_jsonl(tmp_path / "reasoning.jsonl", rows)
     for name in REASONING_TARGETS:
@@ -212,7 +225,8 @@ def test_a_dataset_with_reasoning_never_trains_on_an_empty_reasoning_part(target
                 assert any(r in "".join(spans) for r in (R, R1, R2, R3)), (name, spans)
             for span in spans:
                 assert "<think></think>" not in span and "<think>\n\n</think>" not in span, (name, span)
-                assert "analysis<|message|><|end|>" not in span, (name, span)
+                empty_analysis = "analysis<|message|><|end|>" in span
+                assert empty_analysis == (name == "gpt-oss-120b" and s.source_row == 2), (name, span)
 
 
 def _loss_spans(tok, sample) -> list[str]:
@@ -359,3 +373,84 @@ def test_reasoning_that_the_answer_repeats_is_still_placed_where_the_target_writ
         _, tok, folder = targets[name]
         (ids, mask), = tokenize_row(tok, row, None, chat_for(tok, folder, thinking=True))
         assert tok.decode([i for i, m in zip(ids, mask) if m]) == f"4.</think>It is 4.{stop}"
+
+
+def test_a_rows_tools_reach_every_prompt_as_a_requests_do(targets):
+    """The row's function definitions are rendered into each prompt (the
+    tool block every tool-calling template writes), as SGLang renders a
+    request's `tools`; a row without them renders as a request without."""
+    for name, marker in (("qwen3", "# Tools"), ("kimi-k2.5", "tool_declare"), ("glm-4.5", "# Tools"),
+                         ("gpt-oss-120b", "# Tools"), ("llama-3.1", "get_weather")):
+        _, tok, folder = targets[name]
+        with_tools = tokenize_row(tok, row_of("tool call"), None, chat_for(tok, folder, thinking=name != "llama-3.1"
+                                                                            or None, unwanted_reasoning="drop"))
+        without = tokenize_row(tok, {"messages": CASES["tool call"]}, None,
+                               chat_for(tok, folder, thinking=name != "llama-3.1" or None, unwanted_reasoning="drop"))
+        assert all(marker in tok.decode(ids) and "The weather in a city." in tok.decode(ids) for ids, _ in with_tools)
+        assert not any("The weather in a city." in tok.decode(ids) for ids, _ in without)
+        # The definitions are prompt, never trained on.
+        assert not any("The weather in a city." in tok.decode([i for i, m in zip(ids, mask) if m])
+                       for ids, mask in with_tools)
+    _, tok, folder = targets["qwen3"]
+    with pytest.raises(ValueError, match="tools must be a list of tool definitions"):
+        tokenize_row(tok, {"messages": CASES["field"], "tools": "get_weather"}, None, chat_for(tok, folder))
+
+
+def test_a_call_the_template_leaves_out_is_refused(targets):
+    """gpt-oss's template renders an assistant turn's first tool call only:
+    a turn of two parallel calls is refused naming the second, not trained
+    as if it were one."""
+    _, tok, folder = targets["gpt-oss-120b"]
+    rome = {**CALL, "id": "call_2", "function": {**CALL["function"], "arguments": '{"city": "Rome"}'}}
+    row = {"messages": [WEATHER[0], {"role": "assistant", "content": "", "tool_calls": [CALL, rome]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+                        {"role": "tool", "tool_call_id": "call_2", "content": "25"}], "tools": TOOLS}
+    with pytest.raises(ValueError, match="turn 1's call of get_weather is not in the chat template's render"):
+        tokenize_row(tok, row, None, chat_for(tok, folder))
+    _, tok, folder = targets["qwen3"]
+    assert len(tokenize_row(tok, row | {"messages": row["messages"] + [{"role": "assistant", "content": "Both."}]},
+                            None, chat_for(tok, folder))) == 2
+
+
+def test_a_turn_holding_a_stop_tokens_text_is_refused_not_cut(targets):
+    _, tok, folder = targets["glm-4.5"]
+    row = {"messages": [{"role": "user", "content": "Say it."},
+                        {"role": "assistant", "content": "Here: <|user|> and more.", "reasoning_content": R}]}
+    with pytest.raises(ValueError, match="holds the text of the target's stop token '<\\|user\\|>'"):
+        tokenize_row(tok, row, None, chat_for(tok, folder))
+
+
+def test_dropping_unwanted_reasoning_drops_it_from_the_whole_row(targets):
+    """unwanted_reasoning drop: no turn's reasoning reaches any render, the
+    history's included (Qwen3 renders a tool call's reasoning in the
+    history of the answer after its result)."""
+    _, tok, folder = targets["qwen3"]
+    samples = tokenize_row(tok, row_of("tool call"), None, chat_for(tok, folder, thinking=False,
+                                                                   unwanted_reasoning="drop"))
+    assert samples and not any("Need the tool." in tok.decode(ids) or "The tool says" in tok.decode(ids)
+                               for ids, _ in samples)
+
+
+def test_a_tokenizer_with_named_templates_is_read_whole(targets):
+    """A tokenizer may carry several templates by name (default, tool_use):
+    their switch and date are found in any of them."""
+    from tasks.data.chat import reads_date, reasoning_fields
+
+    named = {"default": (TEMPLATES_DIR / "qwen3.jinja").read_text(),
+             "tool_use": (TEMPLATES_DIR / "gpt-oss-120b.jinja").read_text()}
+    assert reads_date(named) and set(reasoning_fields(named)) == {"reasoning_content", "thinking", "reasoning"}
+
+
+def test_a_stream_run_refuses_rows_of_several_samples_naming_what_to_do(targets, tmp_path):
+    """A stream run spools by row; a conversation of several samples (Qwen3
+    drops an earlier turn's reasoning) is refused at its plan, with the two
+    ways out, not spooled wrong."""
+    from tasks.stream.plan import SeveralSamplesARow, planned_samples
+
+    _, tok, folder = targets["qwen3"]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CASES["three turns"]}, {"messages": CASES["field"]}])
+    with pytest.raises(SeveralSamplesARow, match="give 2 samples beyond one each.*mode offline.*capture.turns last"):
+        planned_samples([str(path)], tok, max_length=4096, policy="truncate", chat=chat_for(tok, folder))
+    samples, _ = planned_samples([str(path)], tok, max_length=4096, policy="truncate",
+                                 chat=chat_for(tok, folder, turns="last"))
+    assert [s.source_row for s in samples] == [0, 1]

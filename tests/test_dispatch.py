@@ -25,6 +25,21 @@ def plan(n: int) -> list[S]:
     return [S(r) for r in range(n)]
 
 
+def test_a_rows_samples_go_to_one_share():
+    """A conversation that gives several samples (one per group of turns:
+    tasks/data/chat.py) is one row: a share that would end inside it takes
+    the rest of it, so no two children plan and capture the same row."""
+    samples = [S(r) for r in range(40) for _ in range(1 + r % 3)]
+    d = Dispatcher(samples, ["a", "b"], 2, min_share=8, batch_size=4)
+    shares = []
+    while (share := d.take("a")) is not None:
+        shares.append(share)
+        d.finished("a", share, None)
+    rows = [r for sh in shares for r in sh.rows]
+    assert rows == list(range(40)) and sum(sh.samples for sh in shares) == len(samples)
+    assert any(sh.samples % 4 for sh in shares)  # a share grew past its whole batches to end on a row
+
+
 def test_shares_are_half_of_what_is_left_per_node_in_whole_batches_down_to_the_minimum():
     d = Dispatcher(plan(100), ["a", "b"], 2, min_share=8, batch_size=4)
     sizes = []

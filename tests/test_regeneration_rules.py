@@ -185,3 +185,37 @@ def test_a_resume_or_a_child_with_another_template_weights_flags_or_settings_is_
     assert sampled_without_determinism(sampled, ServerConfig(model=str(model),
                                                              extra_args=["--enable-deterministic-inference"])) is None
     assert sampled_without_determinism(cfg, server) is None
+
+
+def test_regeneration_pins_a_templates_date_and_renders_a_rows_tools(tmp_path):
+    """gpt-oss's template reads today's date: unset, regenerate.template_date
+    is the day the answers were first made (their provenance), so a resume
+    on another day renders the same prompts; a row's tools reach its
+    prompts and name its answers (another set of tools, another row id)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tasks.regeneration.config import RegenerateConfig
+    from tasks.regeneration.turns import pin_date, render_prompt, row_id
+    from tests.published_templates import GPT_OSS, QWEN3, model_dir_for
+
+    tok = AutoTokenizer.from_pretrained(model_dir_for(GPT_OSS, tmp_path / "gpt-oss"))
+    out = tmp_path / "answers"
+    fresh = pin_date(RegenerateConfig(), tok, out)
+    assert fresh.template_date == __import__("datetime").date.today().isoformat()
+    out.mkdir()
+    (out / "provenance.json").write_text(json.dumps({"settings": {"template_date": "2026-01-02"}}))
+    resumed = pin_date(RegenerateConfig(), tok, out)
+    assert resumed.template_date == "2026-01-02"
+    assert pin_date(RegenerateConfig(template_date="2025-05-05"), tok, out).template_date == "2025-05-05"
+    from tasks.regeneration.turns import check_template
+
+    kwargs = check_template(tok, resumed).template_kwargs(None)
+    assert "Current date: 2026-01-02" in tok.decode(render_prompt(tok, [{"role": "user", "content": "Hi"}], kwargs))
+    qwen = AutoTokenizer.from_pretrained(model_dir_for(QWEN3, tmp_path / "qwen3"))
+    assert pin_date(RegenerateConfig(), qwen, out).template_date is None  # its template reads no date
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    user = [{"role": "user", "content": "Weather?"}]
+    assert "get_weather" in qwen.decode(render_prompt(qwen, user, {}, tools))
+    assert row_id(user, {}, tools) != row_id(user, {}) == row_id(user, {}, [])

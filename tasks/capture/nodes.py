@@ -97,10 +97,13 @@ class Dispatcher:
         size = max(self.min_share, -(-len(self._pending) // (2 * healthy)))
         size = -(-size // self.batch_size) * self.batch_size
         share = [self._pending.popleft() for _ in range(min(size, len(self._pending)))]
+        # A share is rows: a row's samples (one per group of its turns) go together.
+        while share and self._pending and self._pending[0].source_row == share[-1].source_row:
+            share.append(self._pending.popleft())
         self._cut_so_far += 1
         # Planned tokens where the plan knows them (a capture's samples); a
         # regeneration's conversations are measured only once answered: 0.
-        return Share(self._cut_so_far - 1, tuple(s.source_row for s in share), len(share),
+        return Share(self._cut_so_far - 1, tuple(dict.fromkeys(s.source_row for s in share)), len(share),
                      sum(getattr(s, "num_tokens", 0) for s in share))
 
     def _returned_for(self, node: str) -> Share | None:

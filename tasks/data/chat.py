@@ -106,13 +106,18 @@ def store_chat(manifest: dict) -> ChatRender | None:
     return ChatRender.from_record(manifest["chat"]) if manifest.get("chat") else None
 
 
-def reads_date(template: str | None) -> bool:
-    return "strftime_now" in (template or "")
+def template_text(template: str | dict | None) -> str:
+    """A tokenizer's chat template as text (a tokenizer may carry several, by name)."""
+    return "\n".join(template.values()) if isinstance(template, dict) else template or ""
 
 
-def reasoning_fields(template: str | None) -> tuple[str, ...]:
+def reads_date(template: str | dict | None) -> bool:
+    return "strftime_now" in template_text(template)
+
+
+def reasoning_fields(template: str | dict | None) -> tuple[str, ...]:
     """The message fields the template reads reasoning from."""
-    return tuple(f for f in REASONING_FIELDS if re.search(rf"\b{f}\b", template or ""))
+    return tuple(f for f in REASONING_FIELDS if re.search(rf"\b{f}\b", template_text(template)))
 
 
 def stop_texts(tokenizer, model_path: Path | None = None) -> tuple[str, ...]:
@@ -143,7 +148,7 @@ def resolve(tokenizer, *, thinking: bool | None = None, switch: str | None = Non
     (`what` names their section in a refusal), found as SGLang's chat
     endpoint finds the switch (its template detection) and checked by a dry
     render; ChatRefused names the setting to change."""
-    template = tokenizer.chat_template or ""
+    template = template_text(tokenizer.chat_template)
     for value, allowed, name in ((turns, TURNS, "turns"), (missing_reasoning, MISSING_REASONING, "missing_reasoning"),
                                  (unwanted_reasoning, UNWANTED_REASONING, "unwanted_reasoning")):
         if value not in allowed:
@@ -222,40 +227,39 @@ class Turn:
 
 
 class Renderer:
-    """A tokenizer's chat template driven by a ChatRender."""
+    """A tokenizer's chat template driven by a ChatRender. A row's `tools`
+    (its function definitions) go to every render, as SGLang's chat
+    endpoint passes a request's."""
 
     def __init__(self, tokenizer, chat: ChatRender):
         self.tok, self.chat = tokenizer, chat
 
     # -- renders --------------------------------------------------------------------------------------------
 
-    def text(self, messages: list[dict], *, generation_prompt: bool, thinking: bool | None) -> str:
-        """The template's text for `messages` (`thinking` for its switch)."""
-        return render_text(self.tok, messages, generation_prompt, self.chat.template_kwargs(thinking))
+    def text(self, messages: list[dict], *, generation_prompt: bool, thinking: bool | None, tools=None,
+             emitting: bool = False) -> str:
+        """The template's text for `messages` (`thinking` for its switch).
+        `emitting`: the last message is the turn whose emission is read, its
+        reasoning in every field the template reads; the others as SGLang
+        hands a history over (reasoning_content alone)."""
+        return render_text(self.tok, messages, generation_prompt, self.chat.template_kwargs(thinking), tools=tools,
+                           emitting=emitting)
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tok, text)
-
-    def prompt(self, messages: list[dict], thinking: bool | None) -> list[int]:
-        """The ids the server sends the target for the next answer after
-        `messages` (`thinking` for the switch; None passes none)."""
-        return self.encode(self.text(messages, generation_prompt=True, thinking=thinking))
 
     # -- one turn -------------------------------------------------------------------------------------------
 
     def turn_thinking(self, message: dict, k: int) -> tuple[bool | None, dict]:
         """The switch a trained turn is rendered with, and the turn as
-        rendered (its reasoning dropped under unwanted_reasoning drop);
+        rendered (an empty reasoning part where the target must reason);
         ValueError under a refusing policy."""
         chat, reasoned = self.chat, bool(message.get("reasoning_content"))
         if reasoned and not chat.thinking:
-            if chat.unwanted_reasoning == "refuse":
-                why = ("the target's chat template has no reasoning" if chat.thinking is None else
-                       f"thinking is off ({chat.switch}=false)")
-                raise ValueError(f"assistant turn {k} has reasoning but {why}: set capture.thinking true to train "
-                                 f"on it as the target reasons, or capture.unwanted_reasoning drop to train on "
-                                 f"the answer alone")
-            return chat.thinking, _bare(message)
+            raise ValueError(f"assistant turn {k} has reasoning but "
+                             f"{'the chat template has no reasoning' if chat.thinking is None else 'thinking is off'}"
+                             f": set capture.thinking true to train on it as the target reasons, or "
+                             f"capture.unwanted_reasoning drop to train on the answer alone")
         if not reasoned and chat.thinking:
             if chat.missing_reasoning == "refuse":
                 raise ValueError(f"assistant turn {k} has no reasoning but thinking is on, where the target "
@@ -263,34 +267,45 @@ class Renderer:
                                  f"target answers with thinking off) or empty (an empty reasoning part)")
             if chat.missing_reasoning == "off" and chat.switch is not None:
                 return False, message
+            # empty, or a target that cannot answer without reasoning (gpt-oss): an empty part.
+            return chat.thinking, {**message, "reasoning_content": ""}
         return chat.thinking, message
 
-    def turn(self, messages: list[dict], k: int) -> Turn:
+    def turn(self, messages: list[dict], k: int, tools=None) -> Turn:
         """Assistant turn `k` of `messages`: its generation prompt and what
         the target emits after it, up to and including its stop token."""
         thinking, message = self.turn_thinking(messages[k], k)
         history, reasoning = messages[:k], message.get("reasoning_content") or ""
-        prompt = self.text(history, generation_prompt=True, thinking=thinking)
-        whole = self.text(history + [message], generation_prompt=False, thinking=thinking)
+        for piece in (reasoning, message.get("content") or ""):
+            inside = [s for s in self.chat.stop if s in piece]
+            if inside:
+                raise ValueError(f"assistant turn {k} holds the text of the target's stop token {inside[0]!r}, "
+                                 f"which would end it there: drop the row")
+
+        def render(context, m, gp):
+            return self.text(context + ([m] if m else []), generation_prompt=gp, thinking=thinking, tools=tools,
+                             emitting=m is not None)
+
+        prompt = render(history, None, True)
+        whole = render(history, message, False)
         # Read after its own history, or else after a one-question history
         # (gpt-oss drops a tool call's analysis once a final answer follows
         # it), where the turn renders as it does here; a render that is the
         # same without the reasoning has left it out.
         for context in (history, [PROBE]):
-            shown = prompt if context is history else self.text(context, generation_prompt=True, thinking=thinking)
-            alone = whole if context is history else self.text(context + [message], generation_prompt=False,
-                                                               thinking=thinking)
+            shown = prompt if context is history else render(context, None, True)
+            alone = whole if context is history else render(context, message, False)
             emitted = alone[len(shown):] if alone.startswith(shown) else None
-            rendered = not reasoning or alone != self.text(context + [_bare(message)], generation_prompt=False,
-                                                            thinking=thinking)
+            rendered = not reasoning or alone != render(context, _bare(message), False)
             if emitted is not None and rendered and (context is history or emitted in whole):
                 break
         else:  # the template leaves this turn's reasoning out (Kimi-K2.5's last turn, DeepSeek-V3.1)
-            emitted = reasoning + self._answer_part(history, _bare(message), prompt, thinking, k)
-        emitted = self._ended(emitted, messages, k, thinking)
+            emitted = reasoning + self._answer_part(history, _bare(message), prompt, thinking, k, tools)
+        emitted = self._ended(emitted, messages, k, thinking, tools)
         return Turn(k, self.encode(prompt), self.encode(emitted), prompt, emitted)
 
-    def _answer_part(self, history: list[dict], bare: dict, prompt: str, thinking: bool | None, k: int) -> str:
+    def _answer_part(self, history: list[dict], bare: dict, prompt: str, thinking: bool | None, k: int,
+                     tools=None) -> str:
         """What the template renders of a turn from its reasoning's end marker
         on, where the generation prompt opens the reasoning: the target
         writes its reasoning, then that. Read where the turn follows its own
@@ -301,8 +316,8 @@ class Renderer:
             raise ValueError(f"assistant turn {k}: the chat template renders it otherwise than after its generation "
                              f"prompt, and the prompt opens no reasoning part ({start!r}) to place it after")
         for context in (history, [PROBE]):
-            opened = self.text(context, generation_prompt=True, thinking=thinking)[:-len(start)]
-            whole = self.text(context + [bare], generation_prompt=False, thinking=thinking)
+            opened = self.text(context, generation_prompt=True, thinking=thinking, tools=tools)[:-len(start)]
+            whole = self.text(context + [bare], generation_prompt=False, thinking=thinking, tools=tools)
             rest = whole[len(opened):] if whole.startswith(opened) else ""
             cut = rest.find(end)
             if cut >= 0 and rest[:cut] in ("", start):
@@ -310,7 +325,7 @@ class Renderer:
         raise ValueError(f"assistant turn {k}: the chat template renders it otherwise than after its generation "
                          f"prompt ({start!r}...{end!r} not where the prompt leaves off)")
 
-    def _ended(self, emitted: str, messages: list[dict], k: int, thinking: bool | None) -> str:
+    def _ended(self, emitted: str, messages: list[dict], k: int, thinking: bool | None, tools=None) -> str:
         """`emitted` cut after the first stop token the target would end on,
         or given the one the template puts before the next turn (read on the
         conversation without its reasoning, which a later turn's history may
@@ -321,9 +336,9 @@ class Renderer:
             at, s = min(found)
             return emitted[:at + len(s)]
         plain = [_bare(m) for m in messages[:k + 1]]
-        alone = self.text(plain, generation_prompt=False, thinking=thinking)
+        alone = self.text(plain, generation_prompt=False, thinking=thinking, tools=tools)
         for following in messages[k + 1:k + 2] + [PROBE]:
-            later = self.text(plain + [_bare(following)], generation_prompt=False, thinking=thinking)
+            later = self.text(plain + [_bare(following)], generation_prompt=False, thinking=thinking, tools=tools)
             after = later[len(alone):] if later.startswith(alone) else ""
             for s in stops:
                 if after.startswith(s):
@@ -334,31 +349,33 @@ class Renderer:
 
     # -- a row ----------------------------------------------------------------------------------------------
 
-    def samples(self, messages: list[dict]) -> list[tuple[list[int], list[int], int]]:
+    def samples(self, messages: list[dict], tools=None) -> list[tuple[list[int], list[int], int]]:
         """(ids, loss mask, last trained turn) of each sample the row gives."""
         trained = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         if not trained:
             raise ValueError("no assistant turn to train on")
+        if not self.chat.thinking and self.chat.unwanted_reasoning == "drop":
+            messages = [_bare(m) for m in messages]  # the whole row's, as the policy says
         if self.chat.turns == "last":
             trained = trained[-1:]
-        turns = [self._checked_turn(messages, k) for k in trained]
+        turns = [self._checked_turn(messages, k, tools) for k in trained]
         return [(ids, mask, trained[last]) for ids, mask, last in
                 group([(t.prompt, t.emitted) for t in turns], merge=self.chat.turns == "auto")]
 
-    def _checked_turn(self, messages: list[dict], k: int) -> Turn:
+    def _checked_turn(self, messages: list[dict], k: int, tools=None) -> Turn:
         try:
-            return self.turn(messages, k)
+            return self.turn(messages, k, tools)
         except ValueError:
             raise
         except Exception as e:  # a template can raise anything on odd input: say which turn it fails on
-            raise ValueError(self.failure(messages, e)) from None
+            raise ValueError(self.failure(messages, e, tools)) from None
 
-    def failure(self, messages: list[dict], error: Exception) -> str:
+    def failure(self, messages: list[dict], error: Exception, tools=None) -> str:
         """One line naming the first turn the template fails to render, and
         the field it fails on."""
         for n in range(1, len(messages) + 1):
             try:
-                self.text(messages[:n], generation_prompt=False, thinking=self.chat.thinking)
+                self.text(messages[:n], generation_prompt=False, thinking=self.chat.thinking, tools=tools)
             except Exception as e:  # noqa: BLE001 -- the first failing prefix names the turn
                 m = messages[n - 1]
                 what = "tool_calls" if m.get("tool_calls") else "content"
@@ -367,14 +384,21 @@ class Renderer:
         return f"the chat template fails on this row: {type(error).__name__}: {str(error)[:200]}"
 
 
-def render_text(tokenizer, messages: list[dict], generation_prompt: bool, kwargs: dict) -> str:
-    """The template's text for `messages`, each turn's reasoning given in
-    every field the template reads (as SGLang's chat endpoint hands a
-    history's `reasoning_content` to a template that reads it)."""
+def render_text(tokenizer, messages: list[dict], generation_prompt: bool, kwargs: dict, tools=None,
+                emitting: bool = False) -> str:
+    """The template's text for `messages`. A history is handed over as
+    SGLang's chat endpoint hands it (its message model keeps
+    `reasoning_content` alone, and drops what is None); with `emitting`,
+    the last message's reasoning is given in every field the template reads
+    too (gpt-oss's reads `thinking`), to read how it renders the turn the
+    target emits."""
     fields = reasoning_fields(tokenizer.chat_template)
-    given = [{**_bare(m), **{f: m["reasoning_content"] for f in fields}} if m.get("reasoning_content") else _bare(m)
-             for m in messages]
-    return tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
+    given = [_bare(m) | ({"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") is not None
+                         else {}) for m in messages]
+    if emitting and given and given[-1].get("reasoning_content") is not None:
+        given[-1] = given[-1] | {f: given[-1]["reasoning_content"] for f in fields}
+    return tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **({"tools": tools} if tools else {}), **kwargs)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -383,9 +407,9 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def prompt_ids(tokenizer, messages: list[dict], kwargs: dict) -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], kwargs: dict, tools=None) -> list[int]:
     """The ids the target is sent for the next answer after `messages`."""
-    return encode(tokenizer, render_text(tokenizer, messages, True, kwargs))
+    return encode(tokenizer, render_text(tokenizer, messages, True, kwargs, tools=tools))
 
 
 def group(turns: list[tuple[list[int], list[int]]], merge: bool) -> list[tuple[list[int], list[int], int]]:

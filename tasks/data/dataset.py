@@ -323,7 +323,7 @@ def _parsed_call(call, turn: int) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def check_rendered(render: Renderer, messages: list[dict]) -> None:
+def check_rendered(render: Renderer, messages: list[dict], tools=None) -> None:
     """ValueError for a row whose tool results, developer turns or tool
     calls the chat template leaves out of its render (Qwen3's drops
     developer turns, gpt-oss's renders one only first, DeepSeek-V3's drops
@@ -333,19 +333,42 @@ def check_rendered(render: Renderer, messages: list[dict]) -> None:
     rendered here."""
     wanted = [(k, f"{m['role']} turn", m["content"].strip()) for k, m in enumerate(messages)
               if m["role"] in ("tool", "developer") and m["content"].strip()]
-    wanted += [(k, f"call of {c['function']['name']}", c["function"]["name"]) for k, m in enumerate(messages)
-               for c in m.get("tool_calls") or ()]
+    # Each call by its name and every argument value: gpt-oss's renders only an
+    # assistant turn's first call, and parallel calls differ in their arguments.
+    wanted += [(k, f"call of {c['function']['name']}", piece) for k, m in enumerate(messages)
+               for c in m.get("tool_calls") or ()
+               for piece in [c["function"]["name"], *_leaves(c["function"]["arguments"])]]
     if not wanted:
         return
     try:
-        text = render.text(messages, generation_prompt=False, thinking=render.chat.thinking)
+        text = render.text(messages, generation_prompt=False, thinking=render.chat.thinking, tools=tools)
     except Exception as e:  # a template can raise anything on odd input: name the turn
-        raise ValueError(render.failure(messages, e)) from None
+        raise ValueError(render.failure(messages, e, tools)) from None
     for k, what, piece in wanted:
         quoted = json.dumps(piece, ensure_ascii=False)[1:-1]
         if piece not in text and quoted not in text:
             raise ValueError(f"turn {k}'s {what} is not in the chat template's render of this row (the template "
                              f"leaves it out here); use a template that renders it, or drop the row")
+
+
+def _leaves(value) -> list[str]:
+    """The scalar values of tool-call arguments, as text."""
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [] if value is None or isinstance(value, bool) else [str(value).strip()]
+
+
+def row_tools(row: dict) -> list[dict] | None:
+    """A row's function definitions (`tools`, as a chat request carries
+    them), which the template renders into every prompt."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError("tools must be a list of tool definitions (objects), as a chat request's")
+    return tools or None
 
 
 def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None,
@@ -372,7 +395,8 @@ def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None,
         if not all(type(m) is int and m in (0, 1) for m in mask):
             raise ValueError("loss_mask values must be the integers 0 or 1")
         # A regenerated answers row's turns its last sample does not hold (answers.py).
-        earlier = [s for e in row.get("earlier_samples") or () for s in tokenize_row(tokenizer, e, tool_calls, chat)]
+        earlier = [] if chat is not None and chat.turns == "last" else [
+            s for e in row.get("earlier_samples") or () for s in tokenize_row(tokenizer, e, tool_calls, chat)]
         return earlier + [(list(ids), list(mask))]
     if "text" in row and "messages" not in row and "conversations" not in row:
         if not isinstance(row["text"], str):
@@ -382,8 +406,9 @@ def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None,
     render = renderer(tokenizer, chat or resolve(tokenizer))
     messages = to_messages(row, tool_calls=renders_tool_calls(tokenizer) if tool_calls is None else tool_calls,
                            markers=(render.chat.start, render.chat.end))
-    check_rendered(render, messages)
-    return [(ids, mask) for ids, mask, _ in render.samples(messages)]
+    tools = row_tools(row)
+    check_rendered(render, messages, tools)
+    return [(ids, mask) for ids, mask, _ in render.samples(messages, tools)]
 
 
 def renders_tool_calls(tokenizer) -> bool:

@@ -31,7 +31,7 @@ import httpx
 
 from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.config import RegenerateConfig
-from tasks.data.chat import ChatRender, group, split_inline
+from tasks.data.chat import ChatRender, group
 from tasks.regeneration.turns import (
     Conversation, after_closed_reasoning, answer_points, calls_tools, check_template, render_prompt, split_reasoning,
 )
@@ -183,12 +183,13 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
         points = [sum(kept[:p + 1]) - 1 for p in points]
     else:
         history = original
-    answers, generated, cut, rows = {}, 0, False, []
+    answers, generated, cut, rows, tools = {}, 0, False, [], list(conv.tools) or None
     row_thinking = False if not cfg.keep_reasoning else cfg.thinking
     for turn, point in enumerate(points):
         context = _replayed(history[:point + 1], answers)
         # Templates render off the pool's event loop: every answer in flight waits while it is busy.
-        prompt = await asyncio.to_thread(render_prompt, tok, context, template.template_kwargs(cfg.thinking))
+        prompt = await asyncio.to_thread(render_prompt, tok, context, template.template_kwargs(cfg.thinking),
+                                        tools)
         out, answer_ids, cut = await _answer_turn(client, asker, prompt, f"{conv.row_id}-{turn}", attempt)
         kept = out if cfg.keep_reasoning else answer_ids
         if not kept:
@@ -198,7 +199,8 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
         # An answer without its reasoning follows the context a request
         # without thinking gets (the template's empty reasoning part, if it has one).
         if row_thinking != cfg.thinking:
-            prompt = await asyncio.to_thread(render_prompt, tok, context, template.template_kwargs(row_thinking))
+            prompt = await asyncio.to_thread(render_prompt, tok, context, template.template_kwargs(row_thinking),
+                                            tools)
             kept = after_closed_reasoning(prompt, kept, asker.marker)
             if not kept:
                 raise NoAnswer(f"the target's answer to turn {turn} is only what the template already puts after a "
@@ -216,7 +218,8 @@ async def answer(client: httpx.AsyncClient, asker: Asker, conv: Conversation, at
     # history) a sample of its own.
     *earlier, (ids, mask, _) = group(rows, merge=cfg.turns == "all")
     return {"row_id": conv.row_id, "source_row": conv.source_row, **dict(conv.extra),
-            "messages": _replayed(history[:points[-1] + 1], answers), "input_ids": ids, "loss_mask": mask,
+            "messages": _replayed(history[:points[-1] + 1], answers), **({"tools": tools} if tools else {}),
+            "input_ids": ids, "loss_mask": mask,
             **({"earlier_samples": [{"input_ids": i, "loss_mask": m} for i, m, _ in earlier]} if earlier else {}),
             "answer_tokens": generated, "turns": len(points), "cut": cut}
 
@@ -226,9 +229,11 @@ def _answered(tok, template: ChatRender, out: list[int], answer_ids: list[int], 
     reasoning apart (a reasoning parser returns that apart), when kept."""
     message = {"role": "assistant", "content": tok.decode(answer_ids, skip_special_tokens=True).strip()}
     if keep_reasoning and len(answer_ids) < len(out):
+        # As the target wrote it (a template renders it back verbatim): the
+        # text before its end marker, after a start marker it wrote itself.
         text = tok.decode(out[:len(out) - len(answer_ids)], skip_special_tokens=False)
-        reasoning, _ = split_inline(text, template.start, template.end)
-        message["reasoning_content"] = reasoning if reasoning is not None else text.strip("\n")
+        text = text[:text.rfind(template.end)] if template.end in text else text
+        message["reasoning_content"] = text.split(template.start, 1)[1] if template.start in text else text
     return message
 
 

@@ -2,7 +2,7 @@
 the regenerate section of a run's config (tasks/config.py)."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -37,6 +37,12 @@ class RegenerateConfig(Section):
         "not read it is refused at the plan"))
     reasoning_end: str = Field("</think>", description=(
         "the text that ends a reasoning part (the target's reasoning parser's end marker)"))
+    chat_template_kwargs: dict[str, Union[bool, int, float, str]] = Field(default_factory=dict, description=(
+        "further chat-template arguments the target is served with (gpt-oss's reasoning_effort)"))
+    template_date: Optional[str] = Field(None, description=(
+        "YYYY-MM-DD: the date a template that reads today's date renders (gpt-oss's strftime_now), the same in "
+        "every request of the answers (none: the day regenerate.out was first answered into, kept in its "
+        "provenance)"))
     max_reasoning_tokens: Optional[int] = Field(None, ge=1, description=(
         "a reasoning part's own budget: cut there and closed with reasoning_end, the answer then gets "
         "max_new_tokens of its own (none: the reasoning counts against max_new_tokens)"))
@@ -91,4 +97,4 @@ class RegenerateConfig(Section):
         other ones is answered again."""
         return self.model_dump(include={"turns", "max_new_tokens", "temperature", "top_p", "repetition_penalty",
                                         "seed", "thinking", "thinking_switch", "reasoning_end", "max_reasoning_tokens",
-                                        "keep_reasoning", "on_truncated"})
+                                        "keep_reasoning", "on_truncated", "chat_template_kwargs", "template_date"})

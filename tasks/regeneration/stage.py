@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tasks.data.dataset import Rejected, check_rendered, read_rows, renders_tool_calls, to_messages
+from tasks.data.chat import renderer
+from tasks.data.dataset import Rejected, check_rendered, read_rows, renders_tool_calls, row_tools, to_messages
 from tasks.failures import EndsRun, Permanent
 from tasks.regeneration.answer_store import AnswerStore
 from tasks.regeneration.answers import Asker, Cut, NoAnswer
 from tasks.regeneration.pool import AnswerPool, PoolClosed
 from tasks.regeneration.provenance import provenance, served_flags
 from tasks.regeneration.config import RegenerateConfig
-from tasks.regeneration.turns import Conversation, answer_points, check_template, row_id
+from tasks.regeneration.turns import Conversation, answer_points, check_template, pin_date, row_id
 from tasks.server.config import ServerConfig
 from tasks.server.launch import LaunchSpec
 from tasks.sglang_api import server_down, server_healthy, server_says, was_in_flight
@@ -73,7 +74,8 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
     those rows: a node's share), less those answered under the store's
     provenance; a row that is no conversation is Rejected with its reason
     (and not answered)."""
-    check_template(tokenizer, cfg)  # refused here, before any request
+    chat = check_template(tokenizer, cfg)  # refused here, before any request
+    render = renderer(tokenizer, chat)
     settings = {k: store.provenance[k] for k in ("target_config_sha256", "settings")}
     answered, seen = store.answered_ids() | store.dropped_ids(), set()
     todo, rejected, rows, done = [], [], 0, 0
@@ -82,13 +84,14 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
         try:
             if isinstance(row, Rejected):
                 raise ValueError(row.reason)
-            messages = to_messages(row, tool_calls=tool_calls)
-            check_rendered(tokenizer, messages)
+            messages = to_messages(row, tool_calls=tool_calls, markers=(chat.start, chat.end))
+            tools = row_tools(row)
+            check_rendered(render, messages, tools)
             answer_points(messages, cfg.turns)
         except ValueError as e:
             rejected.append(Rejected(i, str(e)))
             continue
-        rid = row_id(messages, settings)
+        rid = row_id(messages, settings, tools)
         if rid in seen:
             rejected.append(Rejected(i, f"the same conversation as an earlier row ({rid})"))
             continue
@@ -98,7 +101,7 @@ def plan_regeneration(source: Path, store: AnswerStore, cfg: RegenerateConfig, t
             done += 1
             continue
         extra = (("id", row["id"]),) if "id" in row else ()
-        todo.append(Conversation(rid, i, tuple(messages), extra))
+        todo.append(Conversation(rid, i, tuple(messages), extra, tuple(tools or ())))
     if not rows:
         why = f"e.g. row {rejected[0].source_row}: {rejected[0].reason}" if rejected else "it holds no rows"
         raise ValueError(f"dataset {source} has no conversation to answer ({why}): give rows of messages or "
@@ -277,6 +280,7 @@ def regenerate(url: str, source: Path, out: Path, tokenizer, model_path: Path, c
     summary, with the pool's mean and peak width."""
     from concurrent.futures import ThreadPoolExecutor
 
+    cfg = pin_date(cfg, tokenizer, out)
     store = AnswerStore(out, provenance(source, model_path, cfg, tokenizer))
     plan = plan_regeneration(source, store, cfg, tokenizer)
     if plan.todo:  # a rerun with nothing to answer asks no server

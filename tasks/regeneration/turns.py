@@ -21,8 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from tasks.data.chat import ChatRender, prompt_ids, resolve, today
+from tasks.data.chat import ChatRender, prompt_ids, reads_date, resolve, today
 from tasks.data.dataset import to_messages
 
 
@@ -34,12 +35,14 @@ class Conversation:
     source_row: int
     messages: tuple
     extra: tuple = ()  # the row's own "id", kept with its answer
+    tools: tuple = ()  # its function definitions, rendered into every prompt
 
 
-def row_id(messages: list[dict], settings: dict) -> str:
-    """The content address of a row's answers: its conversation, the target
-    and the settings it is answered under."""
-    h = hashlib.sha256(json.dumps([messages, settings], sort_keys=True, ensure_ascii=False).encode())
+def row_id(messages: list[dict], settings: dict, tools=None) -> str:
+    """The content address of a row's answers: its conversation (and the
+    tools it declares), the target and the settings it is answered under."""
+    given = [messages, settings] + ([list(tools)] if tools else [])
+    h = hashlib.sha256(json.dumps(given, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()[:32]
 
 
@@ -82,18 +85,32 @@ def check_template(tokenizer, cfg) -> ChatRender:
     change, before any request is sent. Rows without their reasoning
     (keep_reasoning false) are rendered with it switched off, so they need
     a switch too."""
+    date = cfg.template_date or today()
     if not cfg.keep_reasoning and cfg.thinking is None:
-        resolve(tokenizer, thinking=False, switch=cfg.thinking_switch, date=today(),
+        resolve(tokenizer, thinking=False, switch=cfg.thinking_switch, date=date,
                 what="regenerate (keep_reasoning false renders rows with reasoning off)")
     # The target's stop tokens are its own output here: none to find.
-    return resolve(tokenizer, thinking=cfg.thinking, switch=cfg.thinking_switch, end=cfg.reasoning_end, date=today(),
-                   stop=(), what="regenerate")
+    return resolve(tokenizer, thinking=cfg.thinking, switch=cfg.thinking_switch, kwargs=dict(cfg.chat_template_kwargs),
+                   end=cfg.reasoning_end, date=date, stop=(), what="regenerate")
 
 
-def render_prompt(tokenizer, messages: list[dict], kwargs: dict) -> list[int]:
+def pin_date(cfg, tokenizer, out: Path):
+    """`cfg` with its template_date set where the target's template reads
+    today's date: the one the answers in `out` were made with, else today's
+    (then kept in their provenance), so every request of them renders one
+    date, whatever day a resume or a node asks it on."""
+    if cfg.template_date is not None or not reads_date(tokenizer.chat_template):
+        return cfg
+    kept = Path(out) / "provenance.json"
+    made = json.loads(kept.read_text()).get("settings", {}).get("template_date") if kept.is_file() else None
+    return cfg.model_copy(update={"template_date": made or today()})
+
+
+def render_prompt(tokenizer, messages: list[dict], kwargs: dict, tools=None) -> list[int]:
     """The ids the target is sent for the next answer: the chat template
-    (its `kwargs`: a reasoning switch) with its generation prompt."""
-    return prompt_ids(tokenizer, messages, kwargs)
+    (its `kwargs`: a reasoning switch) with its generation prompt, and the
+    row's `tools` as a request declares them."""
+    return prompt_ids(tokenizer, messages, kwargs, tools)
 
 
 def after_closed_reasoning(prompt: list[int], answer: list[int], marker: list[int]) -> list[int]:

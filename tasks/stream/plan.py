@@ -41,6 +41,10 @@ PLANNED = "stream-samples.parquet"
 CACHED = "stream-cached.json"
 
 
+class SeveralSamplesARow(Permanent, ValueError):
+    """Rows that give several samples, which a stream run cannot spool yet."""
+
+
 def planned_samples(sources: list[str], tokenizer, *, max_length: int, policy: str,
                     chat: ChatRender | None = None) -> tuple[list[Sample], list[Rejected]]:
     """Every sample the capture of these sources will store (once per id, in
@@ -50,6 +54,14 @@ def planned_samples(sources: list[str], tokenizer, *, max_length: int, policy: s
     for source in sources:
         samples, unusable = prepare_samples(Path(source), tokenizer, max_length=max_length, policy=policy, chat=chat)
         require_usable(Path(source), samples, unusable)
+        rows = [s.source_row for s in samples]
+        several = len(rows) - len(set(rows))
+        if several:
+            raise SeveralSamplesARow(
+                f"a stream run captures and spools by dataset row, and rows of {source} give {several} samples "
+                f"beyond one each (conversations whose template renders an earlier turn otherwise than the target "
+                f"emitted it, as reasoning dropped from a later history: tasks/data/chat.py): run it offline "
+                f"(mode offline), or train on each conversation's last turn (capture.turns last)")
         rejected += unusable
         for s in samples:
             if s.sample_id not in seen:
