@@ -195,7 +195,7 @@ def test_a_run_started_from_the_ui_shows_its_tasks_logs_and_verification(prefect
     # process ships logs in batches, some after its end state, and the page
     # shows what it had loaded by then (seen: up to "Beginning flow run").
     # So the server's record first, then the page opened again.
-    plan_line = re.compile(r"plan: 8 rows -> 8 to capture")
+    plan_line = re.compile(r"plan: 8 samples -> 8 to capture")
     assert any(plan_line.search(m) for m in api.logs_once(run_id, lambda logs: any(map(plan_line.search, logs))))
     page.reload()
     expect(page.get_by_text(plan_line)).to_be_visible(timeout=30_000)
@@ -273,7 +273,7 @@ def test_a_failed_run_retried_like_the_ui_redoes_only_what_is_missing(prefect_st
     # the ledger: it planned only the blocked batch.
     assert "AwaitingRetry" in states, states
     assert [m.split(" (")[0] for m in logs if m.startswith("plan: ")] == [
-        "plan: 12 rows -> 12 to capture", "plan: 12 rows -> 4 to capture"], logs
+        "plan: 12 samples -> 12 to capture", "plan: 12 samples -> 4 to capture"], logs
     assert sum(m.startswith("batch of 4: stored 4 samples") for m in logs) == 2
     stored = {sid for (sid,) in ledger(store, "SELECT sample_id FROM samples")}
     assert stored == {s.sample_id for s in samples} - set(blocked)
@@ -289,7 +289,7 @@ def test_a_failed_run_retried_like_the_ui_redoes_only_what_is_missing(prefect_st
     run = api.wait_terminal(run["id"], 300, after=failed_state, logs=prefect_stack["log_files"])
     logs = api.logs_once(run["id"], lambda logs: any(m.startswith("verification ") for m in logs))
     assert run["state_type"] == "COMPLETED", (run["state"], api.flow_run_states(run["id"]))
-    assert [m.split(" (")[0] for m in logs if m.startswith("plan: ")][2:] == ["plan: 12 rows -> 4 to capture"]
+    assert [m.split(" (")[0] for m in logs if m.startswith("plan: ")][2:] == ["plan: 12 samples -> 4 to capture"]
     assert sum(m.startswith("batch of 4: stored 4 samples") for m in logs) == 3  # one more, the blocked one
     assert any(m.startswith("verification passed: 3 files, 12 samples") for m in logs), logs[-10:]
     # What was stored before the retry is untouched: same ledger rows (with
