@@ -120,7 +120,7 @@ def fsdp2_one(device: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tasks.train.ttt import TTT, ttt_forward
+    from tasks.train.eagle3.ttt import TTT, ttt_forward
 
     dev = torch.device(device)
     torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")

@@ -7,7 +7,7 @@ answer it looks?
         [--tokens 48] [--heldout-fraction 0.05]
 
 Prints, per draft position k, the share of starting positions whose drafts
-1..k all hit (training's exact chain, tasks/train/ttt.py) over the held-out
+1..k all hit (training's exact chain, tasks/train/eagle3/ttt.py) over the held-out
 answers: every position (training's own held-out figure), chains inside the
 first W answer tokens, and the rest; and the ratio first/rest.
 """
@@ -24,7 +24,7 @@ from tasks.store.reader import StoreReader
 from tasks.target.embeddings import load_target_embeddings
 from tasks.target.layers import AuxLayers
 from tasks.train.data import collate, split
-from tasks.train.ttt import chain_hits, ttt_forward
+from tasks.train.eagle3.ttt import chain_hits, ttt_forward
 
 
 def main() -> None:

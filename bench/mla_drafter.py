@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from tasks.train.drafter import DrafterConfig, Eagle3Drafter
+from tasks.train.eagle3.model import DrafterConfig, Eagle3Drafter
 
 # Kimi-K2.5's text model (config.json text_config): its sizes and MLA dims;
 # a YaRN rope of its kind (the rope's values change none of the figures).

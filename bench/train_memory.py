@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-import tasks.train.drafter as drafter_module
-from tasks.train.drafter import DrafterConfig, Eagle3Drafter
-from tasks.train.rope import gqa_rotary
-from tasks.train.ttt import ttt_forward
+import tasks.train.eagle3.model as drafter_module
+from tasks.train.eagle3.model import DrafterConfig, Eagle3Drafter
+from tasks.train.layers.rope import gqa_rotary
+from tasks.train.eagle3.ttt import ttt_forward
 
 GIB, MIB = 1 << 30, 1 << 20
 SMALL = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=768,

@@ -21,7 +21,7 @@ import torch
 from tasks.train.config import TrainConfig
 from tasks.train.data import collate, plan_batches, prefetch
 from tasks.train.prepare import prepare
-from tasks.train.ttt import TTT
+from tasks.train.eagle3.ttt import TTT
 
 
 def main(argv=None) -> None:

@@ -7,7 +7,7 @@ of a small drafter with every block checkpointed against none.
 Both variants run interleaved on the same batch, the fastest of `--steps`
 each (this machine is shared and noisy). Printed: seconds per step and the
 ratio checkpointed/kept, the time training saves below
-tasks/train/drafter.py CHECKPOINT_ABOVE_BYTES, and the scores' size there.
+tasks/train/eagle3/model.py CHECKPOINT_ABOVE_BYTES, and the scores' size there.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tasks.train.drafter import CHECKPOINT_ABOVE_BYTES, ttt_attention
+from tasks.train.eagle3.model import CHECKPOINT_ABOVE_BYTES, ttt_attention
 
 
 def main(argv=None) -> None:

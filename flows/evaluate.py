@@ -34,7 +34,7 @@ from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
-from tasks.train.dflash_export import is_dflash
+from tasks.train.dflash.export import is_dflash
 from tasks.train.model_card import add_served
 
 

@@ -39,11 +39,10 @@ from tasks.store.config import StoreConfig
 from tasks.store.lock import hold_lock
 from tasks.target.checkpoint import Target
 from tasks.target.models import resolve_model
-from tasks.stream.parts import HELD_OUT, PartQueue, capture_parts, rewound_parts
+from tasks.stream.parts import HELD_OUT, PartQueue, capture_parts, rewound_parts, trim_spool
 from tasks.stream.plan import StreamPlan, plan_stream, require_shared_index
 from tasks.stream.progress import cached_note, describe_progress, log_captured
-from tasks.stream.spool import (SpoolBudget, TrainerRestarted, TrainerStopped, read_position, spooled_bytes,
-                                trim_spool)
+from tasks.stream.spool import SpoolBudget, TrainerRestarted, TrainerStopped, read_position, spooled_bytes
 from tasks.stream.state import mark_capture, mark_trainer, trainer_state, trainer_stopped
 from tasks.train.config import TrainConfig
 

@@ -137,7 +137,7 @@ def train_beside_capture(params: dict, cfg: TrainConfig, plan, store: Path, on_s
 
     from flows.stream import capture_task
     from tasks.train.loop import train
-    from tasks.stream.spool import trim_spool
+    from tasks.stream.parts import trim_spool
     from tasks.stream.state import mark_trainer
 
     if cfg.spool_bytes is not None:
@@ -278,7 +278,7 @@ def random_store(d: Path, model: Path, rows: int, max_length: int = 256, aux_lay
     from tasks.store.reader import StoreReader
     from tasks.store.shards import FORMAT, write_shard
     from tasks.store.verification import verify_store
-    from tasks.train.drafter import target_sizes
+    from tasks.train.layers.sizes import target_sizes
 
     config = target_sizes(model)  # the text model's sizes, also under a multimodal wrapper (Kimi-K2.5)
     hidden = config["hidden_size"]

@@ -9,8 +9,9 @@ import numpy as np
 
 from tasks.target.architectures import architecture_of, read_config
 from tasks.target.layers import AuxLayers
-from tasks.train.drafter import build_drafter, target_sizes
-from tasks.train.export import export_drafter
+from tasks.train.eagle3.model import build_drafter
+from tasks.train.layers.sizes import target_sizes
+from tasks.train.eagle3.export import export_drafter
 from tasks.train.vocab import DraftVocab
 
 

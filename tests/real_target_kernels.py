@@ -13,7 +13,7 @@ served shapes; the head count beyond one group only widens the grid.
   the absorbed extend (kv_lora + rope wide keys, kv_lora wide values).
 - DFlash: table_qk_norm_rope_ (kernels/ops/attention/table_qk_norm_rope.py),
   which SGLang runs on every DFlash layer in bf16, against our training
-  forward's q/k norm and rope (tasks/train/dflash.py) on the same inputs;
+  forward's q/k norm and rope (tasks/train/dflash/model.py) on the same inputs;
   and at the head dims the project derived before (Kimi-K2.5's 112,
   DeepSeek-V3's 56), where it must fail.
 """
@@ -25,15 +25,15 @@ from tests.real_targets import REAL_TARGETS, text_config
 from tests.stand_ins_vs_triton import _decode, _extend
 
 # What the project derived for Kimi-K2.5 and DeepSeek-V3 before
-# tasks/train/layer_sizes.py: hidden // heads.
+# tasks/train/layers/sizes.py: hidden // heads.
 OLD_DERIVED_HEAD_DIMS = (112, 56)
 
 
 def drafter_shapes() -> dict:
     """Per real target and family: the attention shape of the drafter the
     project derives (or the refusal's message)."""
-    from tasks.train.dflash import DFlashConfig
-    from tasks.train.drafter import DrafterConfig
+    from tasks.train.dflash.model import DFlashConfig
+    from tasks.train.eagle3.model import DrafterConfig
 
     out = {}
     for name, config in REAL_TARGETS.items():
@@ -119,15 +119,15 @@ def _absorbed_extend(kv_lora: int, rope: int, heads: int = 4) -> dict:
 
 def _qk_norm_rope(dim: int, rope_config: dict, eps: float = 1e-6, nq: int = 2, nk: int = 1) -> dict:
     """table_qk_norm_rope_ in place on a bf16 qkv row per token, against
-    tasks/train/dflash.py's Attention on the same q and k: q_norm, k_norm,
-    then the rope (tasks/train/rope.py) at the same positions. The kernel's
+    tasks/train/dflash/model.py's Attention on the same q and k: q_norm, k_norm,
+    then the rope (tasks/train/layers/rope.py) at the same positions. The kernel's
     cos/sin table is built from our rope's frequencies: SGLang's rotary
     classes do not import in this child (no CPU engine), and
     tests/test_rope.py holds ours to theirs exactly."""
     from sglang.kernels.ops.attention.table_qk_norm_rope import table_qk_norm_rope_
 
-    from tasks.train.decoder_layer import RMSNorm
-    from tasks.train.rope import gqa_frequencies, gqa_rotary, rope_parameters
+    from tasks.train.layers.decoder_layer import RMSNorm
+    from tasks.train.layers.rope import gqa_frequencies, gqa_rotary, rope_parameters
 
     g = torch.Generator().manual_seed(0)
     positions = torch.tensor([0, 3, 1000, 4096, 20000])

@@ -107,7 +107,7 @@ def gqa_grid() -> dict:
     """Our GQA rope (EAGLE-3's gqa layer, DFlash's) against SGLang's get_rope
     as llama.py and dflash.py call it on what transformers' LlamaConfig makes
     of the same keys."""
-    from tasks.train.rope import gqa_rotary
+    from tasks.train.layers.rope import gqa_rotary
 
     out = {}
     for name, rope in GQA_GRID.items():
@@ -143,7 +143,7 @@ def mla_grid() -> dict:
     on what transformers' DeepseekV3Config makes of the same keys; and a
     control: the same YaRN with its `truncate: false` honoured (what HF's rope
     and SGLang's GQA layer do), which the MLA layer does not."""
-    from tasks.train.rope import Rotary, gqa_frequencies, mla_rotary, mla_softmax_scale, rope_parameters
+    from tasks.train.layers.rope import Rotary, gqa_frequencies, mla_rotary, mla_softmax_scale, rope_parameters
 
     out = {}
     for name, (rope, interleave) in MLA_GRID.items():
@@ -163,10 +163,10 @@ def _exported_config(name: str, family: str) -> dict:
     drafter built on the meta device: shapes, no memory)."""
     from tasks.target.architectures import architecture_of
     from tasks.target.layers import AuxLayers
-    from tasks.train.dflash import DFlashConfig, DFlashDrafter
-    from tasks.train.dflash_export import dflash_config
-    from tasks.train.drafter import DrafterConfig, Eagle3Drafter
-    from tasks.train.export import export_config
+    from tasks.train.dflash.model import DFlashConfig, DFlashDrafter
+    from tasks.train.dflash.export import dflash_config
+    from tasks.train.eagle3.model import DrafterConfig, Eagle3Drafter
+    from tasks.train.eagle3.export import export_config
     from tests.real_targets import REAL_TARGETS, text_config
 
     config = REAL_TARGETS[name]
@@ -190,7 +190,7 @@ def real_targets() -> dict:
     from sglang.srt.utils.hf_transformers.common import get_rope_config
     from sglang.srt.utils.hf_transformers.config import get_config
 
-    from tasks.train.rope import gqa_rotary, mla_rotary, mla_softmax_scale
+    from tasks.train.layers.rope import gqa_rotary, mla_rotary, mla_softmax_scale
     from tests.real_targets import REAL_TARGETS, text_config
 
     out = {}

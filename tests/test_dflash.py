@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.dflash import (LOSS_GAMMA, DFlashConfig, DFlashDrafter, block_labels, build_dflash, dflash_forward,
+from tasks.train.dflash.model import (LOSS_GAMMA, DFlashConfig, DFlashDrafter, block_labels, build_dflash, dflash_forward,
                                 greedy_targets, loss_gamma_for, sample_anchors, score)
-from tasks.train.dflash_export import check_served, export_dflash, load_dflash
-from tasks.train.drafter import target_sizes
+from tasks.train.dflash.export import check_served, export_dflash, load_dflash
+from tasks.train.layers.sizes import target_sizes
 from tasks.train.export import UnservedTensor
 
 TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,

@@ -10,7 +10,7 @@ import pytest
 
 from tasks.store.shards import FORMAT
 from tasks.target.layers import AuxLayers
-from tasks.train.dflash_target import (DEFAULT_MASK_TOKEN, check_target_layer_ids, layer_positions, mask_token_for,
+from tasks.train.dflash.target import (DEFAULT_MASK_TOKEN, check_target_layer_ids, layer_positions, mask_token_for,
                                        store_layer_positions)
 from tests.test_dflash import SGLANG
 

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.train.config import TrainConfig, TrainingError
-from tasks.train.dflash_export import ARCHITECTURE, load_dflash
+from tasks.train.dflash.export import ARCHITECTURE, load_dflash
 from tasks.train.export_check import compare_export
 from tasks.train.loop import train
 from tests.conftest import FIVE_LAYER_IDS, random_store

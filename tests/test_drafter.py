@@ -16,13 +16,16 @@ from tasks.target.layers import AuxLayers
 from tasks.train.config import TrainConfig
 from tasks.train.data import plan_batches
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.drafter import DrafterConfig, build_drafter, target_sizes
-from tasks.train.mla import MLA_DIMS
-from tasks.train.export import UnservedTensor, export_drafter, export_weights, load_exported
+from tasks.train.eagle3.model import DrafterConfig, build_drafter
+from tasks.train.layers.sizes import target_sizes
+from tasks.train.eagle3.mla import MLA_DIMS
+from tasks.train.export import UnservedTensor
+from tasks.train.eagle3.export import export_drafter, export_weights, load_exported
 from tasks.train.loop import lr_at
 from tasks.train.metrics import write_metrics
-from tasks.train.prepare import autocast_dtype
-from tasks.train.ttt import acceptance_length, chain_hits, divergence, exact_acceptance_length, ttt_forward
+from tasks.train.run import autocast_dtype
+from tasks.train.eagle3.ttt import chain_hits, divergence, ttt_forward
+from tasks.train.metrics import acceptance_length, exact_acceptance_length
 from tasks.train.vocab import DraftVocab, count_target_tokens, target_greedy
 from tests.random_drafter import export_random_drafter
 from tests.tiny_models import TINY, TINY_DEEPSEEK_V3, TINY_KIMI_K25, ensure_model
@@ -64,7 +67,7 @@ class Samples(list):
 def _vocab_on_rank(rank, port, results):
     import os
 
-    from tasks.train.prepare import draft_vocab
+    from tasks.train.eagle3.training import draft_vocab
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)

@@ -1,4 +1,4 @@
-"""The drafter's TTT attention (tasks/train/drafter.py ttt_attention): a
+"""The drafter's TTT attention (tasks/train/eagle3/model.py ttt_attention): a
 loop reference, MLA's shapes, the blockwise implementation against the dense
 one it replaced, in values and gradients, and where it recomputes in
 backward."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.train.drafter import ttt_attention
+from tasks.train.eagle3.model import ttt_attention
 
 
 def _naive_step_attention(q, keys, values, valid, scale=None):
@@ -109,7 +109,7 @@ def test_blockwise_ttt_attention_equals_the_dense_one_in_values_and_gradients(de
 
 
 def test_the_prefix_attention_recomputes_its_blocks_in_backward_only_above_the_threshold(monkeypatch):
-    import tasks.train.drafter as drafter
+    import tasks.train.eagle3.model as drafter
 
     calls = []
     real = drafter._prefix_block

@@ -7,7 +7,7 @@ they are aligned as training assumes (aux state of token t with the embedding
 of token t+1), and its forwards equal our drafter's: the draft extend, and
 the draft decode steps that follow it, which feed back the drafter's own
 hidden state (pre-norm for eagle3, normed for eagle3.1) and attend to the
-extend's keys plus the chain's own (the TTT unroll of tasks/train/ttt.py).
+extend's keys plus the chain's own (the TTT unroll of tasks/train/eagle3/ttt.py).
 The greedy output through the drafter is the target's own. The Llama
 target's store is captured by a real server with five layers and checked
 against HF before a drafter trains on a triple of it.
@@ -34,8 +34,9 @@ from tasks.target.layers import AuxLayers, default_aux_layer_ids
 from tasks.target.reference import load_reference_model, reference_states
 from tasks.train.config import TrainConfig
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.drafter import Eagle3Drafter, target_sizes
-from tasks.train.export import export_weights, load_exported
+from tasks.train.eagle3.model import Eagle3Drafter
+from tasks.train.layers.sizes import target_sizes
+from tasks.train.eagle3.export import export_weights, load_exported
 from tasks.train.loop import train
 from tests.conftest import ARTIFACTS, FIVE_LAYER_IDS, random_store
 from tests.draft_probe_records import (DFLASH_BLOCK, PROMPT, Served, SideBySide, _first_request, _prefill_extend,
@@ -321,7 +322,7 @@ def test_sglang_feeds_the_dflash_drafter_the_layers_it_was_trained_on(side_by_si
     """The context SGLang projects for the prompt is the target's states of
     the five layers the drafter was trained on (HF's forward), and its ctx
     is our drafter's."""
-    from tasks.train.dflash_export import load_dflash
+    from tasks.train.dflash.export import load_dflash
 
     target = ensure_model(TINY)
     config = json.loads((side_by_side.dflash_dir / "config.json").read_text())
@@ -342,10 +343,10 @@ def test_the_dflash_draft_blocks_compute_what_we_train(side_by_side):
     last, MASK x 3] at the positions after the committed tokens, embedded by
     the target's embedding, and SGLang's output for it (before the target's
     head) is our drafter's, given the same target states as context (the
-    training forward, tasks/train/dflash.py, one block at its anchor): the
+    training forward, tasks/train/dflash/model.py, one block at its anchor): the
     context SGLang's draft KV cache holds is the committed tokens' and no
     rejected draft's. The first block starts with HF's first greedy token."""
-    from tasks.train.dflash_export import load_dflash
+    from tasks.train.dflash.export import load_dflash
 
     target = ensure_model(TINY)
     mask = json.loads((side_by_side.dflash_dir / "config.json").read_text())["dflash_config"]["mask_token_id"]

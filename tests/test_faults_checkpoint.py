@@ -17,7 +17,7 @@ import torch
 
 from tasks.train.checkpoint import CHECKPOINT, trained_drafter
 from tasks.train.config import TrainConfig, TrainingError
-from tasks.train.export import export_weights, load_exported
+from tasks.train.eagle3.export import export_weights, load_exported
 from tasks.train.loop import train
 from tests.conftest import random_store
 
@@ -75,7 +75,7 @@ from pathlib import Path
 from tasks.target.architectures import LLAMA
 from tasks.target.layers import AuxLayers
 from tasks.train.checkpoint import trained_drafter
-from tasks.train.export import export_drafter
+from tasks.train.eagle3.export import export_drafter
 
 real_rmtree = shutil.rmtree
 def rmtree_then_die(path, *a, **kw):
@@ -182,7 +182,7 @@ def _read_checked(store, i):
 # on chosen optimizer steps, so backward gives NaN gradients too.
 def _nan_on(monkeypatch, steps, before=None):
     import dataclasses
-    import tasks.train.ttt as ttt_mod
+    import tasks.train.eagle3.ttt as ttt_mod
     real = ttt_mod.ttt_forward
     calls = {"n": 0}
 

@@ -19,7 +19,7 @@ def test_the_targets_greedy_tokens_are_computed_in_the_first_epoch_only_and_trai
     """vocab.GreedyCache: from the second epoch on, no batch multiplies out
     the target's whole head again, and what it looks up is what it would
     have computed: the run's figures equal a run without the cache."""
-    import tasks.train.ttt as ttt
+    import tasks.train.eagle3.ttt as ttt
     from tasks.train.loop import train
     from tasks.train.vocab import GreedyCache, target_greedy
 

@@ -13,8 +13,8 @@ from tasks.target.architectures import architecture_of, read_config
 from tasks.target.fingerprint import weights_fingerprint
 from tasks.target.layers import AuxLayers
 from tasks.train.config import TrainConfig
-from tasks.train.drafter import target_sizes
-from tasks.train.export import export_weights
+from tasks.train.layers.sizes import target_sizes
+from tasks.train.eagle3.export import export_weights
 from tasks.train.init_from import TARGET_WEIGHTS, InitRefused, read_init
 from tasks.train.prepare import prepare
 from tests.conftest import random_store

@@ -7,7 +7,7 @@ config as its classes read it: building them needs SGLang's process groups);
 and SGLang's GPU
 kernels on those shapes, the Triton ones run here under the interpreter
 (tests/real_target_kernels.py), the CUDA-only ones held to their rules
-(tasks/train/gpu_kernels.py). The rope of each: tests/test_rope.py."""
+(tasks/train/layers/gpu_kernels.py). The rope of each: tests/test_rope.py."""
 from __future__ import annotations
 
 import json
@@ -18,13 +18,13 @@ import torch
 from tasks.target.architectures import architecture_of
 from tasks.target.layers import AuxLayers
 from tasks.train.config import DrafterRefused, TrainConfig
-from tasks.train.dflash import DFlashDrafter
-from tasks.train.dflash_export import check_served as check_dflash_served, dflash_config
-from tasks.train.drafter import Eagle3Drafter
-from tasks.train.export import ARCHITECTURES, check_served, export_config, export_weights
+from tasks.train.dflash.model import DFlashDrafter
+from tasks.train.dflash.export import check_served as check_dflash_served, dflash_config
+from tasks.train.eagle3.model import Eagle3Drafter
+from tasks.train.eagle3.export import ARCHITECTURES, check_served, export_config, export_weights
 from tasks.server.config import ServerConfig
 from tasks.server.launch import MLA_DRAFTER, draft_attention_backend
-from tasks.train.gpu_kernels import GQA_HEAD_DIMS, KernelRefusal, check_dflash_head_dim, check_tensor_parallel
+from tasks.train.layers.gpu_kernels import GQA_HEAD_DIMS, KernelRefusal, check_dflash_head_dim, check_tensor_parallel
 from tasks.train.prepare import drafter_config
 from tests.real_targets import REAL_TARGETS, text_config
 from tests.triton_interpreter import run
@@ -248,7 +248,7 @@ def test_the_triton_mla_kernels_run_the_mla_drafters_latent(kernels):
 
 def test_dflashs_qk_norm_rope_kernel_computes_the_training_forwards_norm_and_rope_at_every_head_dim(kernels):
     """At each real target's DFlash head dim and rope: SGLang's fused kernel
-    against tasks/train/dflash.py's q_norm, k_norm and rope on the same
+    against tasks/train/dflash/model.py's q_norm, k_norm and rope on the same
     bf16 rows; ours rounds the norm and the rotation separately, the kernel
     once: two ulps. The rope one position on is far off."""
     rows = kernels["dflash_qk_norm_rope"]
@@ -260,7 +260,7 @@ def test_dflashs_qk_norm_rope_kernel_computes_the_training_forwards_norm_and_rop
 
 def test_the_head_dims_derived_before_fail_to_compile_in_the_dflash_kernel(kernels):
     """Kimi-K2.5's 112 and DeepSeek-V3's 56, hidden // heads, what the
-    project derived before layer_sizes.py."""
+    project derived before tasks/train/layers/sizes.py."""
     for dim in (112, 56):
         assert "arange's range must be a power of 2" in kernels["dflash_qk_norm_rope"][f"old-d{dim}"]["error"]
 

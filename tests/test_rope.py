@@ -1,5 +1,5 @@
 """The drafters' rope is the one SGLang 0.5.23 serves them with
-(tasks/train/rope.py): over a grid of rope settings, against SGLang's own
+(tasks/train/layers/rope.py): over a grid of rope settings, against SGLang's own
 rotary classes, and for every real target's exported drafter as SGLang reads
 its config.json (tests/rope_checks.py, in a child process: SGLang's rotary
 classes import only with its CPU engine on).

@@ -329,7 +329,7 @@ def test_the_demo_targets_template_renders_humaneval_and_its_drafter_exports_in_
     tests/test_architectures.py's (Qwen3), a tied target's embeddings
     tests/test_drafter.py's."""
     from tasks.target.models import SMOLLM2, resolve_model
-    from tasks.train.export import export_weights, load_exported
+    from tasks.train.eagle3.export import export_weights, load_exported
 
     model = resolve_model(SMOLLM2)
     tokenizer = load_tokenizer(model)

@@ -26,7 +26,7 @@ def spooled_store(d: Path, model: Path, rows: int, cfg, shard_rows: int = 4, hel
     from tasks.stream.state import mark_capture
     from tasks.target.architectures import load_tokenizer
     from tasks.target.layers import AuxLayers
-    from tasks.train.drafter import target_sizes
+    from tasks.train.layers.sizes import target_sizes
     from tests.conftest import demo_rows, write_jsonl
 
     sizes = target_sizes(model)
@@ -186,7 +186,7 @@ def test_an_fp8_store_is_planned_with_the_bytes_its_shards_take(tiny_model, tmp_
     from tasks.stream.plan import SpoolTooSmall, plan_stream
     from tasks.target.architectures import load_tokenizer
     from tasks.train.config import TrainConfig
-    from tasks.train.drafter import target_sizes
+    from tasks.train.layers.sizes import target_sizes
     from tests.conftest import demo_rows, write_jsonl
 
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(24))
@@ -309,7 +309,8 @@ def test_a_dead_nodes_part_taken_over_skips_what_the_trainer_already_consumed(ti
     from tasks.capture.planning import plan_extraction
     from tasks.store.handle import Store
     from tasks.stream.reader import StreamReader
-    from tasks.stream.spool import epoch_store, trim_spool
+    from tasks.stream.parts import trim_spool
+    from tasks.stream.spool import epoch_store
     from tasks.target.architectures import load_tokenizer
     from tasks.train.config import TrainConfig
 

@@ -31,8 +31,9 @@ def test_a_resumed_spool_keeps_what_the_trainer_reads_first_and_room_for_what_it
     from tasks.store.shards import write_shard
     from tasks.target.architectures import architecture_at
     from tasks.target.layers import AuxLayers
-    from tasks.train.drafter import target_sizes
-    from tasks.stream.spool import trim_spool, write_position
+    from tasks.train.layers.sizes import target_sizes
+    from tasks.stream.parts import trim_spool
+    from tasks.stream.spool import write_position
 
     dataset = write_jsonl(tmp_path / "data.jsonl", demo_rows(ROWS))
     capture = CaptureConfig(dataset=str(dataset), batch_size=4, max_length=256)

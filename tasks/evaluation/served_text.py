@@ -5,7 +5,7 @@ A speculative server's greedy output is the plain target's greedy
 continuation (the evaluation checks it), so the target's states over prompt
 and continuation are what SGLang's draft extends saw. Captured once from a
 capture server of the target, in the evaluation's dtype, they let training's
-unroll (tasks/train/ttt.py) score the drafter on exactly those tokens, two
+unroll (tasks/train/eagle3/ttt.py) score the drafter on exactly those tokens, two
 ways:
 
 - all positions: the exact chained acceptance training reports (the share
@@ -44,8 +44,8 @@ from tasks.capture.dump import Capture
 from tasks.evaluation.acceptance import per_position
 from tasks.evaluation.generate import generate_all
 from tasks.target.layers import AuxLayers
-from tasks.train.export import load_exported
-from tasks.train.ttt import chain_hits, ttt_forward
+from tasks.train.eagle3.export import load_exported
+from tasks.train.eagle3.ttt import chain_hits, ttt_forward
 
 # A gap between two shares beyond this many standard errors is reported as
 # one: at 3 the chance of calling noise a gap is 0.3% per position.

@@ -42,7 +42,7 @@ from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, SpeculativeSpec, check_serves, launch_server
 from tasks.sglang_api import ServerError, server_says
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.dflash_export import is_dflash
+from tasks.train.dflash.export import is_dflash
 from tasks.train.launch import result_from_dir
 from tasks.train.loop import RESULT
 

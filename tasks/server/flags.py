@@ -54,7 +54,7 @@ class Decided:
     attention_backend: str | None  # None: SGLang's default, or the user's own flag
     trust_remote_code: bool
     # A speculative server's draft backend where SGLang's default refuses the
-    # drafter (tasks/train/gpu_kernels.py draft_attention_backend); None: its default.
+    # drafter (tasks/train/layers/gpu_kernels.py draft_attention_backend); None: its default.
     draft_attention_backend: str | None = None
 
 

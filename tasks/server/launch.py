@@ -123,7 +123,7 @@ class SpeculativeSpec(LaunchSpec):
     speculative: ClassVar[bool] = True
 
     draft_model_path: str
-    # EAGLE3, or DFLASH (a DFlash drafter, tasks/train/dflash_export.py: one
+    # EAGLE3, or DFLASH (a DFlash drafter, tasks/train/dflash/export.py: one
     # block a step, of the drafter's block_size; the three below are EAGLE's).
     algorithm: Literal["EAGLE3", "DFLASH"] = "EAGLE3"
     speculative_num_steps: int = 3
@@ -217,7 +217,7 @@ def cpu_attention_backend(spec: LaunchSpec) -> str | None:
     return arch.cpu_attention_backend if arch else None
 
 
-# A drafter config.json's architecture for the MLA layout (tasks/train/export.py).
+# A drafter config.json's architecture for the MLA layout (tasks/train/eagle3/export.py).
 MLA_DRAFTER = "Eagle3DeepseekV2ForCausalLM"
 
 
@@ -233,7 +233,7 @@ def draft_attention_backend(target_is_mla: bool, drafter_is_mla: bool, capabilit
     trtllm_mha for a GQA target (arg_groups/model_override_base.py:312-333),
     the latter refusing an MLA draft (attention_registry.py:277-280): a
     drafter whose layout is not its target's gets flashinfer, which builds
-    either (tasks/train/gpu_kernels.py). On Hopper all run on fa3."""
+    either (tasks/train/layers/gpu_kernels.py). On Hopper all run on fa3."""
     if target_is_mla != drafter_is_mla and capability is not None and capability[0] >= 10:
         return "flashinfer"
     return None

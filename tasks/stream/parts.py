@@ -29,7 +29,8 @@ from pathlib import Path
 from tasks.stream.plan import StreamPlan
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path
-from tasks.stream.spool import SpoolBudget, epoch_store, read_position, spool_schemas, trim_spool
+from tasks.stream.spool import (SpoolBudget, drop_spooled_shard, epoch_store, read_position, spool_schemas,
+                                spooled_bytes)
 
 LEASE_S = 30.0  # renewed every LEASE_S / 3 while its node captures
 HELD_OUT = -1  # the epoch of the first part: held-out and unusable rows, into the store
@@ -271,3 +272,34 @@ class PartQueue:
                                               "taken, of, done_at FROM stream_parts ORDER BY seq"),
                             columns=["seq", "epoch", "into", "state", "node", "failures", "error", "tokens", "taken",
                                      "of", "done_at"])
+
+
+# The resume's trim: the spool cut back in the plan's order (here, beside the
+# parts, so the spool reads nothing of the plan).
+def trim_spool(store: Path, plan: StreamPlan) -> int:
+    """A spooled run started again, before either side starts: its spool
+    cut back to what the trainer reads first, in order, from its
+    checkpointed position, up to the first sample missing (trained after
+    the checkpoint, so removed, or not yet captured when the run stopped).
+    Every shard spooled after that is removed, to be captured again in its
+    turn: each was let in while the parts before it were held, and kept it
+    could fill the room those need now, each side then waiting on the
+    other. Bytes removed."""
+    epoch, done = read_position(store)
+    cached = set(plan.cached)  # into the store, not the spool
+    order = [(e, r) for e in range(epoch, len(plan.epochs))
+             for b in plan.epochs[e][done if e == epoch else 0:] for r in b if r not in cached]
+    homes = {e: epoch_store(store, e) for e in range(epoch, len(plan.epochs))}
+    ledgers = {e: Store.open(home).ledger for e, home in homes.items() if manifest_path(home).exists()}
+    for ledger in ledgers.values():  # what was trained since the checkpoint is needed again
+        ledger.forget_retired()
+    shard_of = {(e, int(row)): shard for e, ledger in ledgers.items()
+                for row, shard in ledger.samples()[["source_row", "shard"]].itertuples(index=False)}
+    before, later = spooled_bytes(store), True
+    while later:  # a shard holding samples on both sides of the cut moves the cut before it
+        cut = next((k for k, key in enumerate(order) if key not in shard_of), len(order))
+        later = {(key[0], shard_of[key]) for key in order[cut:] if key in shard_of}
+        for e, shard in sorted(later):
+            drop_spooled_shard(ledgers[e], homes[e], shard, trained=False)
+        shard_of = {key: shard for key, shard in shard_of.items() if (key[0], shard) not in later}
+    return before - spooled_bytes(store)

@@ -8,15 +8,11 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tasks.store.handle import Store
 from tasks.store.manifest import manifest_path, write_json_atomic
 from tasks.store.shards import shard_path
 from tasks.stream.state import trainer_starts, trainer_stopped, trainer_waiting
-
-if TYPE_CHECKING:  # (the plan names its spool stores)
-    from tasks.stream.plan import StreamPlan
 
 logger = logging.getLogger("eagle3.stream")
 
@@ -96,36 +92,6 @@ def drop_spooled_shard(ledger, home: Path, shard: str, trained: bool = True) -> 
     else:
         ledger.replace_shard(shard, None, [])
     shard_path(home, shard).unlink(missing_ok=True)
-
-
-def trim_spool(store: Path, plan: StreamPlan) -> int:
-    """A spooled run started again, before either side starts: its spool
-    cut back to what the trainer reads first, in order, from its
-    checkpointed position, up to the first sample missing (trained after
-    the checkpoint, so removed, or not yet captured when the run stopped).
-    Every shard spooled after that is removed, to be captured again in its
-    turn: each was let in while the parts before it were held, and kept it
-    could fill the room those need now, each side then waiting on the
-    other. Bytes removed."""
-    epoch, done = read_position(store)
-    cached = set(plan.cached)  # into the store, not the spool
-    order = [(e, r) for e in range(epoch, len(plan.epochs))
-             for b in plan.epochs[e][done if e == epoch else 0:] for r in b if r not in cached]
-    homes = {e: epoch_store(store, e) for e in range(epoch, len(plan.epochs))}
-    ledgers = {e: Store.open(home).ledger for e, home in homes.items() if manifest_path(home).exists()}
-    for ledger in ledgers.values():  # what was trained since the checkpoint is needed again
-        ledger.forget_retired()
-    shard_of = {(e, int(row)): shard for e, ledger in ledgers.items()
-                for row, shard in ledger.samples()[["source_row", "shard"]].itertuples(index=False)}
-    before, later = spooled_bytes(store), True
-    while later:  # a shard holding samples on both sides of the cut moves the cut before it
-        cut = next((k for k, key in enumerate(order) if key not in shard_of), len(order))
-        later = {(key[0], shard_of[key]) for key in order[cut:] if key in shard_of}
-        for e, shard in sorted(later):
-            drop_spooled_shard(ledgers[e], homes[e], shard, trained=False)
-        shard_of = {key: shard for key, shard in shard_of.items() if (key[0], shard) not in later}
-    return before - spooled_bytes(store)
-
 
 
 class TrainerStopped(RuntimeError):

@@ -24,7 +24,7 @@ from tasks.durable import replace_durably
 from tasks.train import distributed
 from tasks.train.config import BEFORE_THE_SETTING, CheckpointMismatch, TrainConfig, TrainingError
 from tasks.train.data import describe_split_change
-from tasks.train.drafter import Eagle3Drafter, build_drafter
+from tasks.train.eagle3.model import Eagle3Drafter, build_drafter
 from tasks.train.vocab import DraftVocab
 
 logger = logging.getLogger("eagle3.training")

@@ -172,7 +172,7 @@ class TrainConfig(Section):
     @field_validator("mla_dims")
     @classmethod
     def _mla_dims(cls, dims: dict[str, int]) -> dict[str, int]:
-        from tasks.train.mla import check_mla_dims
+        from tasks.train.eagle3.mla import check_mla_dims
 
         return check_mla_dims(dims)
 
@@ -209,7 +209,7 @@ class TrainConfig(Section):
         unread = DFLASH_ONLY if self.method == "eagle3" else set()
         identity = {"store": str(store), **self.model_dump(exclude=self.resumable() | unread)}
         if self.method == "dflash":  # the decay it trains with, given or the block's
-            from tasks.train.dflash import loss_gamma_for
+            from tasks.train.dflash.model import loss_gamma_for
 
             identity["loss_gamma"] = self.loss_gamma or loss_gamma_for(self.block_size)
         return identity

@@ -1,8 +1,8 @@
 """An export read back and compared with what was trained (the last
 checkpoint's fp32 weights): a tensor dropped or renamed on the way would
 otherwise surface only as a drafter SGLang accepts at ~0. Either family:
-an EAGLE-3 drafter through tasks/train/export.py's reader, a DFlash one
-through tasks/train/dflash_export.py's."""
+an EAGLE-3 drafter through tasks/train/eagle3/export.py's reader, a DFlash one
+through tasks/train/dflash/export.py's."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, trained_drafter
-from tasks.train.dflash_export import is_dflash, load_dflash
-from tasks.train.export import export_weights, load_exported
+from tasks.train.dflash.export import is_dflash, load_dflash
+from tasks.train.eagle3.export import export_weights, load_exported
 
 # A bf16 export of fp32 weights differs by ~4e-3 relative at most.
 TOLERANCE = 1e-2

@@ -25,9 +25,9 @@ from safetensors import safe_open
 from tasks.target.architectures import Architecture
 from tasks.target.layers import AuxLayers, default_aux_layer_ids
 from tasks.train.config import DrafterRefused, TrainConfig
-from tasks.train.drafter import DrafterConfig, Eagle3Drafter
-from tasks.train.export import attention_of, export_weights, variant_of
-from tasks.train.rope import rope_parameters
+from tasks.train.eagle3.model import DrafterConfig, Eagle3Drafter
+from tasks.train.eagle3.export import attention_of, export_weights, variant_of
+from tasks.train.layers.rope import rope_parameters
 from tasks.train.vocab import DraftVocab
 
 # Recorded by the export (tasks/train/loop.py _export) from the store's

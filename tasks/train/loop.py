@@ -1,8 +1,9 @@
 """The training loop over a verified store: prepare once (split, draft
-vocabulary, drafter; tasks/train/prepare.py), train with TTT (a DFlash
-drafter: on random blocks, tasks/train/dflash_training.py), evaluate on
-held-out samples per epoch (tasks/train/heldout.py), checkpoint atomically
-with the data position (tasks/train/checkpoint.py), export at the end.
+vocabulary, drafter; tasks/train/prepare.py), train with the forward of
+the drafter's family (EAGLE-3's TTT, DFlash's random blocks:
+tasks/train/families.py), evaluate on held-out samples per epoch
+(tasks/train/heldout.py), checkpoint atomically with the data position
+(tasks/train/checkpoint.py), export at the end.
 
 Each epoch's batch order is a function of the seed, the epoch and the
 training split alone, never of the device count; the checkpoint records how
@@ -27,23 +28,22 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from tasks.target.architectures import architecture_of, read_config
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, CheckpointWriter, read_checkpoint, resume_position
 from tasks.train.config import CheckpointMismatch, TrainConfig, TrainingError, TrainResult
 from tasks.train.data import assign_batches, heldout_prompts, plan_batches, prefetch, split_fingerprint
 from tasks.train.heldout import describe, evaluate
-from tasks.train.export import copy_drafter, export_drafter
+from tasks.train.export import copy_drafter
 from tasks.train.init_from import TARGET_WEIGHTS
 from tasks.train.model_card import card_or_warning
 from tasks.train.metrics import write_metrics
-from tasks.train.prepare import Run, autocast_dtype, prepare
+from tasks.train.prepare import prepare
+from tasks.train.run import Run, autocast_dtype
 from tasks.server.config import ServerConfig
 from tasks.train.served import (check_serving_fits, choose_served, describe_choice, describe_served, gpus_here,
                                 measure_served, serve_now, served_dir)
 from tasks.stream.reader import Spool
-from tasks.train.dflash_training import export_run
-from tasks.train.ttt import StepOutput
+from tasks.train.eagle3.ttt import StepOutput
 from tasks.train.vocab import DraftVocab
 
 logger = logging.getLogger("eagle3.training")
@@ -290,11 +290,7 @@ def train(cfg: TrainConfig, store: str | Path, *, server: ServerConfig | None = 
 
 def _log_start(run: Run, plans: list[list[list[int]]], per_step: int) -> None:
     cfg = run.cfg
-    if run.dflash:
-        drafter = (f"DFlash: {cfg.draft_layers} layer(s) reading target layers "
-                   f"{list(run.dflash.target_layer_ids)}, blocks of {cfg.block_size}")
-    else:
-        drafter = f"TTT {cfg.ttt_steps} steps, draft vocab {run.vocab.size}"
+    drafter = run.family.describe(run)
     logger.info("training on %d samples (%s tokens), held out %d; %d epochs of %s batches, %d per step, %s, "
                 "device %s x %d (%s), %s", len(run.train_idx), f"{int(run.reader.num_tokens[run.train_idx].sum()):,}",
                 len(run.held_idx), cfg.epochs,
@@ -310,11 +306,7 @@ def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: 
              TARGET_WEIGHTS: run.reader.manifest.get("target", {}).get("weights_sha256"), "steps": step,
              "heldout": {k: v for k, v in heldout.items() if k not in ("epoch", "served")},
              "config": run.cfg.identity(store)}
-    if run.dflash:
-        export_run(run, drafter_dir, extra)
-    else:
-        export_drafter(run.model, run.layers, drafter_dir, architecture=architecture_of(read_config(run.target)),
-                       extra=extra)
+    run.family.export(run, drafter_dir, extra)
     card_or_warning(drafter_dir)
 
 
@@ -338,7 +330,7 @@ def _evaluate(run: Run, module: torch.nn.Module, history: list[dict], epoch: int
                 prompts = heldout_prompts(Path(store), cfg.heldout_fraction, cfg.serve_prompts)
                 entry["served"] = measure_served(drafter_dir, run.target, prompts, cfg, server)
                 # Beside training's simulation of the same drafts: a chain of serve_steps, or the whole block.
-                logger.info(describe_served(entry, "tau_exact" if run.dflash else f"tau_exact@{cfg.serve_steps}"))
+                logger.info(describe_served(entry, run.family.served_metric(cfg)))
             history.append(entry)
             if on_eval:
                 on_eval(entry)

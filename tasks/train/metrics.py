@@ -1,8 +1,28 @@
-"""Held-out metrics of a training run: the table, the plot, the files."""
+"""Held-out metrics of a training run: the acceptance lengths every family
+reports (a TTT step's or a DFlash block slot's accuracies), the table, the
+plot, the files."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
+
+
+def acceptance_length(acc: Iterable[float]) -> float:
+    """tau = sum_k prod_{i<=k} acc_i: exact only if the steps' hits are
+    independent (they are not: a drafter that misses step 0 at a hard token
+    often misses the next too)."""
+    tau, run = 0.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau
+
+
+def exact_acceptance_length(chained: Iterable[int], chain_counted: Iterable[int]) -> float:
+    """sum_k P(steps 0..k all hit), each over the starting positions whose
+    steps 0..k are all scored (`chain_hits`)."""
+    return sum(c / max(1, n) for c, n in zip(chained, chain_counted))
 
 
 def metrics_table(history: list[dict]) -> list[dict]:

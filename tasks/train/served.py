@@ -39,6 +39,7 @@ from tasks.server.config import ServerConfig
 from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import SpeculativeSpec, launch_server
 from tasks.train.config import TrainConfig, TrainingError
+from tasks.train.families import family_of
 
 logger = logging.getLogger("eagle3.training")
 
@@ -101,9 +102,7 @@ def served_spec(drafter_dir: Path, target: Path, cfg: TrainConfig, server: Serve
     launch = server.model_copy(update={"model": str(target), "url": None, "api_key": None, "rid_prefix": RID_PREFIX,
                                        "dtype": dtype})
     where = {"base_gpu_id": cfg.devices} if gpus else {}
-    if cfg.method == "dflash":
-        return SpeculativeSpec.dflash(launch, drafter_dir, **where)
-    return SpeculativeSpec.chain(launch, drafter_dir, cfg.serve_steps, **where)
+    return family_of(cfg).served_spec(launch, drafter_dir, cfg, **where)
 
 
 def measure_served(drafter_dir: Path, target: Path, prompts: list[list[int]], cfg: TrainConfig,
@@ -117,8 +116,7 @@ def measure_served(drafter_dir: Path, target: Path, prompts: list[list[int]], cf
     if not prompts:
         raise ValueError("no held-out prompts to serve the drafter on")
     spec = served_spec(drafter_dir, target, cfg, server, gpus_here())
-    # A DFlash drafter drafts its block: block_size - 1 tokens a verify step.
-    drafts = cfg.block_size - 1 if cfg.method == "dflash" else cfg.serve_steps
+    drafts = family_of(cfg).drafts(cfg)
     with launch_server(spec, drafter_dir.parent / "server.log", timeout_s=startup_timeout_s) as live:
         run = asyncio.run(generate_all(live.url, prompts, api_key=live.api_key,
                                        max_new_tokens=cfg.serve_max_new_tokens, ignore_eos=True,

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tasks.train.decoder_layer import RMSNorm
-from tasks.train.gpu_kernels import check_dflash_head_dim, check_gqa_heads
-from tasks.train.layer_sizes import LayerSizes
-from tasks.train.rope import Rotary, check_gqa_rope, gqa_rotary, rope_config
+from tasks.train.layers.decoder_layer import RMSNorm
+from tasks.train.layers.gpu_kernels import check_dflash_head_dim, check_gqa_heads
+from tasks.train.layers.sizes import LayerSizes
+from tasks.train.layers.rope import Rotary, check_gqa_rope, gqa_rotary, rope_config
 
 # SpecForge's defaults (and the reference DFlash's).
 BLOCK_SIZE = 16

@@ -25,11 +25,10 @@ sum_k P(steps 0..k all hit), from each starting position's own chain.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
-from tasks.train.drafter import Eagle3Drafter
+from tasks.train.eagle3.model import Eagle3Drafter
 from tasks.train.vocab import target_greedy
 
 
@@ -150,20 +149,3 @@ class TTT(torch.nn.Module):
     def forward(self, batch: dict, head_rows: torch.Tensor, steps: int, decay: float,
                 full_head: torch.Tensor | None = None, loss: str = "forward_kl") -> StepOutput:
         return ttt_forward(self.drafter, batch, head_rows, steps=steps, decay=decay, full_head=full_head, loss=loss)
-
-
-def acceptance_length(acc: Iterable[float]) -> float:
-    """tau = sum_k prod_{i<=k} acc_i: exact only if the steps' hits are
-    independent (they are not: a drafter that misses step 0 at a hard token
-    often misses the next too)."""
-    tau, run = 0.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
-
-
-def exact_acceptance_length(chained: Iterable[int], chain_counted: Iterable[int]) -> float:
-    """sum_k P(steps 0..k all hit), each over the starting positions whose
-    steps 0..k are all scored (`chain_hits`)."""
-    return sum(c / max(1, n) for c, n in zip(chained, chain_counted))

@@ -36,22 +36,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tasks.target.architectures import architecture_of, read_config
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.decoder_layer import RMSNorm
-from tasks.train.gpu_kernels import check_gqa_heads
-from tasks.train.gqa import MidLayer
-from tasks.train.layer_sizes import LayerSizes
-from tasks.train.mla import MLA_DIMS, MLAMidLayer, mla_config
-from tasks.train.rope import check_gqa_rope, gqa_rotary, mla_rotary, mla_softmax_scale
+from tasks.train.eagle3.gqa import MidLayer
+from tasks.train.eagle3.mla import MLA_DIMS, MLAMidLayer, mla_config
+from tasks.train.layers.decoder_layer import RMSNorm
+from tasks.train.layers.gpu_kernels import check_gqa_heads
+from tasks.train.layers.rope import check_gqa_rope, gqa_rotary, mla_rotary, mla_softmax_scale
+from tasks.train.layers.sizes import LayerSizes, target_sizes
 from tasks.train.vocab import DraftVocab
-
-
-def target_sizes(target_path: Path) -> dict:
-    """The target config section with its text model's sizes (the drafter
-    shares them)."""
-    config = read_config(target_path)
-    return architecture_of(config).sizes(config)
 
 
 def _prefix_block(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, valid: torch.Tensor,

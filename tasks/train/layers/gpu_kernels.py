@@ -19,7 +19,7 @@ Which backend a draft gets:
   Hopper, fa4 or flashinfer on Blackwell.
 
 A drafter whose heads are the target's own shape runs wherever the target
-runs. Heads the project shapes itself (tasks/train/layer_sizes.py, or
+runs. Heads the project shapes itself (tasks/train/layers/sizes.py, or
 train.head_dim) must suit every backend a draft can get:
 - FlashInfer's FA2 prefill and tensor-core decode, which SGLang forces
   (layers/attention/flashinfer_backend.py:335-336): head_dim / 16 >= 4
@@ -61,7 +61,7 @@ rules and runs the Triton kernels on their shapes under the interpreter.
 """
 from __future__ import annotations
 
-from tasks.train.layer_sizes import is_power_of_two
+from tasks.train.layers.sizes import is_power_of_two
 
 # Head dims every GQA attention backend a draft can get takes.
 GQA_HEAD_DIMS = (64, 128, 256)

@@ -1,8 +1,8 @@
-"""A DFlash drafter in the training loop (train.method dflash): what it is
+"""A DFlash drafter in the training run (train.method dflash): what it is
 built from (the store's target layers it reads, the target's embedding,
 head and mask token), its training forward as a module DDP can wrap, its
-held-out metrics, and its export. The loop, the data order, checkpoints,
-resume and sharding are EAGLE-3's (tasks/train/loop.py).
+held-out metrics, its export, and how SGLang serves it. The loop, the data
+order, checkpoints, resume and sharding are the run's (tasks/train/loop.py).
 
 The anchors of a batch are drawn from a generator seeded by (seed, epoch,
 batch): a resumed run draws the blocks the uninterrupted one would have,
@@ -16,16 +16,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tasks.server.config import ServerConfig
+from tasks.server.launch import SpeculativeSpec
 from tasks.store.reader import StoreReader
 from tasks.target.architectures import load_tokenizer
 from tasks.target.embeddings import load_target_embeddings
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import plan_batches, prefetch
-from tasks.train.dflash import DFlashDrafter, DFlashOutput, build_dflash, dflash_forward
-from tasks.train.dflash_export import export_dflash
-from tasks.train.dflash_target import check_target_layer_ids, layer_positions, mask_token_for
-from tasks.train.drafter import target_sizes
-from tasks.train.ttt import acceptance_length
+from tasks.train.dflash.model import DFlashConfig, DFlashDrafter, DFlashOutput, build_dflash, dflash_forward
+from tasks.train.dflash.export import export_dflash
+from tasks.train.dflash.target import check_target_layer_ids, layer_positions, mask_token_for
+from tasks.train.layers.sizes import target_sizes
+from tasks.train.metrics import acceptance_length
+from tasks.train.run import Family, Run, in_precision, positions_read
 
 # The epoch number of held-out anchors: no training epoch has it.
 HELDOUT = -1
@@ -39,8 +42,28 @@ class DFlashSetup:
     mask_token_id: int
 
 
-def prepare_dflash(cfg: TrainConfig, reader: StoreReader, target: Path
-                   ) -> tuple[DFlashDrafter, DFlashSetup, tuple[int, ...]]:
+def drafter_config(cfg: TrainConfig, target_config: dict, num_aux: int) -> DFlashConfig:
+    return DFlashConfig.from_target(target_config, cfg.draft_layers, num_aux, cfg.head_dim)
+
+
+def layout(cfg: TrainConfig) -> str:
+    """Its attention layout, as a refusal names it: GQA layers."""
+    return "gqa"
+
+
+def prepare(family: Family, cfg: TrainConfig, reader: StoreReader, target: Path, sizes: dict,
+            split: tuple[np.ndarray, np.ndarray], device: torch.device, rank: int, world: int,
+            vocab=None) -> Run:
+    """The drafter on the target layers it reads, on the rank's device; it
+    holds the target's head (its own lm_head, frozen): no second copy."""
+    model, setup, positions = build(cfg, reader, target)
+    model = in_precision(model.to(device), cfg, device, frozen=("embed_tokens", "lm_head"))
+    return Run(cfg, family, reader, *split, None, target, model, None, model.lm_head.weight.detach(), device, rank,
+               world, None, positions_read(positions, reader.manifest), setup)
+
+
+def build(cfg: TrainConfig, reader: StoreReader, target: Path
+          ) -> tuple[DFlashDrafter, DFlashSetup, tuple[int, ...]]:
     """The fresh drafter (on the CPU), its setup, and where its target layers
     sit in the store's layer axis. train.aux_layer_ids picks the target
     layers among the store's (default: all of them); refused, naming them,
@@ -84,15 +107,29 @@ class DFlashStep(torch.nn.Module):
                               generator=generator)
 
 
+def module(run: Run) -> torch.nn.Module:
+    return DFlashStep(run.model, run.cfg, run.setup)
+
+
+def forward(run: Run, module: torch.nn.Module, batch: dict, epoch: int, index: int):
+    return module(batch, anchor_generator(run.cfg.seed, epoch, index))
+
+
+def describe(run: Run) -> str:
+    cfg = run.cfg
+    return (f"DFlash: {cfg.draft_layers} layer(s) reading target layers {list(run.setup.target_layer_ids)}, "
+            f"blocks of {cfg.block_size}")
+
+
 @torch.no_grad()
-def evaluate_dflash(run) -> dict:
+def evaluate(run: Run) -> dict:
     """Held-out loss, per-slot accuracy and the accept lengths they imply,
     over up to eval_max_samples: `tau` (the product of the slots'
     accuracies) and `tau_exact` (sum over slots k of the share of blocks
     whose drafts 1..k all hit), in the keys EAGLE-3's metrics use (a
     slot is a TTT step's counterpart; the accept length is tau + 1)."""
     cfg, model = run.cfg, run.model
-    step = DFlashStep(model, cfg, run.dflash)
+    step = DFlashStep(model, cfg, run.setup)
     model.eval()
     slots = cfg.block_size - 1
     correct, counted = torch.zeros(slots, dtype=torch.long), torch.zeros(slots, dtype=torch.long)
@@ -126,8 +163,23 @@ def evaluate_dflash(run) -> dict:
     }
 
 
-def export_run(run, drafter_dir: Path, extra: dict) -> Path:
+def export(run: Run, drafter_dir: Path, extra: dict) -> Path:
     """The drafter as it is now, as SGLang's DFlashDraftModel loads it."""
-    return export_dflash(run.model, run.dflash.target_layer_ids, drafter_dir, target_config=target_sizes(run.target),
-                         block_size=run.cfg.block_size, mask_token_id=run.dflash.mask_token_id,
-                         mask_token=run.dflash.mask_token, extra=extra)
+    return export_dflash(run.model, run.setup.target_layer_ids, drafter_dir, target_config=target_sizes(run.target),
+                         block_size=run.cfg.block_size, mask_token_id=run.setup.mask_token_id,
+                         mask_token=run.setup.mask_token, extra=extra)
+
+
+def served_spec(launch: ServerConfig, drafter_dir: Path, cfg: TrainConfig, **where) -> SpeculativeSpec:
+    """Served with the block size it was trained with (its config.json)."""
+    return SpeculativeSpec.dflash(launch, drafter_dir, **where)
+
+
+def drafts(cfg: TrainConfig) -> int:
+    """The tokens a verify step drafts: its block, less the bonus token."""
+    return cfg.block_size - 1
+
+
+def served_metric(cfg: TrainConfig) -> str:
+    """Training's simulation of what SGLang serves: the whole block's exact tau."""
+    return "tau_exact"

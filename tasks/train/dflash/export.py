@@ -27,9 +27,9 @@ from safetensors.torch import save_file
 
 from tasks.target.embeddings import load_target_embeddings
 from tasks.durable import replace_dir_durably
-from tasks.train.dflash import DFlashConfig, DFlashDrafter
-from tasks.train.dflash_target import DEFAULT_MASK_TOKEN, check_target_layer_ids
-from tasks.train.drafter import target_sizes
+from tasks.train.dflash.model import DFlashConfig, DFlashDrafter
+from tasks.train.dflash.target import DEFAULT_MASK_TOKEN, check_target_layer_ids
+from tasks.train.layers.sizes import target_sizes
 from tasks.train.export import SIZE_KEYS, refuse_unserved
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -42,7 +42,7 @@ LAYER_TENSORS = tuple(f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_p
     + ("input_layernorm.weight", "post_attention_layernorm.weight")
 MODEL_TENSORS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # Target config keys copied as they are, for the tokenizer side; the sizes
-# are the drafter's own (tasks/train/layer_sizes.py).
+# are the drafter's own (tasks/train/layers/sizes.py).
 _SHARED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -57,7 +57,7 @@ def served_tensors(num_layers: int) -> set[str]:
 
 def check_served(names, num_layers: int) -> None:
     """Refuse an export SGLang's DFlashDraftModel would not load whole."""
-    refuse_unserved(names, served_tensors(num_layers), ARCHITECTURE, "tasks/train/dflash_export.py")
+    refuse_unserved(names, served_tensors(num_layers), ARCHITECTURE, "tasks/train/dflash/export.py")
 
 
 def dflash_config(model: DFlashDrafter, target_layer_ids, *, target_config: dict, block_size: int,

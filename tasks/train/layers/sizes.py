@@ -6,7 +6,7 @@ The attention heads are the target's too, unless the target's config gives
 no power-of-two head dim to copy: DeepSeek-V3's and Kimi-K2.5's config.json
 have no `head_dim` (their MLA heads are 192 wide for q/k and 128 for v),
 and hidden / heads is 56 and 112 there, which SGLang's GPU kernels refuse
-(tasks/train/gpu_kernels.py). A drafter of such a target keeps the target's
+(tasks/train/layers/gpu_kernels.py). A drafter of such a target keeps the target's
 head count (it then divides any tensor-parallel size the target runs at, as
 SGLang asserts for the draft's heads, llama.py:183 and dflash.py:213) with
 heads of 128 and 8 KV heads, as the published drafters of Kimi-K2.5 do
@@ -18,11 +18,21 @@ LlamaConfig refuses others), so GLM-4.5's drafter has 40 heads of 128.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.target.architectures import architecture_of, read_config
 
 # A drafter's head dim where the target's config has none SGLang's kernels take.
 DERIVED_HEAD_DIM = 128
 # KV heads of a drafter whose heads are not the target's own shape.
 DERIVED_KV_HEADS = 8
+
+
+def target_sizes(target_path: Path) -> dict:
+    """The target config section with its text model's sizes (the drafter
+    shares them)."""
+    config = read_config(target_path)
+    return architecture_of(config).sizes(config)
 
 
 def is_power_of_two(n: int) -> bool:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tasks.train.decoder_layer import DecoderLayer, RMSNorm
-from tasks.train.gpu_kernels import check_mla_dims_served
-from tasks.train.rope import UnsupportedRope, mla_frequencies, rope_parameters
+from tasks.train.layers.decoder_layer import DecoderLayer, RMSNorm
+from tasks.train.layers.gpu_kernels import check_mla_dims_served
+from tasks.train.layers.rope import UnsupportedRope, mla_frequencies, rope_parameters
 
 # The dimensions of an MLA drafter's attention (SGLang's
 # DeepseekV2AttentionMLA): by default the target's own, for a DeepSeek-V3 or

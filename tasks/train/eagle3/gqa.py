@@ -2,13 +2,13 @@
 `LlamaForCausalLMEagle3` (llama_eagle3.py), a Llama layer whose q/k/v take
 the 2H-wide input (the normed token embedding beside the normed hidden
 state), rotated with the rope SGLang builds from the drafter's config
-(tasks/train/rope.py)."""
+(tasks/train/layers/rope.py)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tasks.train.decoder_layer import DecoderLayer
+from tasks.train.layers.decoder_layer import DecoderLayer
 
 
 class MidLayer(DecoderLayer):
