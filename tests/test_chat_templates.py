@@ -15,7 +15,7 @@ import pytest
 from tasks.data.chat import ChatRefused, resolve, stop_texts
 from tasks.data.dataset import prepare_samples, tokenize_row
 from tests.conftest import write_jsonl
-from tests.published_templates import ALL, TEMPLATES as TEMPLATES_DIR, model_dir_for
+from tests.published_templates import ALL, model_dir_for
 
 R, R1, R2, R3 = "Two plus two: count up from two.", "R one.", "R two.", "R three."
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -125,6 +125,15 @@ def with_fields(target, messages):
     return [given(m) for m in messages]
 
 
+def served_tools() -> list[dict]:
+    """TOOLS as SGLang's chat endpoint hands a request's to the template:
+    through its Tool model, dumped (serving_chat.py: item.model_dump()),
+    its unset fields as nulls."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+
+    return [Tool.model_validate(t).model_dump() for t in TOOLS]
+
+
 def row_of(case: str) -> dict:
     return {"messages": CASES[case], **({"tools": TOOLS} if case == "tool call" else {})}
 
@@ -151,7 +160,7 @@ def expected_samples(tok, target, case: str, messages: list[dict], thinking_on: 
         if target.name == "gpt-oss-120b":
             kwargs["strftime_now"] = lambda fmt: "2026-12-07"
         prompts[k] = tok.apply_chat_template(fielded[:k], tokenize=False, add_generation_prompt=True,
-                                             tools=row_of(case).get("tools"), **kwargs)
+                                             tools=served_tools() if case == "tool call" else None, **kwargs)
         if m.get("tool_calls"):
             emitted[k] = TOOL_EMITS[target.name]
         else:
@@ -373,84 +382,3 @@ def test_reasoning_that_the_answer_repeats_is_still_placed_where_the_target_writ
         _, tok, folder = targets[name]
         (ids, mask), = tokenize_row(tok, row, None, chat_for(tok, folder, thinking=True))
         assert tok.decode([i for i, m in zip(ids, mask) if m]) == f"4.</think>It is 4.{stop}"
-
-
-def test_a_rows_tools_reach_every_prompt_as_a_requests_do(targets):
-    """The row's function definitions are rendered into each prompt (the
-    tool block every tool-calling template writes), as SGLang renders a
-    request's `tools`; a row without them renders as a request without."""
-    for name, marker in (("qwen3", "# Tools"), ("kimi-k2.5", "tool_declare"), ("glm-4.5", "# Tools"),
-                         ("gpt-oss-120b", "# Tools"), ("llama-3.1", "get_weather")):
-        _, tok, folder = targets[name]
-        with_tools = tokenize_row(tok, row_of("tool call"), None, chat_for(tok, folder, thinking=name != "llama-3.1"
-                                                                            or None, unwanted_reasoning="drop"))
-        without = tokenize_row(tok, {"messages": CASES["tool call"]}, None,
-                               chat_for(tok, folder, thinking=name != "llama-3.1" or None, unwanted_reasoning="drop"))
-        assert all(marker in tok.decode(ids) and "The weather in a city." in tok.decode(ids) for ids, _ in with_tools)
-        assert not any("The weather in a city." in tok.decode(ids) for ids, _ in without)
-        # The definitions are prompt, never trained on.
-        assert not any("The weather in a city." in tok.decode([i for i, m in zip(ids, mask) if m])
-                       for ids, mask in with_tools)
-    _, tok, folder = targets["qwen3"]
-    with pytest.raises(ValueError, match="tools must be a list of tool definitions"):
-        tokenize_row(tok, {"messages": CASES["field"], "tools": "get_weather"}, None, chat_for(tok, folder))
-
-
-def test_a_call_the_template_leaves_out_is_refused(targets):
-    """gpt-oss's template renders an assistant turn's first tool call only:
-    a turn of two parallel calls is refused naming the second, not trained
-    as if it were one."""
-    _, tok, folder = targets["gpt-oss-120b"]
-    rome = {**CALL, "id": "call_2", "function": {**CALL["function"], "arguments": '{"city": "Rome"}'}}
-    row = {"messages": [WEATHER[0], {"role": "assistant", "content": "", "tool_calls": [CALL, rome]},
-                        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
-                        {"role": "tool", "tool_call_id": "call_2", "content": "25"}], "tools": TOOLS}
-    with pytest.raises(ValueError, match="turn 1's call of get_weather is not in the chat template's render"):
-        tokenize_row(tok, row, None, chat_for(tok, folder))
-    _, tok, folder = targets["qwen3"]
-    assert len(tokenize_row(tok, row | {"messages": row["messages"] + [{"role": "assistant", "content": "Both."}]},
-                            None, chat_for(tok, folder))) == 2
-
-
-def test_a_turn_holding_a_stop_tokens_text_is_refused_not_cut(targets):
-    _, tok, folder = targets["glm-4.5"]
-    row = {"messages": [{"role": "user", "content": "Say it."},
-                        {"role": "assistant", "content": "Here: <|user|> and more.", "reasoning_content": R}]}
-    with pytest.raises(ValueError, match="holds the text of the target's stop token '<\\|user\\|>'"):
-        tokenize_row(tok, row, None, chat_for(tok, folder))
-
-
-def test_dropping_unwanted_reasoning_drops_it_from_the_whole_row(targets):
-    """unwanted_reasoning drop: no turn's reasoning reaches any render, the
-    history's included (Qwen3 renders a tool call's reasoning in the
-    history of the answer after its result)."""
-    _, tok, folder = targets["qwen3"]
-    samples = tokenize_row(tok, row_of("tool call"), None, chat_for(tok, folder, thinking=False,
-                                                                   unwanted_reasoning="drop"))
-    assert samples and not any("Need the tool." in tok.decode(ids) or "The tool says" in tok.decode(ids)
-                               for ids, _ in samples)
-
-
-def test_a_tokenizer_with_named_templates_is_read_whole(targets):
-    """A tokenizer may carry several templates by name (default, tool_use):
-    their switch and date are found in any of them."""
-    from tasks.data.chat import reads_date, reasoning_fields
-
-    named = {"default": (TEMPLATES_DIR / "qwen3.jinja").read_text(),
-             "tool_use": (TEMPLATES_DIR / "gpt-oss-120b.jinja").read_text()}
-    assert reads_date(named) and set(reasoning_fields(named)) == {"reasoning_content", "thinking", "reasoning"}
-
-
-def test_a_stream_run_refuses_rows_of_several_samples_naming_what_to_do(targets, tmp_path):
-    """A stream run spools by row; a conversation of several samples (Qwen3
-    drops an earlier turn's reasoning) is refused at its plan, with the two
-    ways out, not spooled wrong."""
-    from tasks.stream.plan import SeveralSamplesARow, planned_samples
-
-    _, tok, folder = targets["qwen3"]
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CASES["three turns"]}, {"messages": CASES["field"]}])
-    with pytest.raises(SeveralSamplesARow, match="give 2 samples beyond one each.*mode offline.*capture.turns last"):
-        planned_samples([str(path)], tok, max_length=4096, policy="truncate", chat=chat_for(tok, folder))
-    samples, _ = planned_samples([str(path)], tok, max_length=4096, policy="truncate",
-                                 chat=chat_for(tok, folder, turns="last"))
-    assert [s.source_row for s in samples] == [0, 1]

@@ -275,3 +275,46 @@ def test_runs_creating_a_postgres_store_at_once_all_use_one_schema(tmp_path, pos
     with ThreadPoolExecutor(6) as pool:
         schemas = set(pool.map(create_and_open, range(6)))
     assert schemas == {open_ledger(store).schema} and sorted(p.name for p in store.iterdir()) == ["ledger.json"]
+
+
+def test_each_sample_of_a_row_keeps_its_own_quarantine_record(tmp_path, ledger_url, index_db):
+    """A conversation gives several samples (one per group of its turns):
+    each failure is recorded under its sample, and a sibling's commit
+    clears neither (a record keyed by the row was replaced by the next
+    failure and cleared by any commit of the row: a sample neither stored nor
+    quarantined); a commit clears its own record and its row's. A store
+    whose quarantine was keyed by row is re-keyed when opened, its records
+    kept."""
+    store = tmp_path / "s"
+    ledger = open_store(store, MANIFEST, ledger_url)
+    ledger.quarantine([{"source": "d", "source_row": 7, "sample_id": "s101", "reason": "too long"},
+                       {"source": "d", "source_row": 7, "sample_id": "s102", "reason": "crashed"},
+                       {"source": "d", "source_row": 8, "reason": "not a conversation"}])
+
+    def commit(sample_id: str, row: int) -> None:
+        ledger.commit_shard(*write_shard(store, [{**item(0, 5), "sample_id": sample_id, "source_row": row}],
+                                         source="d"))
+
+    def records(ledger=ledger) -> set:
+        q = ledger.quarantined()
+        return {(r, s if isinstance(s, str) else None) for r, s in q[["source_row", "sample_id"]].itertuples(index=False)}
+
+    commit("s100", 7)  # a sibling
+    assert records() == {(7, "s101"), (7, "s102"), (8, None)}
+    commit("s102", 7)
+    assert records() == {(7, "s101"), (8, None)}
+    commit("s103", 8)  # the row gives a sample now (the dataset was mended): its own record goes
+    assert records() == {(7, "s101")}
+
+    old = tmp_path / "old"
+    open_store(old, MANIFEST, ledger_url)
+    with index_db(old) as db:
+        db.execute("DROP TABLE quarantine")
+        db.execute("CREATE TABLE quarantine(source TEXT NOT NULL, source_row BIGINT NOT NULL, sample_id TEXT, "
+                   "reason TEXT NOT NULL, attempts BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL, "
+                   "PRIMARY KEY(source, source_row))")
+        db.execute("INSERT INTO quarantine VALUES ('d', 1, NULL, 'bad row', 0, 0), ('d', 2, 's002', 'failed', 3, 0)")
+    ledger = open_ledger(old)
+    assert records(ledger) == {(1, None), (2, "s002")}
+    ledger.quarantine([{"source": "d", "source_row": 2, "sample_id": "s003", "reason": "its sibling failed"}])
+    assert len(ledger.quarantined()) == 3

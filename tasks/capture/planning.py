@@ -77,7 +77,8 @@ def plan_extraction(capture: CaptureConfig, tokenizer, ledger: Ledger, rows: Seq
         position = {row: k for k, row in enumerate(rows)}
         todo.sort(key=lambda s: position[s.source_row])
     if rejected:
-        ledger.quarantine([{"source": source, "source_row": r.source_row, "reason": r.reason} for r in rejected])
+        ledger.quarantine([{"source": source, "source_row": r.source_row, "sample_id": r.sample_id,
+                            "reason": r.reason} for r in rejected])
     return Plan(source, todo, len(samples) - len(todo), rejected, len(samples) + len(rejected))
 
 

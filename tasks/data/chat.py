@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -127,7 +128,6 @@ def stop_texts(tokenizer, model_path: Path | None = None) -> tuple[str, ...]:
     and <|observation|>, gpt-oss's <|return|> and <|call|>), which SGLang
     stops on too. `model_path`: the checkpoint (default: the folder the
     tokenizer was loaded from)."""
-    import json
 
     ids = [tokenizer.eos_token_id]
     folder = Path(model_path if model_path is not None else getattr(tokenizer, "name_or_path", "") or ".")
@@ -276,11 +276,12 @@ class Renderer:
         the target emits after it, up to and including its stop token."""
         thinking, message = self.turn_thinking(messages[k], k)
         history, reasoning = messages[:k], message.get("reasoning_content") or ""
-        for piece in (reasoning, message.get("content") or ""):
-            inside = [s for s in self.chat.stop if s in piece]
-            if inside:
-                raise ValueError(f"assistant turn {k} holds the text of the target's stop token {inside[0]!r}, "
-                                 f"which would end it there: drop the row")
+        pieces = [reasoning, message.get("content") or ""] + [
+            json.dumps(c["function"], ensure_ascii=False) for c in message.get("tool_calls") or ()]
+        inside = [s for s in self.chat.stop for piece in pieces if s in piece]
+        if inside:
+            raise ValueError(f"assistant turn {k} holds the text of the target's stop token {inside[0]!r}, which "
+                             f"would end it there: drop the row")
 
         def render(context, m, gp):
             return self.text(context + ([m] if m else []), generation_prompt=gp, thinking=thinking, tools=tools,
@@ -288,6 +289,10 @@ class Renderer:
 
         prompt = render(history, None, True)
         whole = render(history, message, False)
+        if self.chat.always and not reasoning and whole == render(history, _bare(message), False):
+            raise ValueError(f"assistant turn {k} has no reasoning, the target always reasons first, and its chat "
+                             f"template renders no empty reasoning part for it (gpt-oss's, before a tool call): give "
+                             f"the turn its reasoning, or drop the row")
         # Read after its own history, or else after a one-question history
         # (gpt-oss drops a tool call's analysis once a final answer follows
         # it), where the turn renders as it does here; a render that is the

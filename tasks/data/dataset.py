@@ -27,7 +27,7 @@ from typing import Collection, Iterator
 
 import numpy as np
 
-from tasks.data.chat import REASONING_FIELDS, ChatRender, Renderer, renderer, resolve, split_inline
+from tasks.data.chat import REASONING_FIELDS, ChatRender, Renderer, renderer, resolve, split_inline, template_text
 from tasks.failures import Permanent
 from tasks.paths import DATA_DIR
 
@@ -58,6 +58,7 @@ class Sample:
 class Rejected:
     source_row: int
     reason: str
+    sample_id: str | None = None  # one of a row's samples left out (its others kept); None: the row
 
 
 def sample_id(input_ids, loss_mask) -> str:
@@ -324,51 +325,59 @@ def _parsed_call(call, turn: int) -> dict:
 
 
 def check_rendered(render: Renderer, messages: list[dict], tools=None) -> None:
-    """ValueError for a row whose tool results, developer turns or tool
-    calls the chat template leaves out of its render (Qwen3's drops
-    developer turns, gpt-oss's renders one only first, DeepSeek-V3's drops
-    calls beside text): the row would train on a conversation that never
-    happened. A tool result counts in the form the template quotes it in
-    (gpt-oss's renders it as a JSON string). Rows without them are not
-    rendered here."""
-    wanted = [(k, f"{m['role']} turn", m["content"].strip()) for k, m in enumerate(messages)
-              if m["role"] in ("tool", "developer") and m["content"].strip()]
-    # Each call by its name and every argument value: gpt-oss's renders only an
-    # assistant turn's first call, and parallel calls differ in their arguments.
-    wanted += [(k, f"call of {c['function']['name']}", piece) for k, m in enumerate(messages)
-               for c in m.get("tool_calls") or ()
-               for piece in [c["function"]["name"], *_leaves(c["function"]["arguments"])]]
-    if not wanted:
+    """ValueError for a row a part of which the chat template leaves out of
+    its render: a tool result, a developer turn, or one tool call (Qwen3's
+    drops developer turns, gpt-oss's renders a developer turn only first and
+    an assistant turn's first call only, DeepSeek-V3's drops calls beside
+    text). The row would train on a conversation that never happened. Each
+    part is looked for by rendering the row without it: a render that is
+    the same has left it out. Rows without such parts are not rendered here."""
+    parts = [(k, None) for k, m in enumerate(messages) if m["role"] in ("tool", "developer") and m["content"].strip()]
+    parts += [(k, j) for k, m in enumerate(messages) for j in range(len(m.get("tool_calls") or ()))]
+    if not parts:
         return
+
+    def text(row: list[dict]) -> str:
+        return render.text(row, generation_prompt=False, thinking=render.chat.thinking, tools=tools)
+
     try:
-        text = render.text(messages, generation_prompt=False, thinking=render.chat.thinking, tools=tools)
+        whole = text(messages)
     except Exception as e:  # a template can raise anything on odd input: name the turn
         raise ValueError(render.failure(messages, e, tools)) from None
-    for k, what, piece in wanted:
-        quoted = json.dumps(piece, ensure_ascii=False)[1:-1]
-        if piece not in text and quoted not in text:
+    for k, j in parts:
+        m = messages[k]
+        if j is None:
+            without, what = messages[:k] + messages[k + 1:], f"{m['role']} turn"
+        else:
+            calls = m["tool_calls"][:j] + m["tool_calls"][j + 1:]
+            turn = {key: v for key, v in m.items() if key != "tool_calls"} | ({"tool_calls": calls} if calls else {})
+            without, what = messages[:k] + [turn] + messages[k + 1:], f"call of {m['tool_calls'][j]['function']['name']}"
+        try:
+            left_out = text(without) == whole
+        except Exception:  # noqa: BLE001 -- a template that cannot do without it renders it
+            left_out = False
+        if left_out:
             raise ValueError(f"turn {k}'s {what} is not in the chat template's render of this row (the template "
                              f"leaves it out here); use a template that renders it, or drop the row")
 
 
-def _leaves(value) -> list[str]:
-    """The scalar values of tool-call arguments, as text."""
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    if isinstance(value, list):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [] if value is None or isinstance(value, bool) else [str(value).strip()]
-
-
 def row_tools(row: dict) -> list[dict] | None:
     """A row's function definitions (`tools`, as a chat request carries
-    them), which the template renders into every prompt."""
+    them), which the template renders into every prompt: each as SGLang's
+    chat endpoint hands it over (its Tool model, dumped: a template that
+    writes them as JSON writes its defaults too)."""
     tools = row.get("tools")
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise ValueError("tools must be a list of tool definitions (objects), as a chat request's")
-    return tools or None
+    from pydantic import ValidationError
+    from sglang.srt.entrypoints.openai.protocol import Tool
+
+    try:
+        return [Tool.model_validate(t).model_dump() for t in tools] or None
+    except ValidationError as e:
+        raise ValueError(f"tools: not a tool definition SGLang takes: {str(e).splitlines()[0]}") from None
 
 
 def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None,
@@ -394,9 +403,14 @@ def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None,
             raise ValueError(f"loss_mask has {len(mask)} values for {len(ids)} input ids")
         if not all(type(m) is int and m in (0, 1) for m in mask):
             raise ValueError("loss_mask values must be the integers 0 or 1")
+        if chat is not None and chat.turns == "last" and "row_id" in row:
+            # A regenerated answers row (answers.py), its last turn alone: the
+            # loss's last run, none of its earlier_samples.
+            end = max(k for k, m in enumerate(mask) if m) + 1
+            start = next(k for k in range(end - 1, -1, -1) if not mask[k]) + 1 if 0 in mask[:end] else 0
+            return [(list(ids), [0] * start + [1] * (end - start) + [0] * (len(mask) - end))]
         # A regenerated answers row's turns its last sample does not hold (answers.py).
-        earlier = [] if chat is not None and chat.turns == "last" else [
-            s for e in row.get("earlier_samples") or () for s in tokenize_row(tokenizer, e, tool_calls, chat)]
+        earlier = [s for e in row.get("earlier_samples") or () for s in tokenize_row(tokenizer, e, tool_calls, chat)]
         return earlier + [(list(ids), list(mask))]
     if "text" in row and "messages" not in row and "conversations" not in row:
         if not isinstance(row["text"], str):
@@ -413,7 +427,7 @@ def tokenize_row(tokenizer, row: dict, tool_calls: bool | None = None,
 
 def renders_tool_calls(tokenizer) -> bool:
     """Whether the chat template looks at an assistant turn's tool_calls."""
-    return "tool_calls" in (tokenizer.chat_template or "")
+    return "tool_calls" in template_text(tokenizer.chat_template)
 
 
 class NoUsableRows(Permanent, ValueError):
@@ -451,22 +465,24 @@ def prepare_samples(path: Path, tokenizer, *, max_length: int, policy: str = "tr
         except Exception as e:  # a template can raise anything on odd input
             rejected.append(Rejected(i, str(e) or type(e).__name__))
             continue
-        kept, why = 0, []
+        kept, left = 0, []
         for ids, mask in pieces:
             if not ids:
-                why.append("no tokens")
+                left.append((None, "no tokens"))
                 continue
+            whole = sample_id(ids, mask)
             if len(ids) > max_length:
                 if policy == "skip":
-                    why.append(f"{len(ids)} tokens > max_length {max_length} (policy: skip)")
+                    left.append((whole, f"{len(ids)} tokens > max_length {max_length} (policy: skip)"))
                     continue
                 ids, mask = ids[:max_length], mask[:max_length]
             if not any(mask):
-                why.append("no loss tokens (no assistant turn within max_length)")
+                left.append((whole, "no loss tokens (no assistant turn within max_length)"))
                 continue
             samples.append(Sample(sample_id(ids, mask), i, np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
             kept += 1
-        if why:  # a row's sample left out is said, even beside its kept ones
-            rejected.append(Rejected(i, why[0] if not kept and len(why) == 1 else
-                                     f"{len(why)} of its {len(pieces)} samples left out: {'; '.join(why)}"))
+        if len(pieces) == 1 and left:
+            rejected.append(Rejected(i, left[0][1]))
+        else:  # a row's sample left out is said, even beside its kept ones, each under its own id
+            rejected += [Rejected(i, f"one of its {len(pieces)} samples left out: {why}", sid) for sid, why in left]
     return samples, rejected

@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from tasks.data.chat import template_text
 from tasks.durable import replace_durably
 from tasks.failures import Permanent
 from tasks.store.shards import BF16, FORMAT, STORAGE_DTYPES, file_sha256
@@ -80,7 +81,7 @@ def build_manifest(model_path: Path, tokenizer, aux_layers, architecture: Archit
         "architecture": architecture.as_record(),
         "target_path": str(model_path.resolve()),
         "tokenizer": {"sha256": file_sha256(model_path / "tokenizer.json"),
-                      "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()},
+                      "chat_template_sha256": hashlib.sha256(template_text(tokenizer.chat_template).encode()).hexdigest()},
         "aux_layers": aux_layers.as_record(),
         "hidden_size": sizes["hidden_size"],
         "dtype": dtype,

@@ -7,6 +7,9 @@ every backend:
     samples(sample_id, source, source_row, shard, position, token_offset,
             num_tokens, num_loss_tokens, checksum)
     quarantine(source, source_row, sample_id, reason, attempts, at)
+                                       one record a sample (a row that gives
+                                       several keeps one for each), or a row's
+                                       own (sample_id null: it gives none)
     crashes(sample_id, count, at)      samples in flight when the server died
     canaries(shard, sample_id, positions, worst_deviation, worst_ratio,
              profile, profile_outlier, at)
@@ -87,7 +90,9 @@ class Ledger(abc.ABC):
 
     @abc.abstractmethod
     def quarantine(self, rows: list[dict]) -> None:
-        """rows: source, source_row, sample_id (or None), reason, attempts."""
+        """rows: source, source_row, sample_id (or None: the row gives no
+        sample), reason, attempts. A sample's record replaces its earlier
+        one; committing a sample clears its own and its row's."""
 
     @abc.abstractmethod
     def record_crash(self, sample_ids: list[str]) -> dict[str, int]:

@@ -35,9 +35,9 @@ CREATE TABLE IF NOT EXISTS samples(
     token_offset BIGINT NOT NULL, num_tokens BIGINT NOT NULL,
     num_loss_tokens BIGINT NOT NULL, checksum TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine(
-    source TEXT NOT NULL, source_row BIGINT NOT NULL, sample_id TEXT,
+    source TEXT NOT NULL, source_row BIGINT NOT NULL, sample_id TEXT NOT NULL DEFAULT '',
     reason TEXT NOT NULL, attempts BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL,
-    PRIMARY KEY(source, source_row));
+    PRIMARY KEY(source, source_row, sample_id));
 CREATE TABLE IF NOT EXISTS crashes(
     sample_id TEXT PRIMARY KEY, count BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS retired(sample_id TEXT PRIMARY KEY);
@@ -55,6 +55,14 @@ CREATE TABLE IF NOT EXISTS canaries(
     profile TEXT NOT NULL, profile_outlier TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
 """
 
+# The quarantine of a store made when a row gave one sample (its key the row):
+# kept, each record under its sample (or the row's, '').
+QUARANTINE_BY_SAMPLE = """
+ALTER TABLE quarantine DROP CONSTRAINT quarantine_pkey;
+UPDATE quarantine SET sample_id = '' WHERE sample_id IS NULL;
+ALTER TABLE quarantine ALTER COLUMN sample_id SET DEFAULT '', ALTER COLUMN sample_id SET NOT NULL;
+ALTER TABLE quarantine ADD PRIMARY KEY (source, source_row, sample_id)
+"""
 INSERT_SHARD = "INSERT INTO shards VALUES (%s,%s,%s,%s,%s,%s)"
 INSERT_SAMPLE = ("INSERT INTO samples VALUES (%(sample_id)s,%(source)s,%(source_row)s,%(shard)s,%(position)s,"
                  "%(token_offset)s,%(num_tokens)s,%(num_loss_tokens)s,%(checksum)s)")
@@ -148,6 +156,7 @@ class PostgresLedger(Ledger):
             # CREATE INDEX IF NOT EXISTS takes a lock that waits for, and
             # holds up, commits in flight.
             if db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.canaries",)).fetchone()[0]:
+                self._quarantine_by_sample(db)
                 return
             if not create:  # an existing store: an empty index made now would say "nothing stored"
                 raise StoreError(f"the index of {store} ({self.where}) is gone: its schema was dropped, or the URL "
@@ -159,6 +168,22 @@ class PostgresLedger(Ledger):
             db.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
             db.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
             for statement in filter(str.strip, SCHEMA.split(";")):
+                db.execute(statement)
+
+    def _quarantine_by_sample(self, db) -> None:
+        """A store's quarantine keyed by its row (made when a row gave one
+        sample) keyed by sample, once, under the schema's lock."""
+        keyed = ("SELECT COALESCE(array_length(indkey::int[], 1), 0) FROM pg_index "
+                 "WHERE indrelid = to_regclass(%s) AND indisprimary")
+        where = f"{self.schema}.quarantine"
+        if db.execute(keyed, (where,)).fetchone()[0] != 2:
+            return
+        from psycopg import sql
+
+        db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.schema,))
+        if db.execute(keyed, (where,)).fetchone()[0] == 2:  # not done meanwhile by another process
+            db.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(self.schema)))
+            for statement in filter(str.strip, QUARANTINE_BY_SAMPLE.split(";")):
                 db.execute(statement)
 
     def _connect(self, search_path: bool = True):
@@ -211,8 +236,9 @@ class PostgresLedger(Ledger):
                 cur.execute(INSERT_SHARD, (shard.name, shard.sha256, shard.bytes, shard.num_samples,
                                            shard.num_tokens, time.time()))
                 cur.executemany(INSERT_SAMPLE, rows)
-                cur.executemany("DELETE FROM quarantine WHERE source=%s AND source_row=%s",
-                                [(r["source"], r["source_row"]) for r in rows])
+                # Its own record, and its row's (a row that gave none before).
+                cur.executemany("DELETE FROM quarantine WHERE source=%s AND source_row=%s AND sample_id IN (%s, '')",
+                                [(r["source"], r["source_row"], r["sample_id"]) for r in rows])
                 cur.executemany(INSERT_CANARY, [{"at": time.time(), **c} for c in canaries])
         except psycopg.errors.UniqueViolation as e:
             # Plain INSERTs: what is committed stays as committed, and the
@@ -261,13 +287,13 @@ class PostgresLedger(Ledger):
             db.execute("DELETE FROM retired")
 
     def quarantine(self, rows: list[dict]) -> None:
-        # As SQLite's INSERT OR REPLACE: a source row's latest failure wins.
+        # As SQLite's INSERT OR REPLACE: a sample's (or a row's) latest failure wins.
         with self._connect() as db, db.cursor() as cur:
             cur.executemany(
                 "INSERT INTO quarantine VALUES (%(source)s,%(source_row)s,%(sample_id)s,%(reason)s,%(attempts)s,"
-                "%(at)s) ON CONFLICT (source, source_row) DO UPDATE SET sample_id=EXCLUDED.sample_id, "
+                "%(at)s) ON CONFLICT (source, source_row, sample_id) DO UPDATE SET "
                 "reason=EXCLUDED.reason, attempts=EXCLUDED.attempts, at=EXCLUDED.at",
-                [{"sample_id": None, "attempts": 0, "at": time.time(), **r} for r in rows])
+                [{"attempts": 0, "at": time.time(), **r, "sample_id": r.get("sample_id") or ""} for r in rows])
 
     def record_crash(self, sample_ids: list[str]) -> dict[str, int]:
         with self._connect() as db, db.cursor() as cur:
@@ -299,7 +325,8 @@ class PostgresLedger(Ledger):
         return self._frame("SELECT * FROM samples ORDER BY shard COLLATE \"C\", position", SAMPLE_COLUMNS)
 
     def quarantined(self) -> pd.DataFrame:
-        return self._frame("SELECT * FROM quarantine", QUARANTINE_COLUMNS)
+        return self._frame("SELECT source, source_row, NULLIF(sample_id, '') AS sample_id, reason, attempts, at "
+                           "FROM quarantine", QUARANTINE_COLUMNS)
 
     def canaries(self, latest: int | None = None) -> pd.DataFrame:
         if latest is None:

@@ -28,9 +28,9 @@ CREATE TABLE IF NOT EXISTS samples(
     num_loss_tokens INTEGER NOT NULL, checksum TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS samples_by_shard ON samples(shard, position);
 CREATE TABLE IF NOT EXISTS quarantine(
-    source TEXT NOT NULL, source_row INTEGER NOT NULL, sample_id TEXT,
+    source TEXT NOT NULL, source_row INTEGER NOT NULL, sample_id TEXT NOT NULL DEFAULT '',
     reason TEXT NOT NULL, attempts INTEGER NOT NULL, at REAL NOT NULL,
-    PRIMARY KEY(source, source_row));
+    PRIMARY KEY(source, source_row, sample_id));
 CREATE TABLE IF NOT EXISTS crashes(
     sample_id TEXT PRIMARY KEY, count INTEGER NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS retired(sample_id TEXT PRIMARY KEY);
@@ -38,6 +38,17 @@ CREATE TABLE IF NOT EXISTS canaries(
     shard TEXT NOT NULL REFERENCES shards(name), sample_id TEXT PRIMARY KEY REFERENCES samples(sample_id),
     positions INTEGER NOT NULL, worst_deviation REAL NOT NULL, worst_ratio REAL NOT NULL,
     profile TEXT NOT NULL, profile_outlier TEXT NOT NULL, at REAL NOT NULL);
+"""
+# The quarantine of a store made when a row gave one sample (its key the row):
+# kept, each record under its sample (or the row's, '').
+QUARANTINE_BY_SAMPLE = """
+ALTER TABLE quarantine RENAME TO quarantine_by_row;
+CREATE TABLE quarantine(
+    source TEXT NOT NULL, source_row INTEGER NOT NULL, sample_id TEXT NOT NULL DEFAULT '',
+    reason TEXT NOT NULL, attempts INTEGER NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY(source, source_row, sample_id));
+INSERT INTO quarantine SELECT source, source_row, COALESCE(sample_id, ''), reason, attempts, at FROM quarantine_by_row;
+DROP TABLE quarantine_by_row;
 """
 INSERT_CANARY = ("INSERT INTO canaries VALUES (:shard,:sample_id,:positions,:worst_deviation,:worst_ratio,:profile,"
                  ":profile_outlier,:at)")
@@ -53,6 +64,9 @@ class SqliteLedger(Ledger):
         self.path = self.store / "ledger.sqlite"
         with closing(self._connect()) as db, db:
             db.executescript(SCHEMA)
+            keyed = [r[1] for r in db.execute("PRAGMA table_info(quarantine)") if r[5]]
+            if "sample_id" not in keyed:  # a store of one record a row: each sample's its own
+                db.executescript(QUARANTINE_BY_SAMPLE)
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=120)
@@ -76,8 +90,9 @@ class SqliteLedger(Ledger):
                 db.executemany(
                     "INSERT INTO samples VALUES (:sample_id,:source,:source_row,:shard,:position,"
                     ":token_offset,:num_tokens,:num_loss_tokens,:checksum)", rows)
-                db.executemany("DELETE FROM quarantine WHERE source=? AND source_row=?",
-                               [(r["source"], r["source_row"]) for r in rows])
+                # Its own record, and its row's (a row that gave none before).
+                db.executemany("DELETE FROM quarantine WHERE source=? AND source_row=? AND sample_id IN (?, '')",
+                               [(r["source"], r["source_row"], r["sample_id"]) for r in rows])
                 db.executemany(INSERT_CANARY, [{"at": time.time(), **c} for c in canaries])
         except sqlite3.IntegrityError as e:
             # Plain INSERTs: what is committed stays as committed; the whole
@@ -137,7 +152,7 @@ class SqliteLedger(Ledger):
         with closing(self._connect()) as db, db:
             db.executemany(
                 "INSERT OR REPLACE INTO quarantine VALUES (:source,:source_row,:sample_id,:reason,:attempts,:at)",
-                [{"sample_id": None, "attempts": 0, "at": time.time(), **r} for r in rows])
+                [{"attempts": 0, "at": time.time(), **r, "sample_id": r.get("sample_id") or ""} for r in rows])
 
     def record_crash(self, sample_ids: list[str]) -> dict[str, int]:
         with closing(self._connect()) as db, db:
@@ -164,7 +179,8 @@ class SqliteLedger(Ledger):
         return self._frame("SELECT * FROM samples ORDER BY shard, position")
 
     def quarantined(self) -> pd.DataFrame:
-        return self._frame("SELECT * FROM quarantine")
+        return self._frame("SELECT source, source_row, NULLIF(sample_id, '') AS sample_id, reason, attempts, at "
+                           "FROM quarantine")
 
     def canaries(self, latest: int | None = None) -> pd.DataFrame:
         if latest is None:
