@@ -12,7 +12,6 @@ as artifacts.
 from __future__ import annotations
 
 import base64
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -34,8 +33,7 @@ from tasks.store.config import StoreConfig
 from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
-from tasks.train.dflash.export import is_dflash
-from tasks.train.model_card import add_served
+from tasks.train.model_card import add_served, training_record
 
 
 def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerConfig | None:
@@ -53,15 +51,11 @@ def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerCon
 
 
 def trained_for(drafter_dir: Path, server: ServerConfig) -> dict:
-    """How the drafter was trained (its config's eagle3_training or
-    dflash_training), after checking the server section serves the target it
+    """How the drafter was trained (its config's record, as its family
+    names it: eagle3_training, dflash_training), after checking the server section serves the target it
     was trained for: a drafter served on another target would be measured
     against the wrong model."""
-    config = json.loads((drafter_dir / "config.json").read_text())
-    trained = config.get("dflash_training" if is_dflash(config) else "eagle3_training")
-    if not trained:
-        raise ValueError(f"{drafter_dir}/config.json does not say how it was trained (no eagle3_training or "
-                         f"dflash_training): export it with train_drafter")
+    _, trained, _ = training_record(drafter_dir)
     ours, theirs = resolve_model(server.model), Path(trained["target"])
     if ours.resolve() != theirs.resolve() and (not (theirs / "config.json").exists() or
                                                (ours / "config.json").read_bytes()

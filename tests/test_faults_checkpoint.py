@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.train.checkpoint import CHECKPOINT, trained_drafter
+from tasks.train.checkpoint import CHECKPOINT
+from tasks.train.eagle3.training import trained_drafter
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.eagle3.export import export_weights, load_exported
 from tasks.train.loop import train
@@ -74,7 +75,7 @@ import os, shutil, signal, sys
 from pathlib import Path
 from tasks.target.architectures import LLAMA
 from tasks.target.layers import AuxLayers
-from tasks.train.checkpoint import trained_drafter
+from tasks.train.eagle3.training import trained_drafter
 from tasks.train.eagle3.export import export_drafter
 
 real_rmtree = shutil.rmtree

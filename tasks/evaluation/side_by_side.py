@@ -42,7 +42,7 @@ from tasks.server.cpu.shim import gpu_present
 from tasks.server.launch import CaptureSpec, LaunchSpec, ServerHandle, SpeculativeSpec, check_serves, launch_server
 from tasks.sglang_api import ServerError, server_says
 from tasks.target.embeddings import load_target_embeddings
-from tasks.train.dflash.export import is_dflash
+from tasks.train.families import FAMILIES, exported_family
 from tasks.train.launch import result_from_dir
 from tasks.train.loop import RESULT
 
@@ -74,9 +74,7 @@ class Drafter:
     method: str = "eagle3"  # or "dflash": how SGLang serves it
 
     def served_as(self, server: ServerConfig) -> SpeculativeSpec:
-        if self.method == "dflash":  # served with the block size it was trained with
-            return SpeculativeSpec.dflash(server, self.path, extra_hooks=self.hooks)
-        return SpeculativeSpec.chain(server, self.path, self.num_steps, extra_hooks=self.hooks)
+        return FAMILIES[self.method].served_spec(server, self.path, self.num_steps, extra_hooks=self.hooks)
 
 
 def drafter_at(path: str | Path, num_steps: int | None = None) -> Drafter:
@@ -89,11 +87,8 @@ def drafter_at(path: str | Path, num_steps: int | None = None) -> Drafter:
         raise FileNotFoundError(f"no drafter at {path}: expected an exported EAGLE-3 or DFlash drafter, a "
                                 f"directory with config.json")
     config = json.loads(config_path.read_text())
-    method = "dflash" if is_dflash(config) else "eagle3"
-    if method == "dflash":
-        steps = config["dflash_config"]["block_size"] - 1
-    else:
-        steps = num_steps or (config.get("eagle3_training") or {}).get("config", {}).get("serve_steps")
+    family = exported_family(config, path)
+    method, steps = family.name, family.exported_drafts(config, num_steps)
     if not steps:
         raise ValueError(f"{path}/config.json does not say the steps it serves with: give num_steps")
     final = result_from_dir(path.parent).final if (path.parent / RESULT).is_file() else None

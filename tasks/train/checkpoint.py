@@ -24,8 +24,6 @@ from tasks.durable import replace_durably
 from tasks.train import distributed
 from tasks.train.config import BEFORE_THE_SETTING, CheckpointMismatch, TrainConfig, TrainingError
 from tasks.train.data import describe_split_change
-from tasks.train.eagle3.model import Eagle3Drafter, build_drafter
-from tasks.train.vocab import DraftVocab
 
 logger = logging.getLogger("eagle3.training")
 
@@ -140,7 +138,7 @@ class CheckpointWriter:
     path: Path
     identity: dict
     fingerprint: dict
-    model: Eagle3Drafter
+    model: torch.nn.Module  # the family's drafter (its trainable_state is checkpointed)
     optimizer: torch.optim.Optimizer
     rank: int
     world: int
@@ -172,20 +170,3 @@ class CheckpointWriter:
                      # An EAGLE-3 drafter's draft vocabulary; a DFlash one has none.
                      "d2t": self.model.d2t.cpu() if hasattr(self.model, "d2t") else None}
             replace_durably(self.path, lambda tmp: torch.save(state, tmp))
-
-
-def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
-    """The drafter as the last checkpoint holds it (fp32), to check an export against."""
-    ckpt = load_checkpoint(Path(out_dir) / CHECKPOINT)
-    fc = ckpt["model"]["fc.weight"]
-    identity = ckpt["identity"]
-    model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]),
-                          num_aux=fc.shape[1] // fc.shape[0], variant=identity.get("variant", "eagle3"),
-                          attention=identity.get("attention", "gqa"), mla_dims=identity.get("mla_dims") or {},
-                          head_dim=identity.get("head_dim"))
-    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-    missing = [k for k in missing if not k.startswith(Eagle3Drafter.FROZEN)]  # not checkpointed
-    if missing or unexpected:
-        raise TrainingError(f"checkpoint in {out_dir} does not fit its drafter: missing {missing}, "
-                            f"unexpected {unexpected}")
-    return model

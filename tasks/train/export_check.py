@@ -11,9 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, trained_drafter
-from tasks.train.dflash.export import is_dflash, load_dflash
-from tasks.train.eagle3.export import export_weights, load_exported
+from tasks.train.families import exported_family
 
 # A bf16 export of fp32 weights differs by ~4e-3 relative at most.
 TOLERANCE = 1e-2
@@ -24,10 +22,7 @@ def exported_and_trained(drafter_dir: Path, out_dir: Path, target: Path
     """(the export's tensors as its reader loads them, the checkpoint's), by
     the export's names."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    if is_dflash(config):
-        # The checkpoint holds a DFlash drafter's trained tensors under the export's names.
-        return load_dflash(drafter_dir, target).trained_tensors(), load_checkpoint(Path(out_dir) / CHECKPOINT)["model"]
-    return export_weights(load_exported(drafter_dir, target)), export_weights(trained_drafter(out_dir, target))
+    return exported_family(config, drafter_dir).read_back(Path(drafter_dir), Path(out_dir), Path(target))
 
 
 def compare_export(drafter_dir: Path, out_dir: Path, target: Path) -> dict:

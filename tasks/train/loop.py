@@ -38,12 +38,11 @@ from tasks.train.init_from import TARGET_WEIGHTS
 from tasks.train.model_card import card_or_warning
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import prepare
-from tasks.train.run import Run, autocast_dtype
+from tasks.train.run import Run, StepCounts, autocast_dtype
 from tasks.server.config import ServerConfig
 from tasks.train.served import (check_serving_fits, choose_served, describe_choice, describe_served, gpus_here,
                                 measure_served, serve_now, served_dir)
 from tasks.stream.reader import Spool
-from tasks.train.eagle3.ttt import StepOutput
 from tasks.train.vocab import DraftVocab
 
 logger = logging.getLogger("eagle3.training")
@@ -88,7 +87,7 @@ class Stepper:
         self.epoch_tokens = self.epoch_steps = 0
 
     def step(self, batches: list[tuple[int, float]], lr: float, epoch: int, number: int
-             ) -> tuple[list[StepOutput], torch.Tensor]:
+             ) -> tuple[list[StepCounts], torch.Tensor]:
         """Step `number` of the run (from 1) in `epoch` (from 0): each batch's
         output, and the gradient norm before clipping."""
         run, cfg = self.run, self.run.cfg
@@ -125,7 +124,7 @@ class Stepper:
         self.compute_s += self.idle_since - t0
         return outs, grad_norm
 
-    def _step_unless_nonfinite(self, outs: list[StepOutput], grad_norm: torch.Tensor, epoch: int,
+    def _step_unless_nonfinite(self, outs: list[StepCounts], grad_norm: torch.Tensor, epoch: int,
                                number: int) -> None:
         cfg = self.run.cfg
         # Under DDP and FSDP the gradient norm agrees across ranks but the
@@ -156,7 +155,7 @@ class Stepper:
                 f"and {self.checkpoint_path} (the last good checkpoint, written before these steps) is kept. A "
                 f"resume replays the same batches: lower lr or max_grad_norm, or check the store")
 
-    def log_progress(self, epoch: int, step: int, total_steps: int, outs: list[StepOutput]) -> None:
+    def log_progress(self, epoch: int, step: int, total_steps: int, outs: list[StepCounts]) -> None:
         cfg, took = self.run.cfg, time.time() - self.epoch_started
         acc0 = float(outs[0].correct[0]) / max(1, int(outs[0].counted[0]))
         logger.info("epoch %d/%d step %d/%d: loss %.3f, acc0 %.2f, lr %.2e, %.0f tok/s, ETA %.0f s", epoch + 1,

@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 
 from tasks.durable import replace_durably
+from tasks.train.families import exported_family
+from tasks.train.run import Family
 
 logger = logging.getLogger("eagle3.training")
 
@@ -28,14 +30,13 @@ RECIPE = ("method", "variant", "attention", "draft_vocab_size", "ttt_steps", "st
           "draft_layers")
 
 
-def training_record(drafter_dir: Path) -> tuple[str, dict, dict]:
-    """(method, the drafter's training record, its config.json)."""
+def training_record(drafter_dir: Path) -> tuple[Family, dict, dict]:
+    """(its family, the drafter's training record, its config.json)."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    for key, method in (("eagle3_training", "EAGLE-3"), ("dflash_training", "DFlash")):
-        if key in config:
-            return method, config[key], config
-    raise ValueError(f"{drafter_dir}/config.json has no eagle3_training or dflash_training record: export it "
-                     f"with train_drafter")
+    family = exported_family(config, drafter_dir)
+    if family.record not in config:
+        raise ValueError(f"{drafter_dir}/config.json has no {family.record} record: export it with train_drafter")
+    return family, config[family.record], config
 
 
 def _store_target(store: Path) -> dict:
@@ -92,13 +93,13 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
     from the evaluation (`rows`: its greedy acceptance rows, `sweep`: its
     sweep rows, `prompts`: set -> prompts, `device`)."""
     drafter_dir = Path(drafter_dir)
-    method, record, config = training_record(drafter_dir)
+    family, record, config = training_record(drafter_dir)
     cfg, held = record.get("config", {}), record.get("heldout", {})
     target = Path(record["target"])
     store = Path(record["store"])
     steps = cfg.get("serve_steps", 3)
     weights = record.get("target_weights_sha256") or _store_target(store).get("weights_sha256")
-    lines = [f"# {method} drafter for {target.name}", "",
+    lines = [f"# {family.label} drafter for {target.name}", "",
              f"A speculative-decoding drafter trained with this project (eagle3-hidden-states) on hidden states "
              f"SGLang captured from the target.", "", "## Target", "",
              f"- `{target}` ({', '.join(config.get('architectures', []))} drafter; the target's weights fingerprint "
@@ -122,9 +123,7 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
     else:
         lines.append(f"Not measured yet: `python -m flows.evaluate --drafter-dirs {drafter_dir.resolve()} "
                      f"--server.model {target} --store {store}` serves it and fills this section in.")
-    draft_flags = (f"--speculative-algorithm EAGLE3 --speculative-num-steps {steps} --speculative-eagle-topk 1 "
-                   f"--speculative-num-draft-tokens {steps + 1}" if method == "EAGLE-3" else
-                   "--speculative-algorithm DFLASH")
+    draft_flags = family.serve_flags(steps)
     lines += ["", "## Serve it", "", "```",
               f"python -m sglang.launch_server --model-path {target} \\",
               f"    {draft_flags} \\", f"    --speculative-draft-model-path {drafter_dir.resolve()}", "```", "",

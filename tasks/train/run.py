@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -39,10 +39,21 @@ def in_precision(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
     return model
 
 
+class StepCounts(Protocol):
+    """What the loop reads of a family's training forward (EAGLE-3's
+    StepOutput, DFlash's DFlashOutput): the loss, and per step (or block
+    slot) the positions scored and hit."""
+    loss: torch.Tensor
+    correct: torch.Tensor
+    counted: torch.Tensor
+
+
 @dataclass(frozen=True)
 class Family:
-    """What the shared training run asks of a drafter family."""
+    """What the shared training run, and what reads its exports, ask of a
+    drafter family."""
     name: str
+    label: str  # as a card or a log names it
     drafter_config: Callable  # (cfg, target config, aux layers) -> the drafter's sizes, refused where unservable
     layout: Callable  # (cfg) -> its attention layout, as a refusal names it
     prepare: Callable  # (family, cfg, reader, target, sizes, split, device, rank, world, vocab) -> Run
@@ -51,14 +62,23 @@ class Family:
     evaluate: Callable  # (run) -> held-out metrics, in the keys every family reports
     describe: Callable  # (run) -> one line for the run's log
     export: Callable  # (run, drafter dir, extra) -> the drafter as SGLang loads it
-    served_spec: Callable  # (server section, drafter dir, cfg, **where) -> how SGLang serves it
+    served_spec: Callable  # (server section, drafter dir, drafts, **launch options) -> how SGLang serves it
     drafts: Callable  # (cfg) -> the tokens a verify step drafts
     served_metric: Callable  # (cfg) -> training's held-out figure beside SGLang's
+    is_export: Callable  # (an exported config.json) -> whether it is this family's drafter
+    exported_drafts: Callable  # (config.json, drafts asked for or None) -> the tokens a verify step drafts
+    read_back: Callable  # (drafter dir, out dir, target) -> (the export's tensors, the checkpoint's)
+    serve_flags: Callable  # (drafts) -> SGLang's flags that serve it, for its card
+
+    @property
+    def record(self) -> str:
+        """The key of its training record in an exported config.json."""
+        return f"{self.name}_training"
 
     @classmethod
-    def of(cls, name: str, module: ModuleType) -> "Family":
+    def of(cls, name: str, label: str, module: ModuleType) -> "Family":
         """The family whose training.py is `module`."""
-        return cls(name, *(getattr(module, f) for f in list(cls.__dataclass_fields__)[1:]))
+        return cls(name, label, *(getattr(module, f) for f in list(cls.__dataclass_fields__)[2:]))
 
 
 def positions_read(positions: tuple[int, ...], manifest: dict) -> tuple[int, ...] | None:

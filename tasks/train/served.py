@@ -102,7 +102,8 @@ def served_spec(drafter_dir: Path, target: Path, cfg: TrainConfig, server: Serve
     launch = server.model_copy(update={"model": str(target), "url": None, "api_key": None, "rid_prefix": RID_PREFIX,
                                        "dtype": dtype})
     where = {"base_gpu_id": cfg.devices} if gpus else {}
-    return family_of(cfg).served_spec(launch, drafter_dir, cfg, **where)
+    family = family_of(cfg)
+    return family.served_spec(launch, drafter_dir, family.drafts(cfg), **where)
 
 
 def measure_served(drafter_dir: Path, target: Path, prompts: list[list[int]], cfg: TrainConfig,

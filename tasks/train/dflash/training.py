@@ -24,7 +24,8 @@ from tasks.target.embeddings import load_target_embeddings
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import plan_batches, prefetch
 from tasks.train.dflash.model import DFlashConfig, DFlashDrafter, DFlashOutput, build_dflash, dflash_forward
-from tasks.train.dflash.export import export_dflash
+from tasks.train.checkpoint import CHECKPOINT, load_checkpoint
+from tasks.train.dflash.export import export_dflash, is_dflash, load_dflash
 from tasks.train.dflash.target import check_target_layer_ids, layer_positions, mask_token_for
 from tasks.train.layers.sizes import target_sizes
 from tasks.train.metrics import acceptance_length
@@ -170,9 +171,9 @@ def export(run: Run, drafter_dir: Path, extra: dict) -> Path:
                          mask_token=run.setup.mask_token, extra=extra)
 
 
-def served_spec(launch: ServerConfig, drafter_dir: Path, cfg: TrainConfig, **where) -> SpeculativeSpec:
+def served_spec(launch: ServerConfig, drafter_dir: Path, drafts: int, **options) -> SpeculativeSpec:
     """Served with the block size it was trained with (its config.json)."""
-    return SpeculativeSpec.dflash(launch, drafter_dir, **where)
+    return SpeculativeSpec.dflash(launch, drafter_dir, **options)
 
 
 def drafts(cfg: TrainConfig) -> int:
@@ -183,3 +184,21 @@ def drafts(cfg: TrainConfig) -> int:
 def served_metric(cfg: TrainConfig) -> str:
     """Training's simulation of what SGLang serves: the whole block's exact tau."""
     return "tau_exact"
+
+
+def is_export(config: dict) -> bool:
+    return is_dflash(config)
+
+
+def exported_drafts(config: dict, asked: int | None) -> int:
+    """Its block, less the bonus token, whatever was asked."""
+    return config["dflash_config"]["block_size"] - 1
+
+
+def read_back(drafter_dir: Path, out_dir: Path, target: Path) -> tuple[dict, dict]:
+    """The checkpoint holds a DFlash drafter's trained tensors under the export's names."""
+    return load_dflash(drafter_dir, target).trained_tensors(), load_checkpoint(Path(out_dir) / CHECKPOINT)["model"]
+
+
+def serve_flags(drafts: int) -> str:
+    return "--speculative-algorithm DFLASH"

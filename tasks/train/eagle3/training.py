@@ -20,9 +20,10 @@ from tasks.target.embeddings import load_target_embeddings
 from tasks.target.layers import AuxLayers
 from tasks.train.config import TrainConfig, TrainingError
 from tasks.train.data import plan_batches, prefetch
-from tasks.train.eagle3.model import DrafterConfig, build_drafter
+from tasks.train.eagle3.model import DrafterConfig, Eagle3Drafter, build_drafter
 from tasks.train.eagle3.ttt import TTT, ttt_forward
-from tasks.train.eagle3.export import export_drafter
+from tasks.train.checkpoint import CHECKPOINT, load_checkpoint
+from tasks.train.eagle3.export import ARCHITECTURES, export_drafter, export_weights, load_exported
 from tasks.train.init_from import load_init, read_init
 from tasks.train.metrics import acceptance_length, exact_acceptance_length
 from tasks.train.run import Family, Run, autocast_dtype, in_precision, positions_read
@@ -193,8 +194,9 @@ def export(run: Run, drafter_dir: Path, extra: dict) -> Path:
                           extra=extra)
 
 
-def served_spec(launch: ServerConfig, drafter_dir: Path, cfg: TrainConfig, **where) -> SpeculativeSpec:
-    return SpeculativeSpec.chain(launch, drafter_dir, cfg.serve_steps, **where)
+def served_spec(launch: ServerConfig, drafter_dir: Path, drafts: int, **options) -> SpeculativeSpec:
+    """Served as a chain of `drafts` steps."""
+    return SpeculativeSpec.chain(launch, drafter_dir, drafts, **options)
 
 
 def drafts(cfg: TrainConfig) -> int:
@@ -205,3 +207,38 @@ def drafts(cfg: TrainConfig) -> int:
 def served_metric(cfg: TrainConfig) -> str:
     """Training's simulation of what SGLang serves: the chain's exact tau."""
     return f"tau_exact@{cfg.serve_steps}"
+
+
+def is_export(config: dict) -> bool:
+    return config.get("architectures") in [[a] for a in ARCHITECTURES.values()]
+
+
+def exported_drafts(config: dict, asked: int | None) -> int | None:
+    """The steps asked for, else the ones it was trained to serve with."""
+    return asked or (config.get("eagle3_training") or {}).get("config", {}).get("serve_steps")
+
+
+def read_back(drafter_dir: Path, out_dir: Path, target: Path) -> tuple[dict, dict]:
+    return export_weights(load_exported(drafter_dir, target)), export_weights(trained_drafter(out_dir, target))
+
+
+def serve_flags(drafts: int) -> str:
+    return (f"--speculative-algorithm EAGLE3 --speculative-num-steps {drafts} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {drafts + 1}")
+
+
+def trained_drafter(out_dir: Path, target: Path) -> Eagle3Drafter:
+    """The drafter as the last checkpoint holds it (fp32), to check an export against."""
+    ckpt = load_checkpoint(Path(out_dir) / CHECKPOINT)
+    fc = ckpt["model"]["fc.weight"]
+    identity = ckpt["identity"]
+    model = build_drafter(Path(target), DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]),
+                          num_aux=fc.shape[1] // fc.shape[0], variant=identity.get("variant", "eagle3"),
+                          attention=identity.get("attention", "gqa"), mla_dims=identity.get("mla_dims") or {},
+                          head_dim=identity.get("head_dim"))
+    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+    missing = [k for k in missing if not k.startswith(Eagle3Drafter.FROZEN)]  # not checkpointed
+    if missing or unexpected:
+        raise TrainingError(f"checkpoint in {out_dir} does not fit its drafter: missing {missing}, "
+                            f"unexpected {unexpected}")
+    return model
