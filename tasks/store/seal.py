@@ -2,7 +2,9 @@
 opens without the ledger's database (no PostgreSQL client, no server):
 
     <store>/index/shards.parquet, samples.parquet, quarantine.parquet, canaries.parquet
-    <store>/index/ledger.sqlite     the same four tables (ledger/sqlite.py's schema)
+    <store>/index/ledger.sqlite     the same four tables (ledger/sqlite.py's schema: a
+                                    row's own quarantine record has sample_id '', the
+                                    parquet's null)
     <store>/index/sealed.json       when, from which backend, the counts, and
                                     each file's sha256
 
@@ -57,6 +59,9 @@ def _sqlite_copy(path: Path, tables: dict[str, pd.DataFrame]) -> None:
             marks = ",".join("?" * len(frame.columns))
             # .tolist() gives Python ints and floats (sqlite3 takes no numpy scalars), None for NULL.
             rows = frame.astype(object).where(frame.notna(), None).values.tolist()
+            if name == "quarantine":  # the schema keys a row's own record by sample_id '' (a NULL key repeats)
+                at = list(frame.columns).index("sample_id")
+                rows = [r[:at] + ["" if r[at] is None else r[at]] + r[at + 1:] for r in rows]
             db.executemany(f"INSERT INTO {name} ({','.join(frame.columns)}) VALUES ({marks})", rows)
 
 
