@@ -34,6 +34,7 @@ from tasks.target.architectures import load_tokenizer
 from tasks.target.models import resolve_model
 from tasks.train.config import TrainConfig
 from tasks.train.model_card import add_served, training_record
+from tasks.train.record import served_target
 
 
 def baseline_server(server: ServerConfig, evaluate: EvaluateConfig) -> ServerConfig | None:
@@ -56,12 +57,10 @@ def trained_for(drafter_dir: Path, server: ServerConfig) -> dict:
     was trained for: a drafter served on another target would be measured
     against the wrong model."""
     _, trained, _ = training_record(drafter_dir)
-    ours, theirs = resolve_model(server.model), Path(trained["target"])
-    if ours.resolve() != theirs.resolve() and (not (theirs / "config.json").exists() or
-                                               (ours / "config.json").read_bytes()
-                                               != (theirs / "config.json").read_bytes()):
-        raise ValueError(f"{drafter_dir} was trained for the target {theirs}, not server.model {server.model}: "
-                         f"set server.model to its target")
+    served_as = served_target(trained, resolve_model(server.model))
+    if served_as:
+        raise ValueError(f"{drafter_dir} was trained for the target {trained['target']}, not server.model "
+                         f"{server.model} ({served_as}): set server.model to its target")
     return trained
 
 

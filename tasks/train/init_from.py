@@ -28,11 +28,8 @@ from tasks.train.config import DrafterRefused, TrainConfig
 from tasks.train.eagle3.model import DrafterConfig, Eagle3Drafter
 from tasks.train.eagle3.export import attention_of, export_weights, variant_of
 from tasks.train.layers.rope import rope_parameters
+from tasks.train.record import TARGET_WEIGHTS
 from tasks.train.vocab import DraftVocab
-
-# Recorded by the export (tasks/train/loop.py _export) from the store's
-# manifest: the target's weights fingerprint the drafter was trained on.
-TARGET_WEIGHTS = "target_weights_sha256"
 
 logger = logging.getLogger("eagle3.training")
 

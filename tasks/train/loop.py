@@ -34,7 +34,7 @@ from tasks.train.config import CheckpointMismatch, TrainConfig, TrainingError, T
 from tasks.train.data import assign_batches, heldout_prompts, plan_batches, prefetch, split_fingerprint
 from tasks.train.heldout import describe, evaluate
 from tasks.train.export import copy_drafter
-from tasks.train.init_from import TARGET_WEIGHTS
+from tasks.train.record import export_record
 from tasks.train.model_card import card_or_warning
 from tasks.train.metrics import write_metrics
 from tasks.train.prepare import prepare
@@ -301,10 +301,8 @@ def _log_start(run: Run, plans: list[list[list[int]]], per_step: int) -> None:
 def _export(run: Run, drafter_dir: Path, store: str | Path, step: int, heldout: dict) -> None:
     """The drafter's weights as they are now, exported with how they were
     trained and their held-out metrics."""
-    extra = {"store": str(Path(store).resolve()), "target": str(run.target),
-             TARGET_WEIGHTS: run.reader.manifest.get("target", {}).get("weights_sha256"), "steps": step,
-             "heldout": {k: v for k, v in heldout.items() if k not in ("epoch", "served")},
-             "config": run.cfg.identity(store)}
+    extra = export_record(run.target, Path(store), run.reader.manifest, step,
+                          {k: v for k, v in heldout.items() if k not in ("epoch", "served")}, run.cfg.identity(store))
     run.family.export(run, drafter_dir, extra)
     card_or_warning(drafter_dir)
 
