@@ -238,7 +238,7 @@ def tiny_pipeline(capture_server, float32_server, tiny_store, prefect_api) -> tu
     run_dir = Path(tiny_store).parent
     # Served in SGLang after epochs 3 and 6, the better one exported (tests/test_training.py).
     cfg = tiny_train_config(run_dir / "train", serve_every=3, serve_prompts=4, serve_max_new_tokens=24,
-                            keep_best_served=True)
+                            keep_best_served=True, export_formats=["sglang", "speculators"])
     summary = eagle3_pipeline(
         **attach(capture_server, store=tiny_store, dataset=str(run_dir / "data.jsonl"), max_length=512,
                  batch_size=32),

@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
+import torch
+from safetensors.torch import load_file
+
 from tasks.paths import REPO_ROOT
+from tasks.train.eagle3.speculators import speculators_name
 from tasks.train.model_card import FILL_IN
 from tasks.train.publish import plan
+from tests.tiny_models import TINY
 
 pytestmark = pytest.mark.server
 
@@ -67,13 +72,27 @@ def test_the_drafters_card_says_what_it_was_trained_on_and_what_sglang_served(ti
     # Published as it is: no path of this machine in it, and what a hub
     # would need that the tiny target cannot say left for the user to fill.
     folder = Path(summary["drafter_dir"])
-    for f in folder.iterdir():
-        text = f.read_bytes()
-        for here in (str(REPO_ROOT), str(Path(tiny_store).parent), str(Path.home())):
-            assert here.encode() not in text, (f.name, here)
-    made = plan(folder, "me/tiny-eagle3")
-    assert made.files == [(f, (folder / f).stat().st_size) for f in ("README.md", "config.json", "model.safetensors")]
-    lines = (folder / "README.md").read_text().splitlines()
-    flagged = [lines[int(p.split(" line ")[1].split()[0]) - 1] for p in made.problems]
-    assert [line.split(":")[0] for line in flagged] == ["base_model", "license", "- licence"], made.problems
-    assert all(FILL_IN in line for line in flagged)
+    speculators = folder.parent / "drafter-speculators"  # train.export_formats [sglang, speculators]
+    for exported in (folder, speculators):
+        for f in exported.iterdir():
+            text = f.read_bytes()
+            for here in (str(REPO_ROOT), str(Path(tiny_store).parent), str(Path.home())):
+                assert here.encode() not in text, (f.name, here)
+        made = plan(exported, "me/tiny-eagle3")
+        assert made.files == [(f, (exported / f).stat().st_size)
+                              for f in ("README.md", "config.json", "model.safetensors")]
+        lines = (exported / "README.md").read_text().splitlines()
+        flagged = [lines[int(p.split(" line ")[1].split()[0]) - 1] for p in made.problems]
+        assert [line.split(":")[0] for line in flagged] == ["base_model", "license", "- licence"], made.problems
+        assert all(FILL_IN in line for line in flagged)
+    # The same weights under speculators' names, beside the target's
+    # embeddings; its card serves it in vLLM.
+    ours, theirs = load_file(folder / "model.safetensors"), load_file(speculators / "model.safetensors")
+    assert set(theirs) == {speculators_name(k) for k in ours} | {"embed_tokens.weight"}
+    assert all(torch.equal(theirs[speculators_name(k)], v.to(theirs[speculators_name(k)].dtype)) for k, v in ours.items())
+    config = json.loads((speculators / "config.json").read_text())
+    record = json.loads((folder / "config.json").read_text())["eagle3_training"]
+    assert config["speculators_config"]["verifier"]["name_or_path"] == record["target"] == TINY  # its folder's name
+    assert config["speculators_config"]["proposal_methods"] == [{"proposal_type": "greedy",
+                                                                 "speculative_tokens": cfg.serve_steps}]
+    assert "vllm serve" in (speculators / "README.md").read_text()

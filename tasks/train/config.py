@@ -107,6 +107,11 @@ class TrainConfig(Section):
     keep_best_margin: float = Field(2.0, ge=0, json_schema_extra=RESUMABLE, description=(
         "keep_best_served: standard errors (the same prompts, request by request) by which an earlier epoch's "
         "served accept length must beat the last epoch's to be exported instead"))
+    export_formats: list[Literal["sglang", "speculators"]] = Field(["sglang"], json_schema_extra=RESUMABLE,
+                                                                   description=(
+        "the drafter's exports: sglang (drafter/, what SGLang loads and the evaluation and init_from read; always "
+        "written) and speculators (drafter-speculators/ beside it: the same weights in the format vLLM serves, "
+        "as vLLM's speculators 0.9.0 writes it; EAGLE-3 with gqa attention)"))
     seed: int = Field(0, ge=0, description="initialisation and data-order seed")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "auto: bf16 autocast on GPUs (fp32 weights, softmax and loss), fp32 on CPUs (no bf16 matmul units); fp32 "
@@ -190,6 +195,13 @@ class TrainConfig(Section):
         if self.mla_dims and self.attention != "mla":
             raise ValueError(f"train.mla_dims {self.mla_dims} sizes an MLA drafter: set train.attention mla too, "
                              f"or leave mla_dims empty")
+        if "sglang" not in self.export_formats:
+            raise ValueError(f"train.export_formats {self.export_formats}: sglang's export is the one the evaluation "
+                             f"and init_from read, and the others are written from it: keep sglang in the list")
+        if "speculators" in self.export_formats and (self.method, self.attention) != ("eagle3", "gqa"):
+            raise ValueError(f"train.export_formats speculators: speculators 0.9.0 has an EAGLE-3 drafter with Llama "
+                             f"or Qwen3 layers only, not {self.method} with {self.attention} attention: leave "
+                             f"export_formats [sglang]")
         if self.method == "dflash":
             defaults = {"variant": "eagle3", "attention": "gqa", "mla_dims": {}, "loss": "forward_kl",
                         "init_from": None}

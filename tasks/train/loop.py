@@ -33,6 +33,7 @@ from tasks.train.checkpoint import CHECKPOINT, CheckpointWriter, read_checkpoint
 from tasks.train.config import CheckpointMismatch, TrainConfig, TrainingError, TrainResult
 from tasks.train.data import assign_batches, heldout_prompts, plan_batches, prefetch, split_fingerprint
 from tasks.train.heldout import describe, evaluate
+from tasks.train.eagle3.speculators import export_beside
 from tasks.train.export import copy_drafter
 from tasks.train.record import export_record
 from tasks.train.model_card import card_or_warning
@@ -272,6 +273,8 @@ def train(cfg: TrainConfig, store: str | Path, *, server: ServerConfig | None = 
                 _export(run, drafter_dir, store, step, history[-1])
             else:
                 copy_drafter(served_dir(out_dir, exported_epoch) / "drafter", drafter_dir)
+            if "speculators" in cfg.export_formats:  # the config refused it for any drafter but EAGLE-3's GQA one
+                logger.info("speculators format: %s", export_beside(drafter_dir, run.target, cfg.serve_steps))
             write_metrics(out_dir, history)
     if world > 1:
         torch.distributed.barrier()

@@ -19,7 +19,8 @@ import logging
 from pathlib import Path
 
 from tasks.durable import replace_durably
-from tasks.train.families import exported_family
+from tasks.train.eagle3.speculators import FOLDER as SPECULATORS_FOLDER, SPECULATORS_VERSION, is_speculators
+from tasks.train.families import FAMILIES, exported_family
 from tasks.train.record import TARGET_WEIGHTS, is_hub_id, portable
 from tasks.train.run import Family
 
@@ -40,7 +41,9 @@ RECIPE = ("method", "variant", "attention", "draft_vocab_size", "ttt_steps", "st
 def training_record(drafter_dir: Path) -> tuple[Family, dict, dict]:
     """(its family, the drafter's training record, its config.json)."""
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    family = exported_family(config, drafter_dir)
+    # speculators' folder is an EAGLE-3 export SGLang does not load: the card
+    # knows it, the readers that serve a drafter in SGLang (exported_family) do not.
+    family = FAMILIES["eagle3"] if is_speculators(config) else exported_family(config, drafter_dir)
     if family.record not in config:
         raise ValueError(f"{drafter_dir}/config.json has no {family.record} record: export it with train_drafter")
     return family, config[family.record], config
@@ -85,14 +88,30 @@ def _served(rows: list[dict], speedups: list[dict], prompts: dict[str, int], dev
     return lines
 
 
-def metadata(family: Family, record: dict) -> dict:
+def metadata(family: Family, record: dict, speculators: bool = False) -> dict:
     """The card's metadata block, in the hub's model-card format: what a
     hub shows and searches by. A value only the user can give is FILL_IN."""
     target = record.get("target") or ""
+    engine = ["vllm", "speculators"] if speculators else ["sglang"]
     return {"base_model": target if is_hub_id(target) else FILL_IN,
             "license": record.get("target_license") or FILL_IN,
-            "library_name": "sglang", "pipeline_tag": "text-generation",
-            "tags": ["speculative-decoding", family.name, "sglang", "draft-model"]}
+            "library_name": engine[-1], "pipeline_tag": "text-generation",
+            "tags": ["speculative-decoding", family.name, *engine, "draft-model"]}
+
+
+def _serve(family: Family, target: str, steps: int, speculators: bool) -> list[str]:
+    served_target = target if is_hub_id(target) else f"<the {target} checkpoint>"
+    if speculators:
+        spec = json.dumps({"model": ".", "method": "eagle3", "num_speculative_tokens": steps})
+        return [f"From this folder (`.`; its hub id once published), in vLLM (the speculators {SPECULATORS_VERSION} "
+                f"format):", "", "```", f"vllm serve {served_target} \\", f"    --speculative-config '{spec}'", "```",
+                "", "The same weights in SGLang's layout are the `drafter/` export beside this one.", ""]
+    return ["From this folder (`.`; its hub id once published), in SGLang:", "", "```",
+            f"python -m sglang.launch_server --model-path {served_target} \\",
+            f"    {family.serve_flags(steps)} \\", "    --speculative-draft-model-path .", "```", "",
+            "Add the target's own serving flags (`--tp-size`, `--dp-size`, `--enable-dp-attention`...).", "",
+            f"vLLM serves the same weights in the speculators format: `train.export_formats: [sglang, speculators]` "
+            f"writes them beside this folder (`{SPECULATORS_FOLDER}/`), whose card gives vLLM's command.", ""]
 
 
 def _front_matter(meta: dict) -> list[str]:
@@ -110,10 +129,11 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
     cfg, held = record.get("config", {}), record.get("heldout", {})
     target = portable(record["target"])
     steps = cfg.get("serve_steps", 3)
-    meta = metadata(family, record)
+    speculators = is_speculators(config)
+    meta = metadata(family, record, speculators)
     unstated = f"not stated by the target's card: {FILL_IN} it (the metadata block above) before publishing"
     lines = _front_matter(meta) + [
-        f"# {family.label} drafter for {target}", "",
+        f"# {family.label} drafter for {target}" + (" (speculators format)" if speculators else ""), "",
         "A speculative-decoding drafter trained with this project (eagle3-hidden-states) on hidden states SGLang "
         "captured from the target.", "", "## Target", "",
         f"- `{target}` ({', '.join(config.get('architectures', []))} drafter; the target's weights fingerprint "
@@ -131,19 +151,16 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
               + (f"; {held['unproposable']:.1%} of positions unproposable (the target's token outside the draft "
                  f"vocabulary)" if held.get("unproposable") is not None else ""),
               "", "## Served in SGLang", ""]
-    if served:
+    if speculators:
+        lines.append("Measured on the SGLang export of the same weights: see its card (`drafter/README.md`).")
+    elif served:
         steps = served.get("num_steps", steps)
         lines += _served(served["rows"], served.get("sweep", []), served.get("prompts", {}),
                          served.get("device", "cpu"), steps, served.get("dtype"))
     else:
         lines.append("Not measured yet: `python -m flows.evaluate` serves it beside its target and fills this "
                      "section in.")
-    served_target = target if is_hub_id(target) else f"<the {target} checkpoint>"
-    lines += ["", "## Serve it", "",
-              "From this folder (`.`; its hub id once published), in SGLang:", "", "```",
-              f"python -m sglang.launch_server --model-path {served_target} \\",
-              f"    {family.serve_flags(steps)} \\", "    --speculative-draft-model-path .", "```", "",
-              "Add the target's own serving flags (`--tp-size`, `--dp-size`, `--enable-dp-attention`...).", ""]
+    lines += ["", "## Serve it", ""] + _serve(family, target, steps, speculators)
     text = "\n".join(lines)
     replace_durably(drafter_dir / CARD, lambda tmp: tmp.write_text(text))
     return drafter_dir / CARD
