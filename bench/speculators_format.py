@@ -102,6 +102,8 @@ def main() -> None:
     p.add_argument("--tiny", default="tiny-llama", help="the untrained drafter's target among the tests' tiny models")
     p.add_argument("--tokens", type=int, default=24)
     args = p.parse_args()
+    if args.drafter and not args.target:
+        p.error("--drafter needs --target, the checkpoint it was trained for")
     python = speculators_env()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -15,7 +15,7 @@ from tasks.target.fingerprint import weights_fingerprint
 from tasks.train.config import TrainConfig
 from tasks.train.model_card import CARD, FILL_IN, write_card
 from tasks.train.publish import PublishRefused, plan, publish
-from tasks.train.record import export_record, served_target, target_name
+from tasks.train.record import export_record, served_target, target_license, target_name
 from tests.conftest import random_store
 from tests.random_drafter import export_random_drafter
 
@@ -70,6 +70,7 @@ def test_a_complete_folder_is_listed_file_by_file_and_would_be_sent(published):
     card = ModelCard.load(folder / CARD)
     assert (card.data.base_model, card.data.license) == (HUB_ID, "apache-2.0")
     assert f"--model-path {HUB_ID}" in card.text and "--speculative-draft-model-path ." in card.text
+    assert "trained on a quantisation of it" in card.text
     (folder / ".README.md.tmp-1").write_text("half a card")  # a writer's temp file
     (folder / "notes").mkdir()
     try:
@@ -127,3 +128,21 @@ def test_evaluate_takes_the_target_by_its_weights(tiny_model, tmp_path, publishe
               str(tuned / "model.safetensors"), metadata={"format": "pt"})
     assert (tuned / "config.json").read_bytes() == (tiny_model / "config.json").read_bytes()
     assert "weights fingerprint" in served_target(record, tuned)
+
+
+def test_what_a_target_or_store_cannot_say_is_recorded_as_unknown_and_the_export_goes_on(tiny_model, tmp_path,
+                                                                                          caplog):
+    odd = _target_copy(tiny_model, tmp_path / "odd", readme="---\njust a line of text\n---\n# a card\n")
+    assert (target_name(odd), target_license(odd)) == ("odd", None)  # its metadata is no mapping
+    (odd / "README.md").write_text("---\nlicense: [unclosed\n---\n")
+    assert target_license(odd) is None
+    record = export_record(odd, tmp_path / "no-store", {}, 1, {}, {"store": str(tmp_path / "no-store")})
+    assert record["data"] is None and "the export records no data" in caplog.text
+    assert record["config"] == {"store": "no-store"}
+
+
+def test_an_export_without_a_fingerprint_is_taken_by_its_targets_name(tiny_model, caplog):
+    assert served_target({"target": tiny_model.name}, tiny_model) is None
+    assert "only its target's name" in caplog.text
+    assert "is not" in served_target({"target": "another-model"}, tiny_model)
+    assert "is not this one" in served_target({"target": "/elsewhere/tiny-llama"}, tiny_model)

@@ -17,7 +17,7 @@ from tasks.target.fingerprint import weights_fingerprint
 from tasks.train.config import TrainConfig
 from tasks.train.eagle3.speculators import export_beside, speculators_config, speculators_name
 from tasks.train.model_card import CARD
-from tasks.train.record import export_record
+from tasks.train.record import FILL_IN, export_record
 from tests.conftest import random_store
 from tests.random_drafter import export_random_drafter
 
@@ -64,7 +64,8 @@ def test_the_config_names_the_layer_the_verifier_and_the_proposals(exported, tin
     assert config["speculators_config"] == {
         "algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
         "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": tiny_model.name, "architectures": ["LlamaForCausalLM"]}}
+        # vLLM loads the verifier by this name: a folder's is left for the user (publish refuses it).
+        "verifier": {"name_or_path": FILL_IN, "architectures": ["LlamaForCausalLM"]}}
     assert config["draft_vocab_size"] == 512 and not config["fc_norm"] and not config["norm_before_residual"]
     assert config["eagle3_training"] == ours["eagle3_training"]
 
@@ -83,6 +84,15 @@ def test_what_speculators_has_no_drafter_for_is_refused(exported):
     config = json.loads((drafter / "config.json").read_text())
     with pytest.raises(ValueError, match="the speculators format has no MLA drafter"):
         speculators_config({**config, "architectures": ["Eagle3DeepseekV2ForCausalLM"]}, "x/y", 3)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's and Kimi-K2.5's
+    with pytest.raises(ValueError, match="which vLLM's YaRN rope does not read"):
+        speculators_config({**config, "rope_parameters": yarn}, "x/y", 3)
+    yarn.pop("mscale_all_dim")  # gpt-oss's form, which vLLM reads as SGLang does
+    assert speculators_config({**config, "rope_parameters": yarn}, "x/y", 3)["transformer_layer_config"]
+    four = {**config["eagle_config"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}
+    with pytest.raises(ValueError, match="vLLM's EAGLE-3 layer takes 3"):
+        speculators_config({**config, "eagle_config": four}, "x/y", 3)
     for bad, why in [({"attention": "mla"}, "not eagle3 with mla attention"),
                      ({"method": "dflash"}, "not dflash with gqa attention"),
                      ({}, "keep sglang in the list")]:

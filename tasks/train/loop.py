@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -30,10 +31,11 @@ from torch.distributed.tensor import DTensor
 
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, CheckpointWriter, read_checkpoint, resume_position
-from tasks.train.config import CheckpointMismatch, TrainConfig, TrainingError, TrainResult
+from tasks.train.config import CheckpointMismatch, DrafterRefused, TrainConfig, TrainingError, TrainResult
 from tasks.train.data import assign_batches, heldout_prompts, plan_batches, prefetch, split_fingerprint
 from tasks.train.heldout import describe, evaluate
-from tasks.train.eagle3.speculators import export_beside
+from tasks.train.layers.rope import rope_parameters
+from tasks.train.eagle3.speculators import FOLDER as SPECULATORS_FOLDER, export_beside, refusal
 from tasks.train.export import copy_drafter
 from tasks.train.record import export_record
 from tasks.train.model_card import card_or_warning
@@ -193,6 +195,10 @@ def train(cfg: TrainConfig, store: str | Path, *, server: ServerConfig | None = 
     ckpt = read_checkpoint(ckpt_path, cfg, store, world)
     vocab = DraftVocab.from_d2t(ckpt["d2t"], ckpt["vocab_size"]) if ckpt and ckpt.get("d2t") is not None else None
     run = prepare(cfg, store, vocab, rank, world, server)
+    if "speculators" in cfg.export_formats:  # refused before training, not after
+        why = refusal(rope_parameters(run.model.target_config), len(run.layers.sglang_ids))
+        if why:
+            raise DrafterRefused(f"train.export_formats speculators: {why}; leave export_formats [sglang]")
     model = run.model
     if ckpt is not None:
         try:
@@ -273,9 +279,13 @@ def train(cfg: TrainConfig, store: str | Path, *, server: ServerConfig | None = 
                 _export(run, drafter_dir, store, step, history[-1])
             else:
                 copy_drafter(served_dir(out_dir, exported_epoch) / "drafter", drafter_dir)
+            write_metrics(out_dir, history)
+            beside = out_dir / SPECULATORS_FOLDER
             if "speculators" in cfg.export_formats:  # the config refused it for any drafter but EAGLE-3's GQA one
                 logger.info("speculators format: %s", export_beside(drafter_dir, run.target, cfg.serve_steps))
-            write_metrics(out_dir, history)
+            elif beside.exists():  # an earlier run's, of other weights: never beside these
+                shutil.rmtree(beside)
+                logger.info("removed %s, an earlier export of other weights (export_formats [sglang])", beside)
     if world > 1:
         torch.distributed.barrier()
     result = TrainResult(drafter_dir=str(drafter_dir), history=history, steps=step,

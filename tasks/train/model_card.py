@@ -21,16 +21,12 @@ from pathlib import Path
 from tasks.durable import replace_durably
 from tasks.train.eagle3.speculators import FOLDER as SPECULATORS_FOLDER, SPECULATORS_VERSION, is_speculators
 from tasks.train.families import FAMILIES, exported_family
-from tasks.train.record import TARGET_WEIGHTS, is_hub_id, portable
+from tasks.train.record import FILL_IN, TARGET_WEIGHTS, is_hub_id, portable
 from tasks.train.run import Family
 
 logger = logging.getLogger("eagle3.training")
 
 CARD = "README.md"
-# What only the user can say (the licence of a target whose card states
-# none, the hub id of a local target): the publish command refuses a card
-# that still holds it.
-FILL_IN = "FILL-IN"
 # The recipe's settings worth a reader's eye, in this order (the card lists
 # every other setting of the run below them).
 RECIPE = ("method", "variant", "attention", "draft_vocab_size", "ttt_steps", "step_decay", "loss", "epochs", "lr",
@@ -99,13 +95,17 @@ def metadata(family: Family, record: dict, speculators: bool = False) -> dict:
             "tags": ["speculative-decoding", family.name, *engine, "draft-model"]}
 
 
-def _serve(family: Family, target: str, steps: int, speculators: bool) -> list[str]:
-    served_target = target if is_hub_id(target) else f"<the {target} checkpoint>"
+def _serve(family: Family, target: str, steps: int, speculators: bool, config: dict) -> list[str]:
+    served_target = target if is_hub_id(target) else f"{FILL_IN}-the-hub-id-of-{target}"
     if speculators:
         spec = json.dumps({"model": ".", "method": "eagle3", "num_speculative_tokens": steps})
         return [f"From this folder (`.`; its hub id once published), in vLLM (the speculators {SPECULATORS_VERSION} "
                 f"format):", "", "```", f"vllm serve {served_target} \\", f"    --speculative-config '{spec}'", "```",
-                "", "The same weights in SGLang's layout are the `drafter/` export beside this one.", ""]
+                "", *([f"An EAGLE-3.1 drafter (fc_norm {config.get('fc_norm')}, norm_output "
+                       f"{config.get('norm_output')}): served as trained only by a vLLM whose EAGLE-3 layer reads "
+                       f"both flags; an older one drafts without them.", ""]
+                      if config.get("fc_norm") or config.get("norm_output") else []),
+                "The same weights in SGLang's layout are the `drafter/` export beside this one.", ""]
     return ["From this folder (`.`; its hub id once published), in SGLang:", "", "```",
             f"python -m sglang.launch_server --model-path {served_target} \\",
             f"    {family.serve_flags(steps)} \\", "    --speculative-draft-model-path .", "```", "",
@@ -137,7 +137,9 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
         "A speculative-decoding drafter trained with this project (eagle3-hidden-states) on hidden states SGLang "
         "captured from the target.", "", "## Target", "",
         f"- `{target}` ({', '.join(config.get('architectures', []))} drafter; the target's weights fingerprint "
-        f"{record.get(TARGET_WEIGHTS) or 'not recorded'})",
+        f"{record.get(TARGET_WEIGHTS) or 'not recorded'})" + (
+            "; trained on a quantisation of it (the checkpoint's card says so), whose weights the fingerprint is"
+            if record.get("target_quantized") else ""),
         f"- licence: {record.get('target_license') or unstated}", "", "## Data", ""]
     lines += _data(record.get("data"))
     lines += ["", "## Recipe", "", "| setting | value |", "|---|---|"]
@@ -160,7 +162,7 @@ def write_card(drafter_dir: str | Path, served: dict | None = None) -> Path:
     else:
         lines.append("Not measured yet: `python -m flows.evaluate` serves it beside its target and fills this "
                      "section in.")
-    lines += ["", "## Serve it", ""] + _serve(family, target, steps, speculators)
+    lines += ["", "## Serve it", ""] + _serve(family, target, steps, speculators, config)
     text = "\n".join(lines)
     replace_durably(drafter_dir / CARD, lambda tmp: tmp.write_text(text))
     return drafter_dir / CARD

@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.train.model_card import CARD, FILL_IN
-from tasks.train.record import card_metadata
+from tasks.train.model_card import CARD
+from tasks.train.record import FILL_IN, card_metadata
 
 # Files read for paths and placeholders: everything a hub renders or a loader parses.
 TEXT_SUFFIXES = {".json", ".md", ".txt", ".yaml", ".yml", ".jinja", ".py"}

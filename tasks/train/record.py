@@ -6,6 +6,9 @@ readers, so the record names the target as a user finds it, the data by
 its file names, and fingerprints both.
 
     target                  the target's name (target_name)
+    target_quantized        true where that is the base of the quantised checkpoint
+                            it was trained on (the weights fingerprint is the
+                            checkpoint's, not the base's)
     target_weights_sha256   its weights' fingerprint (tasks/target/fingerprint.py,
                             the store manifest's), what flows.evaluate and
                             train.init_from check a target against
@@ -21,10 +24,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
 TARGET_WEIGHTS = "target_weights_sha256"
+# What only the user can say (the licence of a target whose card states
+# none, the hub id of a local target): the publish command refuses a folder
+# that still holds it.
+FILL_IN = "FILL-IN"
+logger = logging.getLogger("eagle3.training")
 # A model in the hub's cache: .../models--<org>--<name>/snapshots/<revision>/
 _HUB_CACHE = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -35,11 +44,15 @@ def card_metadata(path: Path) -> dict:
     there is none."""
     import yaml
 
-    text = Path(path).read_text() if Path(path).is_file() else ""
+    text = Path(path).read_text(errors="replace") if Path(path).is_file() else ""
     if not text.startswith("---\n"):
         return {}
     head, sep, _ = text[4:].partition("\n---")
-    return (yaml.safe_load(head) or {}) if sep else {}
+    try:
+        meta = yaml.safe_load(head) if sep else None
+    except yaml.YAMLError:
+        return {}  # a card is documentation: one that does not parse states nothing
+    return meta if isinstance(meta, dict) else {}
 
 
 def is_hub_id(name: str) -> bool:
@@ -57,8 +70,10 @@ def target_name(target: Path) -> str:
     if found:
         return f"{found['org']}/{found['name']}"
     config = json.loads((target / "config.json").read_text())
-    if is_hub_id(str(config.get("_name_or_path") or "")):
-        return config["_name_or_path"]
+    named = str(config.get("_name_or_path") or "")
+    # A relative path that is a folder here (output/checkpoint-500) is no hub id.
+    if is_hub_id(named) and not Path(named).exists():
+        return named
     card = card_metadata(target / "README.md")
     base = card.get("base_model")
     if card.get("base_model_relation") == "quantized" and isinstance(base, str) and is_hub_id(base):
@@ -107,9 +122,20 @@ def data_record(store: Path) -> dict:
 
 def export_record(target: Path, store: Path, manifest: dict, steps: int, heldout: dict, config: dict) -> dict:
     """The record an export of a drafter trained on `store` (whose manifest
-    is `manifest`) for `target` carries."""
-    return {"target": target_name(target), TARGET_WEIGHTS: manifest.get("target", {}).get("weights_sha256"),
-            "target_license": target_license(target), "data": data_record(store), "steps": steps,
+    is `manifest`) for `target` carries. What cannot be read (a store whose
+    index this process cannot open) is recorded as unknown, with a warning:
+    the record documents an export and must never stop it."""
+    try:
+        data = data_record(store)
+    except Exception as e:  # noqa: BLE001 - documentation only; the reason is logged
+        logger.warning("the export records no data: %s: %s", type(e).__name__, e)
+        data = None
+    name, card = target_name(target), card_metadata(Path(target) / "README.md")
+    # Named by the base of a quantised checkpoint: the weights it trained on are not the base's.
+    quantized = card.get("base_model_relation") == "quantized" and card.get("base_model") == name
+    return {"target": name, "target_quantized": quantized or None,
+            TARGET_WEIGHTS: manifest.get("target", {}).get("weights_sha256"),
+            "target_license": target_license(target), "data": data, "steps": steps,
             "heldout": heldout, "config": portable(config)}
 
 
@@ -124,6 +150,10 @@ def served_target(record: dict, target: Path) -> str | None:
         found = weights_fingerprint(target)
         return None if found == recorded else f"weights fingerprint {found[:12]}..., not {recorded[:12]}..."
     theirs = Path(record["target"])
-    if theirs.is_absolute() and theirs.resolve() == Path(target).resolve():
-        return None
-    return f"the drafter records no weights fingerprint, and its target {theirs} is not this one"
+    if theirs.is_absolute() and theirs.resolve() != Path(target).resolve():  # an export that recorded a path
+        return f"the drafter records no weights fingerprint, and its target {theirs} is not this one"
+    # A store captured before fingerprints: its name, as init_from does, with a warning.
+    logger.warning("the drafter records no target weights fingerprint: only its target's name (%s) is checked",
+                   record["target"])
+    return None if theirs.name in (Path(target).name, target_name(target).split("/")[-1]) else (
+        f"the drafter records no weights fingerprint, and its target {record['target']} is not {target_name(target)}")

@@ -50,12 +50,30 @@ def speculators_name(name: str) -> str:
     return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
 
 
+def refusal(rope: dict, num_aux: int) -> str | None:
+    """Why vLLM would serve a drafter of this rope and these aux layers
+    otherwise than SGLang does, or None."""
+    if rope.get("rope_type") == "yarn" and rope.get("mscale") is not None and rope.get("mscale_all_dim") is not None:
+        # SGLang (and transformers) scale a YaRN rope by mscale(f, mscale) /
+        # mscale(f, mscale_all_dim); vLLM's yarn rope reads neither and takes
+        # mscale(f): DeepSeek-V3's and Kimi's ratio 1 becomes 1.37 at factor 40.
+        return ("its rope is YaRN with mscale and mscale_all_dim (the target's), which vLLM's YaRN rope does not read: "
+                "vLLM would serve it with another attention scale than it was trained with")
+    if num_aux != 3:
+        return f"it reads {num_aux} aux layers, and vLLM's EAGLE-3 layer takes 3 (fc of 3 x hidden_size)"
+    return None
+
+
 def speculators_config(config: dict, verifier: str, drafts: int) -> dict:
     """The speculators config.json of a drafter whose SGLang config.json is
     `config`, served with `drafts` tokens a step next to `verifier`."""
     if attention_of(config) != "gqa":
         raise ValueError("the speculators format has no MLA drafter (speculators 0.9.0's EAGLE-3 builds Llama or "
                          "Qwen3 layers): export this drafter for SGLang only (train.export_formats [sglang])")
+    why = refusal(config.get("rope_parameters") or {}, len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+    if why:
+        raise ValueError(f"no speculators export: {why}; export this drafter for SGLang only "
+                         f"(train.export_formats [sglang])")
     layer = {k: config[k] for k in _LAYER_KEYS if config.get(k) is not None}
     layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1, attention_bias=False,
                  mlp_bias=False, tie_word_embeddings=False)
@@ -121,11 +139,13 @@ def export_beside(drafter_dir: Path, target: Path, drafts: int) -> Path:
     """The speculators export of SGLang's at `drafter_dir`, beside it
     (`<out_dir>/drafter-speculators`), with its card."""
     from tasks.train.model_card import card_or_warning
-    from tasks.train.record import target_name
+    from tasks.train.record import FILL_IN, is_hub_id, target_name
 
     drafter_dir = Path(drafter_dir)
     record = json.loads((drafter_dir / "config.json").read_text()).get("eagle3_training") or {}
+    name = record.get("target") or target_name(target)
+    # vLLM loads the verifier this names as the target: a folder's name would be no model there.
     out = export_speculators(drafter_dir, drafter_dir.parent / FOLDER, target=target,
-                             verifier=record.get("target") or target_name(target), drafts=drafts)
+                             verifier=name if is_hub_id(name) else FILL_IN, drafts=drafts)
     card_or_warning(out)
     return out
