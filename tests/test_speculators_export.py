@@ -16,7 +16,7 @@ from tasks.target.embeddings import load_target_embeddings
 from tasks.target.fingerprint import weights_fingerprint
 from tasks.train.config import TrainConfig
 from tasks.train.eagle3.speculators import export_beside, speculators_config, speculators_name
-from tasks.train.model_card import CARD
+from tasks.train.model_card import CARD, write_card
 from tasks.train.record import FILL_IN, export_record
 from tests.conftest import random_store
 from tests.random_drafter import export_random_drafter
@@ -31,7 +31,9 @@ def exported(tiny_model, tmp_path_factory):
     record = export_record(tiny_model, store, {"target": {"weights_sha256": weights_fingerprint(tiny_model)}}, 5,
                            {"tau": 0.5, "tau_exact": 0.5}, cfg.identity(store))
     drafter = export_random_drafter(tiny_model, d / "train" / "drafter", draft_vocab_size=512, extra=record)
-    return drafter, export_beside(drafter, tiny_model, cfg.serve_steps)
+    folder = export_beside(drafter, tiny_model, cfg.serve_steps)
+    write_card(folder)
+    return drafter, folder
 
 
 def test_the_same_weights_under_speculators_names_with_the_targets_embeddings(exported, tiny_model):

@@ -282,7 +282,8 @@ def train(cfg: TrainConfig, store: str | Path, *, server: ServerConfig | None = 
             write_metrics(out_dir, history)
             beside = out_dir / SPECULATORS_FOLDER
             if "speculators" in cfg.export_formats:  # the config refused it for any drafter but EAGLE-3's GQA one
-                logger.info("speculators format: %s", export_beside(drafter_dir, run.target, cfg.serve_steps))
+                card_or_warning(export_beside(drafter_dir, run.target, cfg.serve_steps))
+                logger.info("speculators format: %s", beside)
             elif beside.exists():  # an earlier run's, of other weights: never beside these
                 shutil.rmtree(beside)
                 logger.info("removed %s, an earlier export of other weights (export_formats [sglang])", beside)

@@ -137,8 +137,8 @@ def is_speculators(config: dict) -> bool:
 
 def export_beside(drafter_dir: Path, target: Path, drafts: int) -> Path:
     """The speculators export of SGLang's at `drafter_dir`, beside it
-    (`<out_dir>/drafter-speculators`), with its card."""
-    from tasks.train.model_card import card_or_warning
+    (`<out_dir>/drafter-speculators`); its card is the caller's to write
+    (tasks/train/model_card.py reads this module)."""
     from tasks.train.record import FILL_IN, is_hub_id, target_name
 
     drafter_dir = Path(drafter_dir)
@@ -147,5 +147,4 @@ def export_beside(drafter_dir: Path, target: Path, drafts: int) -> Path:
     # vLLM loads the verifier this names as the target: a folder's name would be no model there.
     out = export_speculators(drafter_dir, drafter_dir.parent / FOLDER, target=target,
                              verifier=name if is_hub_id(name) else FILL_IN, drafts=drafts)
-    card_or_warning(out)
     return out
