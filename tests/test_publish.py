@@ -51,7 +51,7 @@ def published(tiny_model, tmp_path_factory):
     return folder, d
 
 
-def test_the_target_is_named_as_a_user_finds_it(tiny_model, tmp_path):
+def test_the_target_is_named_as_a_user_finds_it(tiny_model, tmp_path, monkeypatch):
     snapshot = _target_copy(tiny_model, tmp_path / "hub" / "models--acme--Big-Model" / "snapshots" / "abc123")
     assert target_name(snapshot) == "acme/Big-Model"
     assert target_name(_target_copy(tiny_model, tmp_path / "named", config_update={"_name_or_path": "acme/X"})) \
@@ -60,6 +60,11 @@ def test_the_target_is_named_as_a_user_finds_it(tiny_model, tmp_path):
     # checkpoint a quantisation names its base; a fine-tune's does not.
     assert target_name(_target_copy(tiny_model, tmp_path / "local", config_update={"_name_or_path": "/data/x"})) \
         == "local"
+    # Nor does a relative one that is a folder where the run is (a trainer's output/checkpoint-500).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "output" / "checkpoint-500").mkdir(parents=True)
+    assert target_name(_target_copy(tiny_model, tmp_path / "ckpt", config_update={
+        "_name_or_path": "output/checkpoint-500"})) == "ckpt"
     assert target_name(_target_copy(tiny_model, tmp_path / "q", readme=(
         "---\nbase_model: acme/Y\nbase_model_relation: quantized\n---\n"))) == "acme/Y"
     assert target_name(_target_copy(tiny_model, tmp_path / "ft", readme="---\nbase_model: acme/Y\n---\n")) == "ft"

@@ -101,3 +101,13 @@ def test_what_speculators_has_no_drafter_for_is_refused(exported):
         formats = ["speculators"] if not bad else ["sglang", "speculators"]
         with pytest.raises(ValueError, match=why):
             TrainConfig(export_formats=formats, **bad)
+
+
+def test_the_sglang_card_points_at_vllm_only_where_the_drafter_has_a_speculators_export(exported, tmp_path):
+    drafter, _ = exported
+    assert "drafter-speculators/" in write_card(drafter).read_text()
+    config = json.loads((drafter / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                 "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "drafter-speculators/" not in write_card(tmp_path).read_text()

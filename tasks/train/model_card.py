@@ -19,7 +19,8 @@ import logging
 from pathlib import Path
 
 from tasks.durable import replace_durably
-from tasks.train.eagle3.speculators import FOLDER as SPECULATORS_FOLDER, SPECULATORS_VERSION, is_speculators
+from tasks.train.eagle3.speculators import (FOLDER as SPECULATORS_FOLDER, SPECULATORS_VERSION, is_speculators,
+                                            unexportable)
 from tasks.train.families import FAMILIES, exported_family
 from tasks.train.record import FILL_IN, TARGET_WEIGHTS, is_hub_id, portable
 from tasks.train.run import Family
@@ -110,8 +111,9 @@ def _serve(family: Family, target: str, steps: int, speculators: bool, config: d
             f"python -m sglang.launch_server --model-path {served_target} \\",
             f"    {family.serve_flags(steps)} \\", "    --speculative-draft-model-path .", "```", "",
             "Add the target's own serving flags (`--tp-size`, `--dp-size`, `--enable-dp-attention`...).", "",
-            f"vLLM serves the same weights in the speculators format: `train.export_formats: [sglang, speculators]` "
-            f"writes them beside this folder (`{SPECULATORS_FOLDER}/`), whose card gives vLLM's command.", ""]
+            *([f"vLLM serves the same weights in the speculators format: `train.export_formats: [sglang, "
+               f"speculators]` writes them beside this folder (`{SPECULATORS_FOLDER}/`), whose card gives vLLM's "
+               f"command.", ""] if family.name == "eagle3" and not unexportable(config) else [])]
 
 
 def _front_matter(meta: dict) -> list[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.train.model_card import CARD
-from tasks.train.record import FILL_IN, card_metadata
+from tasks.train.record import FILL_IN, card_metadata, is_hub_id
 
 # Files read for paths and placeholders: everything a hub renders or a loader parses.
 TEXT_SUFFIXES = {".json", ".md", ".txt", ".yaml", ".yml", ".jinja", ".py"}
@@ -64,10 +64,7 @@ def _card_problems(folder: Path) -> list[str]:
     card = folder / CARD
     if not card.is_file():
         return [f"no {CARD}: export the drafter with train_drafter, which writes its card"]
-    try:
-        meta = card_metadata(card)
-    except Exception as e:  # noqa: BLE001 - any YAML error is the same refusal
-        return [f"{CARD}'s metadata block does not parse: {e}"]
+    meta = card_metadata(card)  # {} for a block that does not parse: it lacks them all
     missing = [k for k in REQUIRED_METADATA if not meta.get(k)]
     return [f"{CARD}'s metadata block lacks {', '.join(missing)}"] if missing else []
 
@@ -82,7 +79,7 @@ def plan(folder: str | Path, repo_id: str) -> PublishPlan:
     files = [p for p in entries if p.is_file() and not p.is_symlink() and not p.name.startswith(".")]
     result = PublishPlan(folder, repo_id, [(p.name, p.stat().st_size) for p in files],
                          [p.name + ("/" if p.is_dir() else "") for p in entries if p not in files])
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id or ""):
+    if not is_hub_id(repo_id):
         result.problems.append(f"repo id {repo_id!r} is not <user-or-org>/<name>")
     try:
         json.loads((folder / "config.json").read_text())

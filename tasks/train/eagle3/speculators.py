@@ -64,16 +64,22 @@ def refusal(rope: dict, num_aux: int) -> str | None:
     return None
 
 
+def unexportable(config: dict) -> str | None:
+    """Why the EAGLE-3 drafter whose SGLang config.json is `config` has no
+    speculators export, or None."""
+    if attention_of(config) != "gqa":
+        return ("the speculators format has no MLA drafter (speculators 0.9.0's EAGLE-3 builds Llama or Qwen3 "
+                "layers)")
+    why = refusal(config.get("rope_parameters") or {}, len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+    return f"no speculators export: {why}" if why else None
+
+
 def speculators_config(config: dict, verifier: str, drafts: int) -> dict:
     """The speculators config.json of a drafter whose SGLang config.json is
     `config`, served with `drafts` tokens a step next to `verifier`."""
-    if attention_of(config) != "gqa":
-        raise ValueError("the speculators format has no MLA drafter (speculators 0.9.0's EAGLE-3 builds Llama or "
-                         "Qwen3 layers): export this drafter for SGLang only (train.export_formats [sglang])")
-    why = refusal(config.get("rope_parameters") or {}, len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+    why = unexportable(config)
     if why:
-        raise ValueError(f"no speculators export: {why}; export this drafter for SGLang only "
-                         f"(train.export_formats [sglang])")
+        raise ValueError(f"{why}: export this drafter for SGLang only (train.export_formats [sglang])")
     layer = {k: config[k] for k in _LAYER_KEYS if config.get(k) is not None}
     layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1, attention_bias=False,
                  mlp_bias=False, tie_word_embeddings=False)
@@ -120,9 +126,8 @@ def export_speculators(drafter_dir: Path, out_dir: Path, *, target: Path, verifi
         tensors = {speculators_name(k): f.get_tensor(k) for k in f.keys()}
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     tensors["embed_tokens.weight"] = load_target_embeddings(target)[0].to(tensors["fc.weight"].dtype).contiguous()
-    for key in ("eagle3_training",):
-        if key in config:
-            ours[key] = config[key]
+    if "eagle3_training" in config:
+        ours["eagle3_training"] = config["eagle3_training"]
 
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -145,6 +150,5 @@ def export_beside(drafter_dir: Path, target: Path, drafts: int) -> Path:
     record = json.loads((drafter_dir / "config.json").read_text()).get("eagle3_training") or {}
     name = record.get("target") or target_name(target)
     # vLLM loads the verifier this names as the target: a folder's name would be no model there.
-    out = export_speculators(drafter_dir, drafter_dir.parent / FOLDER, target=target,
-                             verifier=name if is_hub_id(name) else FILL_IN, drafts=drafts)
-    return out
+    return export_speculators(drafter_dir, drafter_dir.parent / FOLDER, target=target,
+                              verifier=name if is_hub_id(name) else FILL_IN, drafts=drafts)
